@@ -1,0 +1,592 @@
+"""Prometheus metrics of the three services, gRPC metric interceptors and the /metrics HTTP server.
+
+Every service builds its own CollectorRegistry and passes it in; nothing here registers into the global one.
+Names follow vLLM where vLLM has one (`vllm:*`, counters declared without `_total`, which the client appends),
+and use the `ddtree_` prefix otherwise.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import start_http_server
+from prometheus_client.process_collector import ProcessCollector
+
+from ddtree_serve.request_context import outgoing_metadata, wrap_rpc_handler
+
+ENGINE = "ddtree-serve"
+
+# Buckets. Speculative steps emit several tokens at once, so inter-token latency goes well below vLLM's 10 ms floor.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025,
+                0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02,
+               0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TREE_BUCKETS = (0, 1, 2, 4, 8, 15, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
+ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 18))   # 1 .. block_size + 1 tokens per step
+TOKEN_COUNT_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+BYTES_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864)
+
+_C = TypeVar("_C")
+
+
+def _get_or_create(registry: CollectorRegistry, name: str, make: Callable[[], _C]) -> _C:
+    """The collector called `name` in registry, made on first use.
+
+    Several interceptors of one service share a registry (e.g. one client interceptor per backend channel);
+    the registry refuses duplicate names, so the second one reuses the family the first created.
+    """
+    try:
+        return make()
+    except ValueError:
+        # prometheus_client has no public lookup by name; this mapping has been stable since 0.4.
+        existing = registry._names_to_collectors.get(name)  # noqa: SLF001
+        if existing is None:
+            raise
+        return existing  # type: ignore[return-value]
+
+
+class _ServiceMetrics:
+    """Shared parts: the registry, process metrics and GPU-memory gauges."""
+
+    service = ""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+        # Process CPU/RSS/fds; a custom registry does not get them by default.
+        _get_or_create(registry, "process_cpu_seconds", lambda: ProcessCollector(registry=registry))
+        self.gpu_memory_allocated = Gauge("ddtree_gpu_memory_allocated_bytes",
+                                          "GPU memory held by tensors of this process (torch.cuda.memory_allocated).",
+                                          ["model_name", "device"], registry=registry)
+        self.gpu_memory_reserved = Gauge("ddtree_gpu_memory_reserved_bytes",
+                                         "GPU memory reserved by torch's caching allocator.",
+                                         ["model_name", "device"], registry=registry)
+
+    def track_gpu_memory(self, device: Any) -> bool:
+        """Exports torch's allocated/reserved bytes for `device` at scrape time; False (no-op) unless it is CUDA."""
+        try:
+            import torch
+        except ImportError:  # the gateway image may run without torch
+            return False
+        dev = torch.device(device)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return False
+        label = str(dev)
+        self.gpu_memory_allocated.labels(self.model_name, label).set_function(lambda: torch.cuda.memory_allocated(dev))
+        self.gpu_memory_reserved.labels(self.model_name, label).set_function(lambda: torch.cuda.memory_reserved(dev))
+        return True
+
+
+class GatewayMetrics(_ServiceMetrics):
+    """Request-level (vLLM names) and step-level (ddtree_) metrics of the gateway's engine."""
+
+    service = "gateway"
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str = ENGINE) -> None:
+        super().__init__(registry, model_name)
+        self.engine = engine
+        ln = ["model_name", "engine"]
+        r = registry
+        self.num_requests_running = Gauge("vllm:num_requests_running", "Number of requests in the running batch.",
+                                          ln, registry=r)
+        self.num_requests_waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting for admission.",
+                                          ln, registry=r)
+        self.time_to_first_token = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.",
+                                             ln, buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.",
+                                             ln, buckets=ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram("vllm:e2e_request_latency_seconds",
+                                             "End-to-end request latency in seconds.", ln,
+                                             buckets=REQUEST_BUCKETS, registry=r)
+        self.request_queue_time = Histogram("vllm:request_queue_time_seconds",
+                                            "Time a request spent waiting before admission, in seconds.", ln,
+                                            buckets=REQUEST_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+                                               ln, buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per finished request.", ln,
+                                                   buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", ln, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated (emitted) tokens.", ln, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                       ln + ["finished_reason"], registry=r)
+        self.spec_decode_num_drafts = Counter("vllm:spec_decode_num_drafts",
+                                              "Drafts verified (one per sequence per speculative step).", ln, registry=r)
+        self.spec_decode_num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens",
+                                                    "Draft tokens verified (tree nodes, root excluded).", ln,
+                                                    registry=r)
+        self.spec_decode_num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted (bonus token excluded).", ln, registry=r)
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by depth (position 0 = depth 1).",
+            ln + ["position"], registry=r)
+        lm = ["model_name", "mode"]
+        self.step_batch_size = Histogram("ddtree_step_batch_size", "Sequences per speculative step.", lm,
+                                         buckets=BATCH_BUCKETS, registry=r)
+        self.tree_size = Histogram("ddtree_tree_size_nodes", "Draft tree nodes per sequence per step (root excluded).",
+                                   lm, buckets=TREE_BUCKETS, registry=r)
+        self.acceptance_length = Histogram("ddtree_acceptance_length",
+                                           "Tokens committed per sequence per step, bonus included.", lm,
+                                           buckets=ACCEPT_BUCKETS, registry=r)
+        self.draft_seconds = Histogram("ddtree_draft_seconds", "Draft phase of a step (drafter RPC), seconds.", lm,
+                                       buckets=STEP_BUCKETS, registry=r)
+        self.tree_build_seconds = Histogram("ddtree_tree_build_seconds", "Tree construction of a step, seconds.", lm,
+                                            buckets=STEP_BUCKETS, registry=r)
+        self.verify_seconds = Histogram("ddtree_verify_seconds", "Verify phase of a step (target RPC), seconds.", lm,
+                                        buckets=STEP_BUCKETS, registry=r)
+        self.step_seconds = Histogram("ddtree_step_seconds", "Whole speculative step, seconds.", lm,
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.steps = Counter("ddtree_steps", "Speculative steps run.", lm, registry=r)
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        """Current running-batch and waiting-queue sizes."""
+        self.num_requests_running.labels(self.model_name, self.engine).set(running)
+        self.num_requests_waiting.labels(self.model_name, self.engine).set(waiting)
+
+    def observe_prompt(self, prompt_tokens: int) -> None:
+        """Counts prefilled prompt tokens (call when a request's prefill is done)."""
+        self.prompt_tokens.labels(self.model_name, self.engine).inc(prompt_tokens)
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        """Records TTFT and counts the first generated token."""
+        self.time_to_first_token.labels(self.model_name, self.engine).observe(ttft_s)
+        self.generation_tokens.labels(self.model_name, self.engine).inc()
+
+    def observe_tokens(self, interval_s: float, n: int) -> None:
+        """A step emitted n tokens for one request, interval_s after its previous emission: ITL gets interval/n n times."""
+        if n <= 0:
+            return
+        itl = self.inter_token_latency.labels(self.model_name, self.engine)
+        share = interval_s / n
+        # Observing the share n times keeps the histogram per-token, as SGLang does for multi-token steps.
+        for _ in range(n):
+            itl.observe(share)
+        self.generation_tokens.labels(self.model_name, self.engine).inc(n)
+
+    def observe_step(self, batch_size: int, tree_sizes: Sequence[int], accepted_per_seq: Sequence[int],
+                     draft_s: float, tree_s: float, verify_s: float, step_s: float, mode: str = "ddtree") -> None:
+        """One step over the batch: tree_sizes = nodes per sequence (root excluded), accepted_per_seq = draft tokens
+        accepted per sequence (bonus excluded). Sequences with an empty tree (AR) count no draft."""
+        if len(tree_sizes) != len(accepted_per_seq):
+            raise ValueError("tree_sizes and accepted_per_seq must have one entry per sequence")
+        lm = (self.model_name, mode)
+        self.steps.labels(*lm).inc()
+        self.step_batch_size.labels(*lm).observe(batch_size)
+        self.draft_seconds.labels(*lm).observe(draft_s)
+        self.tree_build_seconds.labels(*lm).observe(tree_s)
+        self.verify_seconds.labels(*lm).observe(verify_s)
+        self.step_seconds.labels(*lm).observe(step_s)
+        tree_h, acc_h = self.tree_size.labels(*lm), self.acceptance_length.labels(*lm)
+        drafts = draft_tokens = accepted = 0
+        per_pos: dict[int, int] = {}
+        for size, acc in zip(tree_sizes, accepted_per_seq):
+            tree_h.observe(size)
+            acc_h.observe(acc + 1)
+            if size <= 0:
+                continue
+            drafts += 1
+            draft_tokens += size
+            accepted += acc
+            for pos in range(acc):
+                per_pos[pos] = per_pos.get(pos, 0) + 1
+        vl = (self.model_name, self.engine)
+        if drafts:
+            self.spec_decode_num_drafts.labels(*vl).inc(drafts)
+            self.spec_decode_num_draft_tokens.labels(*vl).inc(draft_tokens)
+            self.spec_decode_num_accepted_tokens.labels(*vl).inc(accepted)
+        for pos, count in per_pos.items():
+            self.spec_decode_num_accepted_tokens_per_pos.labels(*vl, str(pos)).inc(count)
+
+    def observe_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float,
+                         queue_s: float) -> None:
+        """A request finished ("stop" | "length" | "eos" | "abort" | "error"). Token counters are not touched here:
+        they grow as tokens are emitted (observe_prompt / observe_first_token / observe_tokens)."""
+        vl = (self.model_name, self.engine)
+        self.request_success.labels(*vl, reason).inc()
+        self.e2e_request_latency.labels(*vl).observe(e2e_s)
+        self.request_queue_time.labels(*vl).observe(queue_s)
+        self.request_prompt_tokens.labels(*vl).observe(prompt_tokens)
+        self.request_generation_tokens.labels(*vl).observe(generation_tokens)
+
+
+class _TransportMetrics:
+    """ddtree_transport_* families (target sends, drafter receives context features)."""
+
+    def _init_transport(self, registry: CollectorRegistry) -> None:
+        lt = ["model_name", "transport", "direction"]
+        self.transport_bytes = Counter("ddtree_transport_bytes", "Context-feature bytes moved between services.",
+                                       lt, registry=registry)
+        self.transport_seconds = Histogram("ddtree_transport_seconds",
+                                           "Time to move one batch of context features, seconds.", lt,
+                                           buckets=STEP_BUCKETS, registry=registry)
+        self.transport_batch_bytes = Histogram("ddtree_transport_batch_bytes",
+                                               "Bytes per context-feature transfer.", lt,
+                                               buckets=BYTES_BUCKETS, registry=registry)
+
+    def observe_transport(self, transport: str, nbytes: int, seconds: float, direction: str) -> None:
+        """One transfer of context features over `transport` ("inline" | "cuda-ipc" | "nccl")."""
+        labels = (self.model_name, transport, direction)  # type: ignore[attr-defined]
+        self.transport_bytes.labels(*labels).inc(nbytes)
+        self.transport_seconds.labels(*labels).observe(seconds)
+        self.transport_batch_bytes.labels(*labels).observe(nbytes)
+
+
+class TargetMetrics(_ServiceMetrics, _TransportMetrics):
+    """Forward passes, KV-cache use, GPU memory and feature transport of the target service."""
+
+    service = "target"
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        super().__init__(registry, model_name)
+        r, lo, lm = registry, ["model_name", "op"], ["model_name"]
+        self.forward_seconds = Histogram("ddtree_target_forward_seconds",
+                                         "Target forward (op = prefill | verify), seconds.", lo,
+                                         buckets=STEP_BUCKETS, registry=r)
+        self.batch_size = Histogram("ddtree_target_batch_size", "Sequences per target call.", lo,
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.forward_tokens = Histogram("ddtree_target_forward_tokens",
+                                        "Tokens (prompt tokens or tree nodes incl. roots) per target forward.", lo,
+                                        buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.kv_cache_used = Gauge("ddtree_kv_cache_used_tokens", "KV-cache tokens in use.", lm, registry=r)
+        self.kv_cache_capacity = Gauge("ddtree_kv_cache_capacity_tokens", "KV-cache capacity in tokens.", lm,
+                                       registry=r)
+        self.running_sequences = Gauge("ddtree_target_running_sequences", "Sequences holding a KV-cache slot.", lm,
+                                       registry=r)
+        self.max_sequences = Gauge("ddtree_target_max_sequences", "KV-cache slots.", lm, registry=r)
+        self._init_transport(r)
+
+    def observe_forward(self, op: str, batch_size: int, num_tokens: int, seconds: float) -> None:
+        """One batched forward: op is "prefill" or "verify"."""
+        self.forward_seconds.labels(self.model_name, op).observe(seconds)
+        self.batch_size.labels(self.model_name, op).observe(batch_size)
+        self.forward_tokens.labels(self.model_name, op).observe(num_tokens)
+
+    def set_cache_usage(self, running: int, max_sequences: int, used_tokens: int, capacity_tokens: int) -> None:
+        """KV-cache occupancy, as TargetRunner.cache_usage() returns it."""
+        self.running_sequences.labels(self.model_name).set(running)
+        self.max_sequences.labels(self.model_name).set(max_sequences)
+        self.kv_cache_used.labels(self.model_name).set(used_tokens)
+        self.kv_cache_capacity.labels(self.model_name).set(capacity_tokens)
+
+    def observe_transport(self, transport: str, nbytes: int, seconds: float, direction: str = "send") -> None:
+        """Features pushed to the drafter."""
+        super().observe_transport(transport, nbytes, seconds, direction)
+
+
+class DrafterMetrics(_ServiceMetrics, _TransportMetrics):
+    """Draft forwards, context-cache use, GPU memory and received feature bytes of the drafter service."""
+
+    service = "drafter"
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        super().__init__(registry, model_name)
+        r, lm = registry, ["model_name"]
+        self.forward_seconds = Histogram("ddtree_drafter_forward_seconds", "Drafter block forward, seconds.", lm,
+                                         buckets=STEP_BUCKETS, registry=r)
+        self.batch_size = Histogram("ddtree_drafter_batch_size", "Sequences per draft call.", lm,
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.context_cache_used = Gauge("ddtree_drafter_context_cache_used_tokens",
+                                        "Context-feature rows held in the drafter's cache.", lm, registry=r)
+        self.context_cache_capacity = Gauge("ddtree_drafter_context_cache_capacity_tokens",
+                                            "Context-feature rows the drafter's cache can hold.", lm, registry=r)
+        self.running_sequences = Gauge("ddtree_drafter_running_sequences", "Sequences with a drafter context cache.",
+                                       lm, registry=r)
+        self._init_transport(r)
+
+    def observe_draft(self, batch_size: int, seconds: float) -> None:
+        """One batched draft forward."""
+        self.forward_seconds.labels(self.model_name).observe(seconds)
+        self.batch_size.labels(self.model_name).observe(batch_size)
+
+    def set_cache_usage(self, running: int, used_tokens: int, capacity_tokens: int) -> None:
+        """Context-cache occupancy."""
+        self.running_sequences.labels(self.model_name).set(running)
+        self.context_cache_used.labels(self.model_name).set(used_tokens)
+        self.context_cache_capacity.labels(self.model_name).set(capacity_tokens)
+
+    def observe_transport(self, transport: str, nbytes: int, seconds: float, direction: str = "recv") -> None:
+        """Features received from the target."""
+        super().observe_transport(transport, nbytes, seconds, direction)
+
+
+# -- gRPC interceptors ---------------------------------------------------------------------------------------
+
+def short_method(full_method: str | bytes) -> str:
+    """'/ddtree.v1.TargetService/Verify' -> 'TargetService/Verify' (package dropped to keep labels short)."""
+    if isinstance(full_method, bytes):
+        full_method = full_method.decode()
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    return f"{service.rsplit('.', 1)[-1]}/{method}" if service else method
+
+
+def _code_name(code: Any) -> str | None:
+    if code is None:
+        return None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    for sc in grpc.StatusCode:  # aio contexts may hand back the raw integer
+        if sc.value[0] == code:
+            return sc.name
+    return None
+
+
+@dataclass(frozen=True)
+class _RpcFamilies:
+    latency: Histogram
+    calls: Counter
+    in_flight: Gauge | None
+
+
+def _server_families(registry: CollectorRegistry) -> _RpcFamilies:
+    ls = ["service", "method", "code"]
+    return _RpcFamilies(
+        _get_or_create(registry, "ddtree_rpc_server_latency_seconds", lambda: Histogram(
+            "ddtree_rpc_server_latency_seconds", "Server-side RPC latency (to the end of the stream), seconds.", ls,
+            buckets=RPC_BUCKETS, registry=registry)),
+        _get_or_create(registry, "ddtree_rpc_server_calls", lambda: Counter(
+            "ddtree_rpc_server_calls", "RPCs handled, by final status code.", ls, registry=registry)),
+        _get_or_create(registry, "ddtree_rpc_server_in_flight", lambda: Gauge(
+            "ddtree_rpc_server_in_flight", "RPCs being handled.", ["service", "method"], registry=registry)))
+
+
+def _client_families(registry: CollectorRegistry) -> _RpcFamilies:
+    ls = ["service", "peer", "method", "code"]
+    return _RpcFamilies(
+        _get_or_create(registry, "ddtree_rpc_client_latency_seconds", lambda: Histogram(
+            "ddtree_rpc_client_latency_seconds", "Client-side RPC latency (to the final status), seconds.", ls,
+            buckets=RPC_BUCKETS, registry=registry)),
+        _get_or_create(registry, "ddtree_rpc_client_calls", lambda: Counter(
+            "ddtree_rpc_client_calls", "RPCs issued, by final status code.", ls, registry=registry)),
+        None)
+
+
+class ServerMetricsInterceptor(aio.ServerInterceptor):
+    """Observes ddtree_rpc_server_latency_seconds / _calls{service, method, code} for every handler shape."""
+
+    def __init__(self, registry: CollectorRegistry, service: str) -> None:
+        self.service = service
+        self._f = _server_families(registry)
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        return wrap_rpc_handler(handler, short_method(handler_call_details.method), self._observe)
+
+    @contextlib.contextmanager
+    def _observe(self, method: str, context: Any) -> Iterator[None]:
+        start = time.perf_counter()
+        gauge = self._f.in_flight.labels(self.service, method)  # type: ignore[union-attr]
+        gauge.inc()
+        code: str | None = None
+        try:
+            yield
+            code = _context_code(context) or "OK"
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
+            raise
+        except aio.AbortError:
+            code = _context_code(context) or "UNKNOWN"
+            raise
+        except BaseException as exc:
+            # grpc turns a raised exception into UNKNOWN unless the handler aborted (sync servers raise Exception).
+            code = _context_code(context) if _is_sync_abort(exc) else "UNKNOWN"
+            code = code or "UNKNOWN"
+            raise
+        finally:
+            gauge.dec()
+            self._f.latency.labels(self.service, method, code).observe(time.perf_counter() - start)
+            self._f.calls.labels(self.service, method, code).inc()
+
+
+def _context_code(context: Any) -> str | None:
+    try:
+        return _code_name(context.code())
+    except Exception:  # noqa: BLE001 - older contexts lack code(); the status then is the default
+        return None
+
+
+def _deadline_passed(context: Any) -> bool:
+    try:
+        remaining = context.time_remaining()
+    except Exception:  # noqa: BLE001
+        return False
+    return remaining is not None and remaining <= 0
+
+
+def _is_sync_abort(exc: BaseException) -> bool:
+    # grpc's sync ServicerContext.abort raises a bare Exception after setting the code.
+    return type(exc) is Exception
+
+
+class _ClientBase:
+    def __init__(self, registry: CollectorRegistry, service: str, peer: str = "") -> None:
+        self.service = service
+        self.peer = peer
+        self._f = _client_families(registry)
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def _details(self, details: aio.ClientCallDetails) -> aio.ClientCallDetails:
+        return aio.ClientCallDetails(details.method, details.timeout,
+                                     aio.Metadata(*outgoing_metadata(details.metadata)),
+                                     details.credentials, details.wait_for_ready)
+
+    def _record(self, method: str, code: str, start: float) -> None:
+        labels = (self.service, self.peer, method, code)
+        self._f.latency.labels(*labels).observe(time.perf_counter() - start)
+        self._f.calls.labels(*labels).inc()
+
+    async def _finish(self, call: Any, method: str, start: float) -> None:
+        try:
+            code = _code_name(await call.code()) or "UNKNOWN"
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+        self._record(method, code, start)
+
+    def _watch(self, call: Any, method: str, start: float) -> None:
+        # Streams finish later than the interceptor returns; a task waits for the status (kept alive in _pending).
+        task = asyncio.ensure_future(self._finish(call, method, start))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+
+class ClientMetricsInterceptor(_ClientBase, aio.UnaryUnaryClientInterceptor):
+    """Observes ddtree_rpc_client_latency_seconds / _calls{service, peer, method, code} of unary calls and adds
+    x-request-id/traceparent. grpc.aio files an interceptor under one RPC kind only, so pass `all()` to the
+    channel to cover the streaming kinds too."""
+
+    def __init__(self, registry: CollectorRegistry, service: str, peer: str = "") -> None:
+        super().__init__(registry, service, peer)
+        self._companions = [_UnaryStreamMetrics(self), _StreamUnaryMetrics(self), _StreamStreamMetrics(self)]
+
+    def all(self) -> list[aio.ClientInterceptor]:
+        """This interceptor and its unary-stream, stream-unary and stream-stream companions (shared families)."""
+        return [self, *self._companions]
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: aio.ClientCallDetails,
+                                    request: Any) -> Any:
+        start, method = time.perf_counter(), short_method(client_call_details.method)
+        try:
+            call = await continuation(self._details(client_call_details), request)
+            # Waiting here costs nothing extra: the caller awaits the same response right after.
+            code = _code_name(await call.code()) or "UNKNOWN"
+        except asyncio.CancelledError:
+            self._record(method, "CANCELLED", start)
+            raise
+        self._record(method, code, start)
+        return call
+
+
+class _Companion:
+    def __init__(self, owner: ClientMetricsInterceptor) -> None:
+        self._owner = owner
+
+    async def _intercept(self, continuation: Any, details: aio.ClientCallDetails, request: Any) -> Any:
+        start, method = time.perf_counter(), short_method(details.method)
+        call = await continuation(self._owner._details(details), request)  # noqa: SLF001
+        self._owner._watch(call, method, start)  # noqa: SLF001
+        return call
+
+
+class _UnaryStreamMetrics(_Companion, aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: aio.ClientCallDetails,
+                                     request: Any) -> Any:
+        return await self._intercept(continuation, client_call_details, request)
+
+
+class _StreamUnaryMetrics(_Companion, aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: aio.ClientCallDetails,
+                                     request_iterator: Any) -> Any:
+        return await self._intercept(continuation, client_call_details, request_iterator)
+
+
+class _StreamStreamMetrics(_Companion, aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: aio.ClientCallDetails,
+                                      request_iterator: Any) -> Any:
+        return await self._intercept(continuation, client_call_details, request_iterator)
+
+
+def client_interceptors(registry: CollectorRegistry, service: str, peer: str = "") -> list[aio.ClientInterceptor]:
+    """Client interceptors for every RPC kind of one channel (service = the callee: "target" | "drafter")."""
+    return ClientMetricsInterceptor(registry, service, peer).all()
+
+
+# -- /metrics HTTP server ------------------------------------------------------------------------------------
+
+@dataclass
+class MetricsHTTPServer:
+    """A running /metrics endpoint; close() stops it."""
+
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        """Stops serving and frees the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsHTTPServer:
+    """Serves registry on http://host:port/metrics in a daemon thread (port 0 = ephemeral)."""
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsHTTPServer(int(server.server_port), server, thread)
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> int:
+    """Serves registry on host:port in a daemon thread for the life of the process; returns the bound port."""
+    return serve_metrics(port, registry, host).port
+
+
+# -- names exported per service (dashboard checks) -----------------------------------------------------------
+
+def _family_names(registry: CollectorRegistry) -> frozenset[str]:
+    return frozenset(m.name for m in registry.collect())
+
+
+def metric_families(service: str) -> dict[str, str]:
+    """{family name: type} that a service exports ("gateway" | "target" | "drafter"), as collected."""
+    registry = CollectorRegistry()
+    if service == "gateway":
+        GatewayMetrics(registry, "m")
+    elif service == "target":
+        TargetMetrics(registry, "m")
+    elif service == "drafter":
+        DrafterMetrics(registry, "m")
+    else:
+        raise ValueError(f"unknown service {service!r}")
+    # Every service is a gRPC server, and gateway/target are clients of the next hop.
+    ServerMetricsInterceptor(registry, service)
+    ClientMetricsInterceptor(registry, service)
+    return {m.name: m.type for m in registry.collect()}
+
+
+def exposed_series_names(service: str) -> frozenset[str]:
+    """Every series name a scrape of the service can show (counter _total, histogram _bucket/_sum/_count, ...)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "summary": ("", "_sum", "_count"), "gauge": ("",), "info": ("_info",)}
+    out: set[str] = set()
+    for name, kind in metric_families(service).items():
+        out.update(name + s for s in suffixes.get(kind, ("",)))
+    return frozenset(out)
+
+
+METRIC_NAMES: Mapping[str, frozenset[str]] = MappingProxyType(
+    {s: frozenset(metric_families(s)) for s in ("gateway", "target", "drafter")})
+"""Family names each service exports (immutable, built once at import from fresh registries)."""
