@@ -1,0 +1,133 @@
+"""The three services as local processes: used by `ddtree-serve up`, the end-to-end tests and the benchmarks."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port that is free right now on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalStack:
+    """Target, drafter and gateway, each its own `ddtree-serve` process on 127.0.0.1 with free ports."""
+
+    model: str
+    drafter: str
+    mode: str = "ddtree"
+    budget: int = 64
+    device: str = "cpu"
+    dtype: str = "float32"
+    metrics: bool = False
+    threads: int | None = None          # torch threads per model service (1 keeps a 2-core machine responsive)
+    extra: dict[str, list[str]] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    log_dir: str = ""
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("target", "drafter", "gateway"):
+            self.ports.setdefault(name, free_port())
+        self.metrics_ports = {name: free_port() for name in self.ports} if self.metrics else {}
+        self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="ddtree-serve-")
+
+    @property
+    def gateway(self) -> str:
+        return f"127.0.0.1:{self.ports['gateway']}"
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def commands(self) -> dict[str, list[str]]:
+        """The three command lines."""
+        py = [sys.executable, "-m", "ddtree_serve.cli"]
+        threads = ["--threads", str(self.threads)] if self.threads else []
+
+        def m(name):
+            return ["--metrics-port", str(self.metrics_ports[name])] if name in self.metrics_ports else []
+
+        return {
+            "target": [*py, "target", "--model", self.model, "--host", "127.0.0.1", "--port", str(self.ports["target"]),
+                       "--device", self.device, "--dtype", self.dtype, *threads, *m("target"),
+                       *self.extra.get("target", [])],
+            "drafter": [*py, "drafter", "--drafter", self.drafter, "--target-model", self.model, "--host", "127.0.0.1",
+                        "--port", str(self.ports["drafter"]), "--device", self.device, "--dtype", self.dtype,
+                        *threads, *m("drafter"), *self.extra.get("drafter", [])],
+            "gateway": [*py, "gateway", "--target", self.address("target"), "--drafter", self.address("drafter"),
+                        "--host", "127.0.0.1", "--port", str(self.ports["gateway"]), "--mode", self.mode,
+                        "--budget", str(self.budget), *m("gateway"), *self.extra.get("gateway", [])],
+        }
+
+    def start(self, timeout_s: float = 600.0) -> "LocalStack":
+        """Starts the processes and waits until the gateway is SERVING (raises if a process dies first)."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for name, cmd in self.commands().items():
+            logf = open(Path(self.log_dir) / f"{name}.log", "w")  # noqa: SIM115 - lives with the process
+            self.procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                                start_new_session=True)
+        try:
+            asyncio.run(self._wait_ready(timeout_s))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def _wait_ready(self, timeout_s: float) -> None:
+        from ddtree_serve.rpc import wait_until_serving
+
+        task = asyncio.create_task(wait_until_serving(self.gateway, timeout_s=timeout_s))
+        while not task.done():
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                task.cancel()
+                raise RuntimeError(f"{', '.join(dead)} exited during start-up:\n{self.tail_logs()}")
+            await asyncio.sleep(0.2)
+        await task
+
+    def tail_logs(self, lines: int = 30) -> str:
+        """Last lines of each service's log (for failure messages)."""
+        out = []
+        for name in self.procs:
+            path = Path(self.log_dir) / f"{name}.log"
+            if path.exists():
+                out.append(f"--- {name} ---\n" + "\n".join(path.read_text().splitlines()[-lines:]))
+        return "\n".join(out)
+
+    def alive(self) -> dict[str, bool]:
+        return {n: p.poll() is None for n, p in self.procs.items()}
+
+    def kill(self, name: str) -> None:
+        """Hard-kills one service (fault-injection tests)."""
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every service, then SIGKILL what is still alive."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> "LocalStack":
+        return self.start() if not self.procs else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,148 @@
+"""gRPC server plumbing shared by the three services: health, reflection, error mapping, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# gRPC messages default to 4 MiB; verify/prefill batches and feature rows can be larger.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+]
+
+
+class RequestError(Exception):
+    """An error with an explicit gRPC status, raised by servicers and mapped by `grpc_errors`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Maps the runners' exceptions to gRPC status codes (documented in docs/ARCHITECTURE.md)."""
+    if isinstance(exc, RequestError):
+        return exc.code, exc.message
+    if isinstance(exc, grpc.aio.AioRpcError):  # a downstream service failed: pass its status on
+        return exc.code(), f"downstream: {exc.details()}"
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, KeyError):
+        return grpc.StatusCode.NOT_FOUND, f"unknown sequence id {exc.args[0]!r}" if exc.args else "not found"
+    if isinstance(exc, RuntimeError) and str(exc).startswith("capacity"):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def grpc_errors(method: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
+    """Decorates a unary servicer method: exceptions become a gRPC status and a log line, never a crash."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure must become a status
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            code, message = status_for(exc)
+            level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.WARNING
+            log.log(level, "%s failed: %s %s", method.__name__, code.name, message,
+                    exc_info=code == grpc.StatusCode.INTERNAL)
+            await context.abort(code, message)
+
+    return wrapper
+
+
+def require_ready(ready: asyncio.Event | bool) -> None:
+    """Raises UNAVAILABLE while the model is still loading."""
+    is_set = ready.is_set() if isinstance(ready, asyncio.Event) else ready
+    if not is_set:
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+
+
+@dataclass
+class ServiceHost:
+    """One grpc.aio server with health (NOT_SERVING until `mark_serving`), reflection and graceful stop."""
+
+    service_names: Sequence[str]
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+    server: grpc.aio.Server = field(init=False)
+    health: health.aio.HealthServicer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.server = grpc.aio.server(interceptors=list(self.interceptors), options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+
+    async def start(self, host: str, port: int) -> int:
+        """Binds and starts; returns the bound port (0 picks a free one)."""
+        reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME, health.SERVICE_NAME],
+                                            self.server)
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"could not bind {host}:{port}")
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        return bound
+
+    async def mark_serving(self) -> None:
+        """Readiness: flips health to SERVING (overall and per named service)."""
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _set_all(self, status) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def serve_until_signal(self, grace_s: float = 5.0, on_stop: Callable[[], Awaitable[None]] | None = None):
+        """Serves until SIGTERM/SIGINT, then drains in-flight calls for `grace_s` and stops."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        waiter = asyncio.create_task(self.server.wait_for_termination())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        log.info("shutting down (grace %.1f s)", grace_s)
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if on_stop is not None:
+            await on_stop()
+        await self.server.stop(grace_s)
+        stopper.cancel()
+        waiter.cancel()
+
+
+async def wait_until_serving(address: str, timeout_s: float = 120.0, service: str = "") -> None:
+    """Polls a server's gRPC health until SERVING (raises TimeoutError)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} not serving after {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)

@@ -1,0 +1,69 @@
+"""The transport interface: the target sends rows of context features, the drafter receives them in order."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.float32}
+
+
+@dataclass
+class FeatureRows:
+    """Features of positions start .. start + len(data) - 1 of one sequence."""
+
+    seq_id: str
+    start: int
+    data: torch.Tensor  # [n, F]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.data.shape[0])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a feature dtype."""
+    for name, dt in _WIRE_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported feature dtype {dtype}")
+
+
+def encode_rows(data: torch.Tensor) -> tuple[str, bytes]:
+    """Tensor [n, F] -> (dtype name, raw row-major bytes); bf16 travels as its 16-bit pattern."""
+    data = data.detach().contiguous().cpu()
+    raw = data.view(_BITS_VIEW[data.dtype]).numpy().tobytes()
+    return dtype_name(data.dtype), raw
+
+
+def decode_rows(dtype: str, raw: bytes, num_rows: int, feature_dim: int) -> torch.Tensor:
+    """Inverse of encode_rows; validates the byte count."""
+    if dtype not in _WIRE_DTYPES:
+        raise ValueError(f"unknown feature dtype {dtype!r}")
+    torch_dtype = _WIRE_DTYPES[dtype]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    if len(raw) != num_rows * feature_dim * itemsize:
+        raise ValueError(f"feature payload has {len(raw)} bytes, expected {num_rows}x{feature_dim}x{itemsize}")
+    bits = torch.from_numpy(np.frombuffer(bytearray(raw), dtype=np.int16 if itemsize == 2 else np.float32))
+    return bits.view(torch_dtype).reshape(num_rows, feature_dim)
+
+
+class FeatureSender(abc.ABC):
+    """Target side of a transport. `submit` never blocks the verify path; rows of one sequence stay in order."""
+
+    name: str
+
+    @abc.abstractmethod
+    def submit(self, rows: list[FeatureRows]) -> None:
+        """Queues rows for delivery (in submission order)."""
+
+    @abc.abstractmethod
+    async def flush(self) -> None:
+        """Waits until everything submitted so far is delivered (or failed)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Delivers what is queued, then releases the connection."""

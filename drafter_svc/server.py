@@ -1,0 +1,201 @@
+"""gRPC servicer of the drafter service: context features arrive by transport, drafts are batched."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
+from ddtree_serve.rpc import RequestError, ServiceHost, grpc_errors, require_ready
+from ddtree_serve.transport import decode_rows
+from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
+MAX_TOP_K = 1024          # per-position candidates returned; DDTree needs at most min(budget, vocab)
+RELEASED_MEMORY = 65536   # released ids remembered, so late feature pushes don't resurrect a sequence
+
+
+@dataclass
+class DrafterServerConfig:
+    """What `ddtree-serve drafter` was started with."""
+
+    drafter_dir: str
+    target_model_dir: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 8
+    max_seq_len: int = 2048
+    feature_wait_s: float = 30.0
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+    """Holds the DrafterRunner; a Draft waits until the target's features for its context have arrived."""
+
+    def __init__(self, cfg: DrafterServerConfig, metrics=None):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.runner: DrafterRunner | None = None
+        self.ready = asyncio.Event()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
+        self.rows_held: dict[str, int] = {}
+        self.rows_changed = asyncio.Condition()
+        self.released: OrderedDict[str, None] = OrderedDict()
+
+    async def load(self) -> None:
+        """Loads drafter + the target's embedding and LM head on the model thread."""
+        runner_cfg = DrafterConfig(drafter_dir=self.cfg.drafter_dir, target_model_dir=self.cfg.target_model_dir,
+                                   device=self.cfg.device, dtype=getattr(torch, self.cfg.dtype),
+                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len)
+        t0 = time.perf_counter()
+        self.runner = await self._on_model_thread(DrafterRunner, runner_cfg)
+        log.info("drafter %s loaded in %.1f s", self.cfg.drafter_dir, time.perf_counter() - t0)
+        self.ready.set()
+
+    async def _on_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _cache(self) -> common_pb2.CacheUsage:
+        running, max_seqs, used, capacity = self.runner.cache_usage()
+        if self.metrics is not None:
+            self.metrics.set_cache(running, max_seqs, used, capacity)
+        return common_pb2.CacheUsage(running_sequences=running, max_sequences=max_seqs, used_tokens=used,
+                                     capacity_tokens=capacity)
+
+    @grpc_errors
+    async def Info(self, request, context):
+        require_ready(self.ready)
+        r = self.runner
+        return drafter_pb2.DrafterInfo(
+            model_name=Path(self.cfg.drafter_dir).name, block_size=r.block_size,
+            target_layer_ids=list(r.target_layer_ids), mask_token_id=r.mask_token_id, vocab_size=r.vocab_size,
+            hidden_size=r.hidden_size, max_seq_len=self.cfg.max_seq_len, max_batch=self.cfg.max_batch,
+            cache=self._cache(), device=self.cfg.device, dtype=self.cfg.dtype)
+
+    @grpc_errors
+    async def PushFeatures(self, request, context):
+        require_ready(self.ready)
+        total = 0
+        for rows in request.rows:
+            if rows.seq_id in self.released:
+                continue  # the sequence finished while its last features were in flight
+            data = decode_rows(rows.dtype, rows.data, rows.num_rows, request.feature_dim)
+            await self._on_model_thread(self.runner.add_context, rows.seq_id, rows.start, data)
+            total += len(rows.data)
+            async with self.rows_changed:
+                self.rows_held[rows.seq_id] = rows.start + rows.num_rows
+                self.rows_changed.notify_all()
+        if self.metrics is not None:
+            self.metrics.observe_transport_received("inline", total)
+        return drafter_pb2.PushFeaturesResponse(bytes=total)
+
+    async def _wait_for_context(self, items: list[DraftItem]) -> None:
+        def have_all() -> bool:
+            return all(self.rows_held.get(it.seq_id, 0) >= it.context_len for it in items)
+
+        async with self.rows_changed:
+            try:
+                await asyncio.wait_for(self.rows_changed.wait_for(have_all), self.cfg.feature_wait_s)
+            except asyncio.TimeoutError:
+                missing = [f"{it.seq_id} ({self.rows_held.get(it.seq_id, 0)}/{it.context_len} rows)"
+                           for it in items if self.rows_held.get(it.seq_id, 0) < it.context_len]
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   f"context features did not arrive within {self.cfg.feature_wait_s:.0f} s: "
+                                   + ", ".join(missing)) from None
+
+    @grpc_errors
+    async def Draft(self, request, context):
+        require_ready(self.ready)
+        t0 = time.perf_counter_ns()
+        if not request.items:
+            raise ValueError("empty draft batch")
+        if request.top_k <= 0:
+            raise ValueError(f"top_k must be > 0, got {request.top_k}")
+        if request.max_depth < 0 or request.max_depth > self.runner.block_size - 1:
+            raise ValueError(f"max_depth must be in [0, {self.runner.block_size - 1}], got {request.max_depth}")
+        for it in request.items:
+            if it.seq_id in self.released:
+                raise KeyError(it.seq_id)
+        items = [DraftItem(seq_id=it.seq_id, bonus_token=it.bonus_token, context_len=it.context_len)
+                 for it in request.items]
+        await self._wait_for_context(items)
+        t1 = time.perf_counter_ns()
+        top_k = min(request.top_k, MAX_TOP_K, self.runner.vocab_size)
+        depth = request.max_depth or self.runner.block_size - 1
+        logprobs, ids = await self._on_model_thread(self.runner.draft, items, top_k, depth)
+        t2 = time.perf_counter_ns()
+        logprobs = logprobs.float().cpu()
+        ids = ids.to(torch.int32).cpu()
+        results = []
+        for b, it in enumerate(items):
+            results.append(drafter_pb2.DraftResult(seq_id=it.seq_id, depth=int(ids.shape[1]), k=int(ids.shape[2]),
+                                                   token_ids=ids[b].reshape(-1).tolist(),
+                                                   logprobs=logprobs[b].reshape(-1).tolist()))
+        if self.metrics is not None:
+            self.metrics.observe_draft(len(items), (t2 - t1) / 1e9)
+        return drafter_pb2.DraftResponse(results=results, timings=common_pb2.Timings(
+            total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, queue_ns=t1 - t0))
+
+    @grpc_errors
+    async def Release(self, request, context):
+        require_ready(self.ready)
+        ids = list(request.seq_ids)
+        released = await self._on_model_thread(self._release_all, ids)
+        async with self.rows_changed:
+            for seq_id in ids:
+                self.rows_held.pop(seq_id, None)
+                self.released[seq_id] = None
+            while len(self.released) > RELEASED_MEMORY:
+                self.released.popitem(last=False)
+        return drafter_pb2.DrafterReleaseResponse(released=released, cache=self._cache())
+
+    def _release_all(self, seq_ids: list[str]) -> int:
+        released = 0
+        for seq_id in seq_ids:
+            try:
+                self.runner.release(seq_id)
+                released += 1
+            except KeyError:
+                pass
+        return released
+
+
+async def serve(cfg: DrafterServerConfig, host: str, port: int, metrics_port: int | None = None,
+                ready_file: str | None = None) -> None:
+    """Runs the drafter service until SIGTERM."""
+    interceptors, metrics, registry = [], None, None
+    if metrics_port is not None:
+        from ddtree_serve import metrics as m
+
+        registry = m.new_registry()
+        metrics = m.DrafterMetrics(registry, model_name=Path(cfg.drafter_dir).name)
+        interceptors.append(m.ServerMetricsInterceptor(registry, service="drafter"))
+    from ddtree_serve.request_context import RequestIdServerInterceptor
+
+    interceptors.append(RequestIdServerInterceptor())
+    servicer = DrafterServicer(cfg, metrics)
+    host_ = ServiceHost([SERVICE_NAME], interceptors)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, host_.server)
+    bound = await host_.start(host, port)
+    if metrics_port is not None:
+        from ddtree_serve.metrics import start_metrics_server
+
+        log.info("drafter metrics on :%d", start_metrics_server(metrics_port, registry))
+    log.info("drafter service listening on %s:%d (pid %d), loading %s", host, bound, os.getpid(), cfg.drafter_dir)
+    await servicer.load()
+    await host_.mark_serving()
+    if ready_file:
+        Path(ready_file).write_text(str(bound))
+    await host_.serve_until_signal(on_stop=servicer.close)

@@ -1,0 +1,58 @@
+"""Clients of one target/drafter pair, and the start-up handshake between them."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from ddtree_serve.proto import drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
+from ddtree_serve.rpc import CHANNEL_OPTIONS, wait_until_serving
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PairAddress:
+    """Where a pair's services listen, as the gateway (and the target, for the drafter) reaches them."""
+
+    target: str
+    drafter: str
+    drafter_for_target: str = ""   # when the target reaches the drafter by another name (containers)
+
+
+@dataclass
+class BackendPair:
+    """Connected stubs plus the facts learned at start-up."""
+
+    address: PairAddress
+    index: int = 0
+    client_interceptors: list = field(default_factory=list)
+    target_info: target_pb2.TargetInfo | None = None
+    drafter_info: drafter_pb2.DrafterInfo | None = None
+
+    async def connect(self, timeout_s: float = 300.0, transport: str = "inline") -> None:
+        """Waits for both services to be ready, reads their info and attaches the drafter to the target."""
+        await wait_until_serving(self.address.target, timeout_s)
+        await wait_until_serving(self.address.drafter, timeout_s)
+        self._target_channel = grpc.aio.insecure_channel(self.address.target, options=CHANNEL_OPTIONS,
+                                                         interceptors=self.client_interceptors)
+        self._drafter_channel = grpc.aio.insecure_channel(self.address.drafter, options=CHANNEL_OPTIONS,
+                                                          interceptors=self.client_interceptors)
+        self.target = target_pb2_grpc.TargetServiceStub(self._target_channel)
+        self.drafter = drafter_pb2_grpc.DrafterServiceStub(self._drafter_channel)
+        self.target_info = await self.target.Info(target_pb2.InfoRequest(), timeout=30)
+        self.drafter_info = await self.drafter.Info(drafter_pb2.DrafterInfoRequest(), timeout=30)
+        if self.drafter_info.hidden_size != self.target_info.hidden_size:
+            raise RuntimeError(f"drafter hidden size {self.drafter_info.hidden_size} != target's "
+                               f"{self.target_info.hidden_size}: not a drafter for this target")
+        await self.target.AttachDrafter(target_pb2.AttachDrafterRequest(
+            drafter_address=self.address.drafter_for_target or self.address.drafter,
+            target_layer_ids=list(self.drafter_info.target_layer_ids), transport=transport), timeout=30)
+        log.info("pair %d ready: target %s (%s), drafter %s (block %d, layers %s)", self.index, self.address.target,
+                 self.target_info.model_name, self.address.drafter, self.drafter_info.block_size,
+                 list(self.drafter_info.target_layer_ids))
+
+    async def close(self) -> None:
+        await self._target_channel.close()
+        await self._drafter_channel.close()

@@ -1,0 +1,50 @@
+"""Incremental detokenization with stop strings, as a streaming client expects it."""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns committed tokens into text deltas; holds back text that might be a partial UTF-8 char or stop string."""
+
+    def __init__(self, tokenizer, stop_strings: list[str] | tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop_strings = [s for s in stop_strings if s]
+        self.ids: list[int] = []
+        self.text = ""         # decoded text of self.ids (truncated at a stop string once hit)
+        self.sent = 0          # characters of self.text already streamed
+        self.stopped = False
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def stop_hit(self, token: int) -> bool:
+        """Adds one token; True when a stop string now appears (the text is cut right before it)."""
+        self.ids.append(token)
+        if not self.stop_strings:
+            return False
+        prev_len = len(self.text)
+        self.text = self._decode()
+        window = max(len(s) for s in self.stop_strings)
+        start = max(0, prev_len - window)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+        return self.stopped
+
+    def take_text(self, final: bool = False) -> str:
+        """Returns the text not yet streamed; keeps back an incomplete character or a possible stop-string start."""
+        if not self.stopped:
+            self.text = self._decode()
+        end = len(self.text)
+        if not final and not self.stopped:
+            if self.text.endswith("\ufffd"):
+                end -= 1
+            for s in self.stop_strings:  # a stop string may be completed by the next token
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if self.text[:end].endswith(s[:k]):
+                        end = min(end, len(self.text[:end]) - k)
+                        break
+        end = max(end, self.sent)
+        delta = self.text[self.sent:end]
+        self.sent = end
+        return delta

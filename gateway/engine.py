@@ -1,0 +1,213 @@
+"""The step loop of one target/drafter pair: admit -> prefill -> draft -> build trees -> verify -> postprocess."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
+from gateway.backends import BackendPair
+from gateway.scheduler import PairQueue
+from gateway.sequence import Sequence, Status
+from gateway.trees import build_step_trees
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    """Step-loop settings shared by all pairs."""
+
+    rpc_timeout_s: float = 120.0
+    max_top_k: int = 1024
+
+
+def sampling_to_proto(seq: Sequence) -> common_pb2.SamplingParams:
+    """The request's sampling parameters as the target receives them."""
+    p = seq.sampling
+    return common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                     seed=p.seed if p.seed is not None else 0, has_seed=p.seed is not None)
+
+
+class PairEngine:
+    """Drives one pair. One Prefill RPC for the newcomers and one Draft + one Verify RPC per step for the batch."""
+
+    def __init__(self, pair: BackendPair, queue: PairQueue, cfg: EngineConfig, metrics=None):
+        self.pair = pair
+        self.queue = queue
+        self.cfg = cfg
+        self.metrics = metrics
+        self.block_size = pair.drafter_info.block_size
+        self.vocab_size = pair.target_info.vocab_size
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name=f"engine-{self.pair.index}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def run(self) -> None:
+        """Steps while there is work; sleeps on the queue's wake-up event otherwise. Never dies on one bad step."""
+        while True:
+            if not self.queue.running and not self.queue.waiting:
+                self.queue.wakeup.clear()
+                await self.queue.wakeup.wait()
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep serving the other requests
+                log.exception("pair %d step failed", self.pair.index)
+                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+                await self._fail(list(self.queue.running), code, f"step failed: {exc}")
+
+    async def step(self) -> None:
+        """One engine step for this pair's whole running batch."""
+        await self._drop_cancelled()
+        admitted = self.queue.admit()
+        if admitted:
+            await self._prefill(admitted)
+        batch = [s for s in self.queue.running if s.status == Status.RUNNING and not s.finish_reason]
+        if batch:
+            await self._decode(batch)
+        finished = [s for s in self.queue.running if s.status == Status.FINISHED or s.finish_reason]
+        if finished:
+            await self._release(finished)
+        if self.metrics is not None:
+            self.metrics.set_queue(len(self.queue.running), len(self.queue.waiting))
+
+    async def _drop_cancelled(self) -> None:
+        cancelled = [s for s in self.queue.running if s.cancelled]
+        if cancelled:
+            for s in cancelled:
+                s.finish_reason = s.finish_reason or "abort"
+            await self._release(cancelled)
+
+    async def _prefill(self, seqs: list[Sequence]) -> None:
+        now = time.perf_counter()
+        for s in seqs:
+            s.scheduled_at = now
+        request = target_pb2.PrefillRequest(items=[
+            target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids, sampling=sampling_to_proto(s),
+                                   push_features=s.speculative) for s in seqs])
+        try:
+            response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.error("prefill of %d sequences failed: %s %s", len(seqs), exc.code().name, exc.details())
+            await self._fail(seqs, exc.code(), f"target prefill failed: {exc.details()}")
+            return
+        by_id = {r.seq_id: r for r in response.results}
+        now = time.perf_counter()
+        for s in seqs:
+            r = by_id[s.seq_id]
+            s.context_len, s.bonus = r.context_len, r.next_token
+            s.first_token_at = s.last_token_at = now
+            kept = s.append([r.next_token])
+            s.emit(kept)
+            if self.metrics is not None:
+                self.metrics.observe_first_token(now - s.arrival)
+
+    async def _draft(self, seqs: list[Sequence]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """One Draft RPC for the speculative sequences; a drafter failure turns them autoregressive, not failed."""
+        drafting = [s for s in seqs if s.speculative and self._max_depth(s) > 0]
+        if not drafting:
+            return {}
+        top_k = max((s.budget if s.mode == "ddtree" else 1) for s in drafting)
+        top_k = max(1, min(top_k, self.vocab_size, self.cfg.max_top_k))
+        depth = max(self._max_depth(s) for s in drafting)
+        request = drafter_pb2.DraftRequest(
+            items=[drafter_pb2.DraftItem(seq_id=s.seq_id, bonus_token=s.bonus, context_len=s.context_len)
+                   for s in drafting], top_k=top_k, max_depth=depth)
+        try:
+            response = await self.pair.drafter.Draft(request, timeout=self.cfg.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.error("draft failed (%s: %s); %d sequences continue autoregressively", exc.code().name,
+                      exc.details(), len(drafting))
+            for s in drafting:
+                s.drafting = False
+            return {}
+        out = {}
+        for r in response.results:
+            shape = (r.depth, r.k)
+            out[r.seq_id] = (torch.tensor(r.logprobs, dtype=torch.float32).reshape(shape),
+                             torch.tensor(r.token_ids, dtype=torch.long).reshape(shape))
+        return out
+
+    def _max_depth(self, s: Sequence) -> int:
+        """Draft depth this step: the block, the tokens still wanted, and the context limit all bound it."""
+        room = self.pair.target_info.max_seq_len - s.context_len - 1
+        return max(0, min(self.block_size - 1, s.remaining - 1, room))
+
+    async def _decode(self, seqs: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        drafts = await self._draft(seqs)
+        t1 = time.perf_counter()
+        trees = build_step_trees(seqs, drafts, {s.seq_id: self._max_depth(s) for s in seqs})
+        t2 = time.perf_counter()
+        request = target_pb2.VerifyRequest(items=[
+            target_pb2.TreeItem(seq_id=s.seq_id, tokens=trees[s.seq_id].tokens.tolist(),
+                                parents=trees[s.seq_id].parents.tolist()) for s in seqs])
+        try:
+            response = await self.pair.target.Verify(request, timeout=self.cfg.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.error("verify of %d sequences failed: %s %s", len(seqs), exc.code().name, exc.details())
+            await self._fail(seqs, exc.code(), f"target verify failed: {exc.details()}")
+            return
+        t3 = time.perf_counter()
+        by_id = {r.seq_id: r for r in response.results}
+        accepted_per_seq, tree_sizes = [], []
+        for s in seqs:
+            r = by_id[s.seq_id]
+            tree_size = int(trees[s.seq_id].tokens.numel()) - 1
+            accepted = list(r.accepted_tokens)
+            s.stats.steps += 1
+            s.stats.accepted_tokens += len(accepted)
+            s.stats.draft_tokens += tree_size
+            s.context_len, s.bonus = r.context_len, r.next_token
+            kept = s.append(accepted + [r.next_token])
+            s.emit(kept)
+            if self.metrics is not None:
+                self.metrics.observe_tokens(t3 - s.last_token_at, len(kept))
+            s.last_token_at = t3
+            if s.mode != "ar" and tree_size > 0:
+                accepted_per_seq.append(len(accepted))
+                tree_sizes.append(tree_size)
+        if self.metrics is not None:
+            self.metrics.observe_step(batch_size=len(seqs), tree_sizes=tree_sizes, accepted_per_seq=accepted_per_seq,
+                                      draft_s=t1 - t0, tree_s=t2 - t1, verify_s=t3 - t2,
+                                      step_s=time.perf_counter() - t0)
+
+    async def _release(self, seqs: list[Sequence]) -> None:
+        """Frees the sequences in both services and reports their end; release failures are logged, not fatal."""
+        ids = [s.seq_id for s in seqs]
+        for s in seqs:
+            if s in self.queue.running:
+                self.queue.running.remove(s)
+            if s.status != Status.FINISHED:
+                s.status = Status.FINISHED
+                if self.metrics is not None and s.finish_reason not in ("abort", "error"):
+                    self.metrics.observe_finished(s.finish_reason, len(s.prompt_ids), len(s.output_ids),
+                                                  time.perf_counter() - s.arrival, s.scheduled_at - s.arrival)
+        results = await asyncio.gather(
+            self.pair.target.Release(target_pb2.ReleaseRequest(seq_ids=ids), timeout=30),
+            self.pair.drafter.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=ids), timeout=30),
+            return_exceptions=True)
+        for service, res in zip(("target", "drafter"), results):
+            if isinstance(res, Exception):
+                log.error("release of %d sequences on the %s failed: %s", len(ids), service, res)
+
+    async def _fail(self, seqs: list[Sequence], code: grpc.StatusCode, message: str) -> None:
+        for s in seqs:
+            if s.status != Status.FINISHED:
+                s.fail(code, message)
+        await self._release(seqs)

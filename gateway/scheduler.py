@@ -1,0 +1,79 @@
+"""Waiting queues and admission: which requests a backend pair takes into its running batch, and when."""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+from gateway.sequence import Sequence, Status
+
+
+@dataclass
+class AdmissionLimits:
+    """Caps that keep a pair's target inside its KV cache: sequences (slots) and reserved tokens."""
+
+    max_running: int
+    max_reserved_tokens: int
+
+
+@dataclass
+class PairQueue:
+    """One pair's waiting queue and running batch."""
+
+    limits: AdmissionLimits
+    waiting: deque[Sequence] = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def reserved_tokens(self) -> int:
+        """Tokens the running sequences may still occupy (prompt + max_tokens each)."""
+        return sum(len(s.prompt_ids) + s.max_tokens for s in self.running)
+
+    def admit(self) -> list[Sequence]:
+        """Moves waiting sequences into the running batch while the limits allow (FCFS, no overtaking)."""
+        admitted = []
+        reserved = self.reserved_tokens()
+        while self.waiting:
+            seq = self.waiting[0]
+            if seq.cancelled:
+                self.waiting.popleft()
+                seq.status = Status.FINISHED
+                continue
+            need = len(seq.prompt_ids) + seq.max_tokens
+            if len(self.running) >= self.limits.max_running or reserved + need > self.limits.max_reserved_tokens:
+                break
+            self.waiting.popleft()
+            reserved += need
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+
+class Scheduler:
+    """Assigns each new request to the least-loaded pair; each pair's engine admits from its own queue."""
+
+    def __init__(self, queues: list[PairQueue], max_waiting: int = 4096):
+        self.queues = queues
+        self.max_waiting = max_waiting
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q.waiting) for q in self.queues)
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(q.running) for q in self.queues)
+
+    def submit(self, seq: Sequence) -> int:
+        """Queues a request; returns the pair index. Raises RuntimeError('capacity ...') when the queue is full."""
+        if self.num_waiting >= self.max_waiting:
+            raise RuntimeError(f"capacity: {self.num_waiting} requests already waiting")
+        index = min(range(len(self.queues)), key=lambda i: self.queues[i].load)
+        self.queues[index].waiting.append(seq)
+        self.queues[index].wakeup.set()
+        return index

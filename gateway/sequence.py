@@ -1,0 +1,110 @@
+"""Per-request state in the gateway: what was asked, what was generated, and how it is streamed out."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from ddtree_serve.config import SamplingParams
+from gateway.detokenizer import IncrementalDetokenizer
+
+MODES = ("ddtree", "dflash", "ar")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class StreamEvent:
+    """One message to the client: new tokens/text, or the end (with a finish reason or an error)."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str = ""
+    error: tuple[grpc.StatusCode, str] | None = None
+
+
+@dataclass
+class SequenceStats:
+    """Speculation counters of one request (verify steps only; the prefill's first token is not a step)."""
+
+    steps: int = 0
+    accepted_tokens: int = 0
+    draft_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verify step, bonus included."""
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class Sequence:
+    """A request as the engine sees it. The target's cache holds `context_len` tokens; `bonus` is the next root."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    mode: str
+    budget: int
+    stop_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer
+    seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    context_len: int = 0
+    bonus: int = -1
+    drafting: bool = True          # false after the drafter failed for this sequence: AR from then on
+    cancelled: bool = False
+    finish_reason: str = ""
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    scheduled_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output_ids)
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode != "ar" and self.drafting
+
+    def append(self, tokens: list[int]) -> list[int]:
+        """Commits tokens until a stop condition; returns the ones kept and sets finish_reason when done."""
+        kept = []
+        for tok in tokens:
+            kept.append(tok)
+            self.output_ids.append(tok)
+            if tok in self.stop_token_ids:
+                self.finish_reason = "stop"
+            elif self.detokenizer.stop_hit(tok):
+                self.finish_reason = "stop"
+            elif self.remaining <= 0:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return kept
+
+    def emit(self, tokens: list[int]) -> None:
+        """Streams the text of newly kept tokens (and the end, if reached)."""
+        text = self.detokenizer.take_text(final=bool(self.finish_reason))
+        self.events.put_nowait(StreamEvent(token_ids=tokens, text=text, finished=bool(self.finish_reason),
+                                           finish_reason=self.finish_reason))
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        """Ends the request with an error status."""
+        self.status = Status.FINISHED
+        self.finish_reason = "error"
+        self.events.put_nowait(StreamEvent([], "", finished=True, finish_reason="error", error=(code, message)))

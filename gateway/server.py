@@ -1,0 +1,275 @@
+"""The public gRPC API: validation, request ids, streaming, cancellation; the engines do the decoding."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from transformers import AutoTokenizer
+
+from ddtree_serve.config import SamplingParams
+from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
+from ddtree_serve.rpc import RequestError, ServiceHost, grpc_errors, require_ready
+from gateway.backends import BackendPair, PairAddress
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.engine import EngineConfig, PairEngine
+from gateway.scheduler import AdmissionLimits, PairQueue, Scheduler
+from gateway.sequence import MODES, Sequence, StreamEvent
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+MODE_BY_ENUM = {gateway_pb2.DECODE_MODE_DDTREE: "ddtree", gateway_pb2.DECODE_MODE_DFLASH: "dflash",
+                gateway_pb2.DECODE_MODE_AR: "ar"}
+
+
+@dataclass
+class GatewayConfig:
+    """What `ddtree-serve gateway` was started with."""
+
+    pairs: list[PairAddress]
+    mode: str = "ddtree"
+    budget: int = 64
+    tokenizer_dir: str | None = None
+    max_waiting: int = 4096
+    transport: str = "inline"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Validates requests into Sequences, hands them to the scheduler and streams their events back."""
+
+    def __init__(self, cfg: GatewayConfig, metrics_factory=None, client_interceptors=()):
+        if cfg.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
+        self.cfg = cfg
+        self.metrics_factory = metrics_factory
+        self.metrics = None
+        self.client_interceptors = list(client_interceptors)
+        self.ready = asyncio.Event()
+        self.pairs: list[BackendPair] = []
+        self.engines: list[PairEngine] = []
+        self.scheduler: Scheduler | None = None
+        self.tokenizer = None
+
+    async def connect(self) -> None:
+        """Connects every pair, loads the tokenizer, starts one engine per pair."""
+        self.pairs = [BackendPair(addr, index=i, client_interceptors=self.client_interceptors)
+                      for i, addr in enumerate(self.cfg.pairs)]
+        await asyncio.gather(*(p.connect(transport=self.cfg.transport) for p in self.pairs))
+        first = self.pairs[0]
+        for p in self.pairs[1:]:
+            if p.target_info.vocab_size != first.target_info.vocab_size:
+                raise RuntimeError("all pairs must serve the same model (vocab sizes differ)")
+        self.tokenizer = await self._load_tokenizer(first)
+        self.model_name = first.target_info.model_name
+        if self.metrics_factory is not None:
+            self.metrics = self.metrics_factory(self.model_name)
+        queues = []
+        for p in self.pairs:
+            limits = AdmissionLimits(max_running=min(p.target_info.max_batch, p.drafter_info.max_batch),
+                                     max_reserved_tokens=p.target_info.cache.capacity_tokens or 1 << 62)
+            queues.append(PairQueue(limits))
+        self.scheduler = Scheduler(queues, max_waiting=self.cfg.max_waiting)
+        self.engines = [PairEngine(p, q, self.cfg.engine, self.metrics) for p, q in zip(self.pairs, queues)]
+        for e in self.engines:
+            e.start()
+        self.ready.set()
+
+    async def _load_tokenizer(self, pair: BackendPair):
+        if self.cfg.tokenizer_dir:
+            return AutoTokenizer.from_pretrained(self.cfg.tokenizer_dir)
+        files = await pair.target.TokenizerFiles(target_pb2.InfoRequest(), timeout=60)
+        tmp = Path(tempfile.mkdtemp(prefix="ddtree-tokenizer-"))
+        for name, data in files.files.items():
+            (tmp / Path(name).name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(str(tmp))
+
+    async def close(self) -> None:
+        for e in self.engines:
+            await e.stop()
+        for p in self.pairs:
+            await p.close()
+
+    # ---- request validation -------------------------------------------------------------------------------
+    def _prompt_ids(self, request) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+        elif kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            ids = self._render_chat(messages) if messages else []
+        elif kind == "text":
+            if request.apply_chat_template:
+                ids = self._render_chat([{"role": "user", "content": request.text}]) if request.text else []
+            else:
+                ids = self.tokenizer(request.text).input_ids if request.text else []
+        else:
+            ids = []
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.pairs[0].target_info.vocab_size
+        bad = [t for t in ids if t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:8]}")
+        return ids
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _make_sequence(self, request) -> Sequence:
+        prompt_ids = self._prompt_ids(request)
+        info = self.pairs[0].target_info
+        if request.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {request.max_tokens}")
+        if len(prompt_ids) + request.max_tokens > info.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the "
+                             f"model's context limit of {info.max_seq_len} tokens")
+        sp = request.sampling
+        sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p if sp.top_p > 0 else 1.0,
+                                  top_k=sp.top_k, seed=sp.seed if sp.has_seed else None)
+        sampling.validate()
+        if request.mode == gateway_pb2.DECODE_MODE_DEFAULT:
+            mode = self.cfg.mode
+        elif request.mode in MODE_BY_ENUM:
+            mode = MODE_BY_ENUM[request.mode]
+        else:
+            raise ValueError(f"unknown decode mode {request.mode}")
+        budget = request.budget or self.cfg.budget
+        max_budget = info.max_tree_nodes - 1
+        if budget < 0 or budget > max_budget:
+            raise ValueError(f"budget must be in [1, {max_budget}], got {request.budget}")
+        if request.max_tokens > 0 and not all(0 <= t < info.vocab_size for t in request.stop_token_ids):
+            raise ValueError("stop_token_ids out of vocabulary")
+        stops = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stops |= set(info.eos_token_ids)
+        request_id = request.request_id or uuid.uuid4().hex
+        return Sequence(request_id=request_id, prompt_ids=prompt_ids, max_tokens=request.max_tokens,
+                        sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,
+                        stop_token_ids=frozenset(stops),
+                        detokenizer=IncrementalDetokenizer(self.tokenizer, list(request.stop)))
+
+    # ---- public RPCs --------------------------------------------------------------------------------------
+    def _stats(self, seq: Sequence) -> gateway_pb2.GenerationStats:
+        now = time.perf_counter()
+        return gateway_pb2.GenerationStats(
+            prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.output_ids), steps=seq.stats.steps,
+            accepted_tokens=seq.stats.accepted_tokens, mean_acceptance_length=seq.stats.mean_acceptance_length,
+            draft_tokens=seq.stats.draft_tokens,
+            ttft_seconds=(seq.first_token_at - seq.arrival) if seq.first_token_at else 0.0,
+            e2e_seconds=now - seq.arrival, mode=seq.mode, budget=seq.budget)
+
+    async def _events(self, request, context):
+        require_ready(self.ready)
+        seq = self._make_sequence(request)
+        self.scheduler.submit(seq)
+        log.info("request %s: %d prompt tokens, max_tokens %d, mode %s", seq.request_id, len(seq.prompt_ids),
+                 seq.max_tokens, seq.mode)
+        try:
+            while True:
+                event: StreamEvent = await seq.events.get()
+                if event.error is not None:
+                    raise RequestError(*event.error)
+                yield seq, event
+                if event.finished:
+                    return
+        finally:
+            if not seq.finish_reason:  # client went away, deadline passed, or server stopping
+                seq.cancelled = True
+                for q in self.scheduler.queues:
+                    q.wakeup.set()
+                log.info("request %s cancelled after %d tokens", seq.request_id, len(seq.output_ids))
+
+    async def GenerateStream(self, request, context):
+        try:
+            async for seq, event in self._events(request, context):
+                yield gateway_pb2.GenerateResponse(
+                    request_id=seq.request_id, token_ids=event.token_ids, text=event.text, finished=event.finished,
+                    finish_reason=event.finish_reason, stats=self._stats(seq) if event.finished else None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - map to a status like the unary methods
+            from ddtree_serve.rpc import status_for
+
+            code, message = status_for(exc)
+            log.warning("GenerateStream failed: %s %s", code.name, message)
+            await context.abort(code, message)
+
+    @grpc_errors
+    async def Generate(self, request, context):
+        ids, text, last = [], [], None
+        async for seq, event in self._events(request, context):
+            ids.extend(event.token_ids)
+            text.append(event.text)
+            last = (seq, event)
+        seq, event = last
+        return gateway_pb2.GenerateResponse(request_id=seq.request_id, token_ids=ids, text="".join(text),
+                                            finished=True, finish_reason=event.finish_reason, stats=self._stats(seq))
+
+    @grpc_errors
+    async def Tokenize(self, request, context):
+        require_ready(self.ready)
+        if request.apply_chat_template:
+            ids = self._render_chat([{"role": "user", "content": request.text}])
+        else:
+            ids = self.tokenizer(request.text).input_ids
+        return gateway_pb2.TokenizeResponse(ids=ids)
+
+    @grpc_errors
+    async def ModelInfo(self, request, context):
+        require_ready(self.ready)
+        pairs = []
+        for p in self.pairs:
+            t = await p.target.Info(target_pb2.InfoRequest(), timeout=10)
+            from ddtree_serve.proto import drafter_pb2
+
+            d = await p.drafter.Info(drafter_pb2.DrafterInfoRequest(), timeout=10)
+            pairs.append(gateway_pb2.BackendPair(target=p.address.target, drafter=p.address.drafter,
+                                                 target_cache=t.cache, drafter_cache=d.cache))
+        first = self.pairs[0]
+        return gateway_pb2.ModelInfoResponse(
+            model_name=first.target_info.model_name, drafter_name=first.drafter_info.model_name,
+            vocab_size=first.target_info.vocab_size, max_seq_len=first.target_info.max_seq_len,
+            block_size=first.drafter_info.block_size, default_mode=self.cfg.mode, default_budget=self.cfg.budget,
+            running_requests=self.scheduler.num_running, waiting_requests=self.scheduler.num_waiting, pairs=pairs)
+
+
+async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | None = None,
+                ready_file: str | None = None) -> None:
+    """Runs the gateway until SIGTERM: health turns SERVING once every pair is connected."""
+    from ddtree_serve.request_context import RequestIdServerInterceptor
+
+    interceptors, client_interceptors, metrics_factory, registry = [RequestIdServerInterceptor()], [], None, None
+    if metrics_port is not None:
+        from ddtree_serve import metrics as m
+
+        registry = m.new_registry()
+        interceptors.insert(0, m.ServerMetricsInterceptor(registry, service="gateway"))
+        client_interceptors = m.client_interceptors(registry, service="gateway")
+        metrics_factory = lambda model_name: m.GatewayMetrics(registry, model_name=model_name)  # noqa: E731
+    servicer = GatewayServicer(cfg, metrics_factory, client_interceptors)
+    host_ = ServiceHost([SERVICE_NAME], interceptors)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, host_.server)
+    bound = await host_.start(host, port)
+    if metrics_port is not None:
+        from ddtree_serve.metrics import start_metrics_server
+
+        log.info("gateway metrics on :%d", start_metrics_server(metrics_port, registry))
+    log.info("gateway listening on %s:%d (pid %d); pairs %s", host, bound, os.getpid(),
+             [(p.target, p.drafter) for p in cfg.pairs])
+    await servicer.connect()
+    await host_.mark_serving()
+    if ready_file:
+        Path(ready_file).write_text(str(bound))
+    await host_.serve_until_signal(on_stop=servicer.close)

@@ -1,0 +1,234 @@
+"""gRPC servicer of the target service: sequences keyed by id, one model thread, features pushed to the drafter."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from ddtree_serve.config import SamplingParams
+from ddtree_serve.proto import common_pb2, target_pb2, target_pb2_grpc
+from ddtree_serve.rpc import RequestError, ServiceHost, grpc_errors, require_ready
+from ddtree_serve.transport import FeatureRows, FeatureSender, make_sender
+from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "generation_config.json", "config.json")
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto -> validated SamplingParams (0 means 'off' for top_p / top_k)."""
+    params = SamplingParams(temperature=float(p.temperature), top_p=float(p.top_p) if p.top_p > 0 else 1.0,
+                            top_k=int(p.top_k), seed=int(p.seed) if p.has_seed else None)
+    params.validate()
+    return params
+
+
+def cache_usage_proto(usage) -> common_pb2.CacheUsage:
+    """Runner's (running, max, used, capacity) tuple -> proto."""
+    running, max_seqs, used, capacity = usage
+    return common_pb2.CacheUsage(running_sequences=running, max_sequences=max_seqs, used_tokens=used,
+                                 capacity_tokens=capacity)
+
+
+@dataclass
+class TargetServerConfig:
+    """What `ddtree-serve target` was started with."""
+
+    model_dir: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 8
+    max_seq_len: int = 2048
+    max_tree_nodes: int = 257
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    """Holds the TargetRunner; model work runs on one dedicated thread so the event loop stays responsive."""
+
+    def __init__(self, cfg: TargetServerConfig, metrics=None):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.runner: TargetRunner | None = None
+        self.ready = asyncio.Event()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
+        self.sender: FeatureSender | None = None
+        self.sender_address = ""
+
+    async def load(self) -> None:
+        """Loads the model on the model thread (health stays NOT_SERVING until this returns)."""
+        dtype = getattr(torch, self.cfg.dtype)
+        runner_cfg = TargetConfig(model_dir=self.cfg.model_dir, device=self.cfg.device, dtype=dtype,
+                                  max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
+                                  max_tree_nodes=self.cfg.max_tree_nodes)
+        t0 = time.perf_counter()
+        self.runner = await self._on_model_thread(TargetRunner, runner_cfg)
+        log.info("target model %s loaded in %.1f s", self.cfg.model_dir, time.perf_counter() - t0)
+        self.ready.set()
+
+    async def _on_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def close(self) -> None:
+        """Delivers queued features and stops the model thread."""
+        if self.sender is not None:
+            await self.sender.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _observe_cache(self) -> common_pb2.CacheUsage:
+        usage = self.runner.cache_usage()
+        if self.metrics is not None:
+            self.metrics.set_cache(*usage)
+        return cache_usage_proto(usage)
+
+    @grpc_errors
+    async def Info(self, request, context):
+        require_ready(self.ready)
+        r = self.runner
+        return target_pb2.TargetInfo(
+            model_name=Path(self.cfg.model_dir).name, model_type=r.model_type, vocab_size=r.vocab_size,
+            max_seq_len=r.max_seq_len, eos_token_ids=r.eos_token_ids, hidden_size=r.hidden_size,
+            num_layers=r.num_layers, max_batch=self.cfg.max_batch, max_tree_nodes=self.cfg.max_tree_nodes,
+            cache=self._observe_cache(), device=self.cfg.device, dtype=self.cfg.dtype)
+
+    @grpc_errors
+    async def TokenizerFiles(self, request, context):
+        files = {}
+        for name in TOKENIZER_FILES:
+            path = Path(self.cfg.model_dir) / name
+            if path.is_file():
+                files[name] = path.read_bytes()
+        return target_pb2.TokenizerFilesResponse(files=files)
+
+    @grpc_errors
+    async def AttachDrafter(self, request, context):
+        require_ready(self.ready)
+        transport = request.transport or "inline"
+        if not request.drafter_address:
+            raise ValueError("drafter_address is required")
+        ids = list(request.target_layer_ids)
+        if any(i < 0 or i >= self.runner.num_layers for i in ids):
+            raise ValueError(f"target_layer_ids {ids} out of range for {self.runner.num_layers} layers")
+        await self._on_model_thread(self.runner.set_feature_layers, ids)
+        if self.sender is None or self.sender_address != request.drafter_address or self.sender.name != transport:
+            if self.sender is not None:
+                await self.sender.close()
+            self.sender = make_sender(transport, request.drafter_address)
+            self.sender_address = request.drafter_address
+        log.info("drafter attached at %s over %s, feature layers %s", request.drafter_address, transport, ids)
+        return target_pb2.AttachDrafterResponse(transport=transport, feature_dim=len(ids) * self.runner.hidden_size)
+
+    def _push(self, rows: list[FeatureRows]) -> int:
+        if not rows:
+            return 0
+        if self.sender is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
+        self.sender.submit(rows)
+        nbytes = sum(r.data.numel() * r.data.element_size() for r in rows)
+        if self.metrics is not None:
+            self.metrics.observe_transport(self.sender.name, nbytes)
+        return nbytes
+
+    @grpc_errors
+    async def Prefill(self, request, context):
+        require_ready(self.ready)
+        t0 = time.perf_counter_ns()
+        if not request.items:
+            raise ValueError("empty prefill batch")
+        items = [PrefillItem(seq_id=it.seq_id, prompt_ids=list(it.prompt_ids), sampling=sampling_from_proto(it.sampling),
+                             want_features=it.push_features) for it in request.items]
+        if any(it.want_features for it in items) and self.sender is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
+        t1 = time.perf_counter_ns()
+        outputs = await self._on_model_thread(self.runner.prefill, items)
+        t2 = time.perf_counter_ns()
+        nbytes = self._push([FeatureRows(o.seq_id, 0, o.features) for o in outputs if o.features is not None])
+        if self.metrics is not None:
+            self.metrics.observe_forward("prefill", len(items), (t2 - t1) / 1e9)
+        self._observe_cache()
+        results = [target_pb2.PrefillResult(seq_id=o.seq_id, next_token=o.next_token, context_len=o.context_len)
+                   for o in outputs]
+        return target_pb2.PrefillResponse(results=results, timings=common_pb2.Timings(
+            total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes))
+
+    @grpc_errors
+    async def Verify(self, request, context):
+        require_ready(self.ready)
+        t0 = time.perf_counter_ns()
+        if not request.items:
+            raise ValueError("empty verify batch")
+        items = []
+        for it in request.items:
+            if len(it.tokens) == 0 or len(it.tokens) != len(it.parents):
+                raise ValueError(f"sequence {it.seq_id}: tree needs >= 1 node and one parent per token")
+            items.append(VerifyItem(seq_id=it.seq_id, tokens=torch.tensor(list(it.tokens), dtype=torch.long),
+                                    parents=torch.tensor(list(it.parents), dtype=torch.long)))
+        t1 = time.perf_counter_ns()
+        outputs = await self._on_model_thread(self.runner.verify, items)
+        t2 = time.perf_counter_ns()
+        nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features)
+                             for o in outputs if o.features is not None])
+        if self.metrics is not None:
+            self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9)
+        results = [target_pb2.VerifyResult(seq_id=o.seq_id, accepted_nodes=o.accepted_nodes,
+                                           accepted_tokens=o.accepted_tokens, next_token=o.next_token,
+                                           context_len=o.context_len) for o in outputs]
+        return target_pb2.VerifyResponse(results=results, timings=common_pb2.Timings(
+            total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes))
+
+    @grpc_errors
+    async def Release(self, request, context):
+        require_ready(self.ready)
+        released = await self._on_model_thread(self._release_all, list(request.seq_ids))
+        return target_pb2.ReleaseResponse(released=released, cache=self._observe_cache())
+
+    def _release_all(self, seq_ids: list[str]) -> int:
+        released = 0
+        for seq_id in seq_ids:
+            try:
+                self.runner.release(seq_id)
+                released += 1
+            except KeyError:
+                pass  # idempotent: an abort may race with a normal finish
+        return released
+
+
+async def serve(cfg: TargetServerConfig, host: str, port: int, metrics_port: int | None = None,
+                ready_file: str | None = None) -> None:
+    """Runs the target service until SIGTERM."""
+    interceptors, metrics = [], None
+    registry = None
+    if metrics_port is not None:
+        from ddtree_serve import metrics as m
+
+        registry = m.new_registry()
+        metrics = m.TargetMetrics(registry, model_name=Path(cfg.model_dir).name)
+        interceptors.append(m.ServerMetricsInterceptor(registry, service="target"))
+    from ddtree_serve.request_context import RequestIdServerInterceptor
+
+    interceptors.append(RequestIdServerInterceptor())
+    servicer = TargetServicer(cfg, metrics)
+    host_ = ServiceHost([SERVICE_NAME], interceptors)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host_.server)
+    bound = await host_.start(host, port)
+    if metrics_port is not None:
+        from ddtree_serve.metrics import start_metrics_server
+
+        mport = start_metrics_server(metrics_port, registry)
+        log.info("target metrics on :%d", mport)
+    log.info("target service listening on %s:%d (pid %d), loading %s", host, bound, os.getpid(), cfg.model_dir)
+    await servicer.load()
+    await host_.mark_serving()
+    if ready_file:
+        Path(ready_file).write_text(str(bound))
+    await host_.serve_until_signal(on_stop=servicer.close)
