@@ -45,6 +45,11 @@ BYTES_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 167772
 _C = TypeVar("_C")
 
 
+def new_registry() -> CollectorRegistry:
+    """A fresh registry for one service (never the process-global default one)."""
+    return CollectorRegistry()
+
+
 def _get_or_create(registry: CollectorRegistry, name: str, make: Callable[[], _C]) -> _C:
     """The collector called `name` in registry, made on first use.
 
@@ -239,12 +244,12 @@ class _TransportMetrics:
                                                "Bytes per context-feature transfer.", lt,
                                                buckets=BYTES_BUCKETS, registry=registry)
 
-    def observe_transport(self, transport: str, nbytes: int, seconds: float, direction: str) -> None:
-        """One transfer of context features over `transport` ("inline" | "cuda-ipc" | "nccl")."""
+    def _observe_transport(self, transport: str, nbytes: int, seconds: float | None, direction: str) -> None:
         labels = (self.model_name, transport, direction)  # type: ignore[attr-defined]
         self.transport_bytes.labels(*labels).inc(nbytes)
-        self.transport_seconds.labels(*labels).observe(seconds)
         self.transport_batch_bytes.labels(*labels).observe(nbytes)
+        if seconds is not None:
+            self.transport_seconds.labels(*labels).observe(seconds)
 
 
 class TargetMetrics(_ServiceMetrics, _TransportMetrics):
@@ -271,22 +276,23 @@ class TargetMetrics(_ServiceMetrics, _TransportMetrics):
         self.max_sequences = Gauge("ddtree_target_max_sequences", "KV-cache slots.", lm, registry=r)
         self._init_transport(r)
 
-    def observe_forward(self, op: str, batch_size: int, num_tokens: int, seconds: float) -> None:
-        """One batched forward: op is "prefill" or "verify"."""
+    def observe_forward(self, op: str, batch_size: int, seconds: float, num_tokens: int | None = None) -> None:
+        """One batched forward: op is "prefill" or "verify"; num_tokens = prompt tokens or tree nodes incl. roots."""
         self.forward_seconds.labels(self.model_name, op).observe(seconds)
         self.batch_size.labels(self.model_name, op).observe(batch_size)
-        self.forward_tokens.labels(self.model_name, op).observe(num_tokens)
+        if num_tokens is not None:
+            self.forward_tokens.labels(self.model_name, op).observe(num_tokens)
 
-    def set_cache_usage(self, running: int, max_sequences: int, used_tokens: int, capacity_tokens: int) -> None:
+    def set_cache(self, running: int, max_sequences: int, used_tokens: int, capacity_tokens: int) -> None:
         """KV-cache occupancy, as TargetRunner.cache_usage() returns it."""
         self.running_sequences.labels(self.model_name).set(running)
         self.max_sequences.labels(self.model_name).set(max_sequences)
         self.kv_cache_used.labels(self.model_name).set(used_tokens)
         self.kv_cache_capacity.labels(self.model_name).set(capacity_tokens)
 
-    def observe_transport(self, transport: str, nbytes: int, seconds: float, direction: str = "send") -> None:
-        """Features pushed to the drafter."""
-        super().observe_transport(transport, nbytes, seconds, direction)
+    def observe_transport(self, transport: str, nbytes: int, seconds: float | None = None) -> None:
+        """Features pushed to the drafter over `transport` ("inline" | "cuda-ipc" | "nccl"); seconds if timed."""
+        self._observe_transport(transport, nbytes, seconds, "send")
 
 
 class DrafterMetrics(_ServiceMetrics, _TransportMetrics):
@@ -307,6 +313,7 @@ class DrafterMetrics(_ServiceMetrics, _TransportMetrics):
                                             "Context-feature rows the drafter's cache can hold.", lm, registry=r)
         self.running_sequences = Gauge("ddtree_drafter_running_sequences", "Sequences with a drafter context cache.",
                                        lm, registry=r)
+        self.max_sequences = Gauge("ddtree_drafter_max_sequences", "Drafter context-cache slots.", lm, registry=r)
         self._init_transport(r)
 
     def observe_draft(self, batch_size: int, seconds: float) -> None:
@@ -314,15 +321,16 @@ class DrafterMetrics(_ServiceMetrics, _TransportMetrics):
         self.forward_seconds.labels(self.model_name).observe(seconds)
         self.batch_size.labels(self.model_name).observe(batch_size)
 
-    def set_cache_usage(self, running: int, used_tokens: int, capacity_tokens: int) -> None:
-        """Context-cache occupancy."""
+    def set_cache(self, running: int, max_sequences: int, used_tokens: int, capacity_tokens: int) -> None:
+        """Context-cache occupancy, as DrafterRunner.cache_usage() returns it."""
         self.running_sequences.labels(self.model_name).set(running)
+        self.max_sequences.labels(self.model_name).set(max_sequences)
         self.context_cache_used.labels(self.model_name).set(used_tokens)
         self.context_cache_capacity.labels(self.model_name).set(capacity_tokens)
 
-    def observe_transport(self, transport: str, nbytes: int, seconds: float, direction: str = "recv") -> None:
-        """Features received from the target."""
-        super().observe_transport(transport, nbytes, seconds, direction)
+    def observe_transport_received(self, transport: str, nbytes: int, seconds: float | None = None) -> None:
+        """Features received from the target over `transport`; seconds if timed."""
+        self._observe_transport(transport, nbytes, seconds, "recv")
 
 
 # -- gRPC interceptors ---------------------------------------------------------------------------------------
@@ -467,7 +475,8 @@ class _ClientBase:
 
 class ClientMetricsInterceptor(_ClientBase, aio.UnaryUnaryClientInterceptor):
     """Observes ddtree_rpc_client_latency_seconds / _calls{service, peer, method, code} of unary calls and adds
-    x-request-id/traceparent. grpc.aio files an interceptor under one RPC kind only, so pass `all()` to the
+    x-request-id/traceparent. `service` is the calling service (the method label names the callee); `peer` is
+    optional (empty when one interceptor serves several channels). grpc.aio files an interceptor under one RPC kind only, so pass `all()` to the
     channel to cover the streaming kinds too."""
 
     def __init__(self, registry: CollectorRegistry, service: str, peer: str = "") -> None:
@@ -522,7 +531,7 @@ class _StreamStreamMetrics(_Companion, aio.StreamStreamClientInterceptor):
 
 
 def client_interceptors(registry: CollectorRegistry, service: str, peer: str = "") -> list[aio.ClientInterceptor]:
-    """Client interceptors for every RPC kind of one channel (service = the callee: "target" | "drafter")."""
+    """Client interceptors for every RPC kind (service = the caller, e.g. "gateway"); reusable across channels."""
     return ClientMetricsInterceptor(registry, service, peer).all()
 
 

@@ -117,11 +117,13 @@ def test_observe_step_spec_decode_counters_and_acceptance() -> None:
 
 
 def test_target_and_drafter_metrics() -> None:
-    reg = CollectorRegistry()
+    reg = M.new_registry()
     t = M.TargetMetrics(reg, "tgt")
-    t.observe_forward("verify", batch_size=4, num_tokens=260, seconds=0.016)
-    t.set_cache_usage(running=4, max_sequences=8, used_tokens=1000, capacity_tokens=16384)
+    t.observe_forward("verify", batch_size=4, seconds=0.016, num_tokens=260)
+    t.observe_forward("prefill", batch_size=1, seconds=0.05)
+    t.set_cache(running=4, max_sequences=8, used_tokens=1000, capacity_tokens=16384)
     t.observe_transport("inline", 4096, 0.001)
+    t.observe_transport("inline", 1024)   # untimed transfer: bytes only
     assert t.track_gpu_memory("cpu") is False
     s = scrape(reg)
     assert value(s, "ddtree_target_forward_seconds_count", model_name="tgt", op="verify") == 1
@@ -129,7 +131,8 @@ def test_target_and_drafter_metrics() -> None:
     assert value(s, "ddtree_kv_cache_used_tokens", model_name="tgt") == 1000
     assert value(s, "ddtree_kv_cache_capacity_tokens") == 16384
     assert value(s, "ddtree_target_running_sequences") == 4
-    assert value(s, "ddtree_transport_bytes_total", transport="inline", direction="send") == 4096
+    assert value(s, "ddtree_target_forward_seconds_count", op="prefill") == 1
+    assert value(s, "ddtree_transport_bytes_total", transport="inline", direction="send") == 5120
     assert value(s, "ddtree_transport_seconds_count", transport="inline") == 1
     assert "process_resident_memory_bytes" in s
     assert "ddtree_gpu_memory_allocated_bytes" not in s   # CPU: family declared, no sample
@@ -137,12 +140,13 @@ def test_target_and_drafter_metrics() -> None:
     reg2 = CollectorRegistry()
     d = M.DrafterMetrics(reg2, "drf")
     d.observe_draft(batch_size=2, seconds=0.003)
-    d.set_cache_usage(running=2, used_tokens=300, capacity_tokens=4096)
-    d.observe_transport("inline", 2048, 0.0005)
+    d.set_cache(running=2, max_sequences=8, used_tokens=300, capacity_tokens=4096)
+    d.observe_transport_received("inline", 2048, 0.0005)
     s2 = scrape(reg2)
     assert value(s2, "ddtree_drafter_forward_seconds_count", model_name="drf") == 1
     assert value(s2, "ddtree_drafter_batch_size_sum") == 2
     assert value(s2, "ddtree_drafter_context_cache_used_tokens") == 300
+    assert value(s2, "ddtree_drafter_max_sequences") == 8
     assert value(s2, "ddtree_transport_bytes_total", direction="recv") == 2048
 
 
