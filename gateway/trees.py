@@ -1,0 +1,30 @@
+"""Turns one step's drafts into verify trees: DDTree, DFlash chain or root-only, batched per kind."""
+from __future__ import annotations
+
+import torch
+
+from ddtree_serve.tree import DraftTree, build_chain, build_ddtree_batch, root_tree
+from gateway.sequence import Sequence
+
+
+def build_step_trees(seqs: list[Sequence], drafts: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                     max_depths: dict[str, int]) -> dict[str, DraftTree]:
+    """One tree per sequence; sequences without a draft this step (AR, drafter down, no room) get the root alone."""
+    trees: dict[str, DraftTree] = {}
+    for kind in ("ddtree", "dflash"):
+        group = [s for s in seqs if s.mode == kind and s.seq_id in drafts]
+        if not group:
+            continue
+        logprobs = torch.stack([drafts[s.seq_id][0] for s in group])
+        ids = torch.stack([drafts[s.seq_id][1] for s in group])
+        roots = [s.bonus for s in group]
+        depths = [max_depths[s.seq_id] for s in group]
+        if kind == "ddtree":
+            batch = build_ddtree_batch(logprobs, ids, roots, [s.budget for s in group], depths)
+        else:
+            batch = build_chain(logprobs, ids, roots, depths)
+        trees.update(zip((s.seq_id for s in group), batch.unbind()))
+    for s in seqs:
+        if s.seq_id not in trees:
+            trees[s.seq_id] = root_tree(s.bonus)
+    return trees

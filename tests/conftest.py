@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny checkpoints built once per session, and the three services started as real processes."""
+from __future__ import annotations
+
+import asyncio
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import transformers
+
+from ddtree_serve.local_stack import LocalStack
+from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
+from tests.fixtures.tiny_drafter import make_tiny_drafter
+
+TARGET_MAKERS = {
+    "qwen3": lambda d: make_tiny_qwen3(d, seed=1),
+    "llama": lambda d: make_tiny_llama(d, seed=2),
+    "qwen3_5": lambda d: make_tiny_qwen3_5(d, seed=3, multimodal_wrapper=True),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Builds (target_dir, drafter_dir) for a model kind on first use, once per session."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    built: dict[str, tuple[Path, Path]] = {}
+
+    def get(kind: str) -> tuple[Path, Path]:
+        if kind not in built:
+            target = Path(TARGET_MAKERS[kind](root / kind))
+            drafter = Path(make_tiny_drafter(root / f"{kind}-drafter", target, seed=7))
+            built[kind] = (target, drafter)
+        return built[kind]
+
+    return get
+
+
+def start_stack(target: Path, drafter: Path, **kw) -> LocalStack:
+    """Starts the three services (one torch thread each: CI has 2 cores)."""
+    return LocalStack(model=str(target), drafter=str(drafter), threads=1, **kw).start(timeout_s=180)
+
+
+@lru_cache(maxsize=4)
+def reference_model(model_dir: str):
+    """The checkpoint loaded by transformers itself, float32 on CPU (the losslessness oracle)."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    cls = getattr(transformers, config.architectures[0])
+    model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare fixed lengths; the services get ignore_eos
+    return model
+
+
+def reference_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate(), new tokens only."""
+    model = reference_model(str(model_dir))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def make_request(prompt_ids: list[int], max_tokens: int, mode: str | None = None, budget: int = 0,
+                 temperature: float = 0.0, seed: int | None = None, ignore_eos: bool = True, **kw):
+    """A public GenerateRequest over token ids."""
+    modes = {None: gateway_pb2.DECODE_MODE_DEFAULT, "ddtree": gateway_pb2.DECODE_MODE_DDTREE,
+             "dflash": gateway_pb2.DECODE_MODE_DFLASH, "ar": gateway_pb2.DECODE_MODE_AR}
+    return gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIds(ids=prompt_ids), max_tokens=max_tokens, mode=modes[mode], budget=budget,
+        ignore_eos=ignore_eos, sampling=common_pb2.SamplingParams(temperature=temperature, seed=seed or 0,
+                                                                  has_seed=seed is not None), **kw)
+
+
+async def stream_all(address: str, requests: list, timeout_s: float = 300.0) -> list[dict]:
+    """Runs the requests concurrently over GenerateStream; returns ids, text, finish reason and stats of each."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def one(req):
+            ids, text, final = [], [], None
+            async for msg in stub.GenerateStream(req, timeout=timeout_s):
+                ids.extend(msg.token_ids)
+                text.append(msg.text)
+                final = msg
+            return {"token_ids": ids, "text": "".join(text), "finish_reason": final.finish_reason,
+                    "stats": final.stats}
+
+        return await asyncio.gather(*(one(r) for r in requests))
+
+
+def run_streams(address: str, requests: list, timeout_s: float = 300.0) -> list[dict]:
+    """Synchronous wrapper of stream_all."""
+    return asyncio.run(stream_all(address, requests, timeout_s))
+
+
+def prompts_for(model_dir: Path, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Deterministic random prompts of the given lengths over the model's ordinary tokens."""
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, min(vocab, 300), (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,219 @@
+"""Bad input and faults get a clear gRPC status, and the services keep serving everyone else."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.conftest import make_request, prompts_for, reference_greedy, run_streams, start_stack
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoints):
+    target, drafter = checkpoints("qwen3")
+    s = start_stack(target, drafter, extra={"target": ["--max-seq-len", "256"], "drafter": ["--max-seq-len", "256"]})
+    yield s, target
+    s.stop()
+
+
+def _generate(address: str, request) -> gateway_pb2.GenerateResponse:
+    async def call():
+        async with grpc.aio.insecure_channel(address) as channel:
+            return await gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=120)
+
+    return asyncio.run(call())
+
+
+def _code_of(address: str, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        _generate(address, request)
+    return info.value.code(), info.value.details()
+
+
+BAD_REQUESTS = {
+    "empty prompt": lambda: make_request([], 8),
+    "ids out of vocabulary": lambda: make_request([1, 2, 10**6], 8),
+    "negative id": lambda: make_request([1, -3], 8),
+    "max_tokens zero": lambda: make_request([1, 2, 3], 0),
+    "max_tokens negative": lambda: make_request([1, 2, 3], -5),
+    "NaN temperature": lambda: make_request([1, 2, 3], 8, temperature=math.nan),
+    "negative temperature": lambda: make_request([1, 2, 3], 8, temperature=-1.0),
+    "prompt over the context limit": lambda: make_request([5] * 300, 8),
+    "prompt + max_tokens over the limit": lambda: make_request([5] * 200, 100),
+    "oversized budget": lambda: make_request([1, 2, 3], 8, mode="ddtree", budget=100_000),
+    "empty text": lambda: gateway_pb2.GenerateRequest(text="", max_tokens=8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REQUESTS))
+def test_bad_request_is_invalid_argument(stack, name):
+    s, _ = stack
+    code, details = _code_of(s.gateway, BAD_REQUESTS[name]())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details
+
+
+def test_services_keep_serving_after_bad_requests(stack):
+    s, target = stack
+    for make in BAD_REQUESTS.values():
+        with pytest.raises(grpc.aio.AioRpcError):
+            _generate(s.gateway, make())
+    prompt = prompts_for(target, [6], seed=3)[0]
+    reply = _generate(s.gateway, make_request(prompt, 24))
+    assert list(reply.token_ids) == reference_greedy(target, prompt, 24)
+    assert all(s.alive().values())
+
+
+def test_unknown_sequence_id_is_not_found_on_the_target(stack):
+    s, _ = stack
+
+    async def call():
+        async with grpc.aio.insecure_channel(s.address("target")) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            await stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.TreeItem(
+                seq_id="no-such-sequence", tokens=[1], parents=[-1])]), timeout=30)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(call())
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_malformed_tree_is_invalid_argument_on_the_target(stack):
+    s, _ = stack
+
+    async def call():
+        async with grpc.aio.insecure_channel(s.address("target")) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            await stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.TreeItem(
+                seq_id="x", tokens=[1, 2], parents=[-1])]), timeout=30)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(call())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_text_prompt_stop_string_and_model_info(stack):
+    s, _ = stack
+    reply = _generate(s.gateway, gateway_pb2.GenerateRequest(text="hello world", max_tokens=16, ignore_eos=True))
+    assert reply.finished and len(reply.token_ids) == 16 and reply.finish_reason == "length"
+    full_text = reply.text
+    if len(full_text) > 4:  # a stop string taken from the middle of the greedy text cuts it there
+        stop = full_text[2:4]
+        cut = _generate(s.gateway, gateway_pb2.GenerateRequest(text="hello world", max_tokens=16, stop=[stop],
+                                                               ignore_eos=True))
+        assert cut.finish_reason == "stop"
+        assert cut.text == full_text[: full_text.index(stop)]
+
+    async def info():
+        async with grpc.aio.insecure_channel(s.gateway) as channel:
+            return await gateway_pb2_grpc.GatewayStub(channel).ModelInfo(gateway_pb2.ModelInfoRequest(), timeout=30)
+
+    mi = asyncio.run(info())
+    assert mi.vocab_size > 0 and mi.block_size == 16 and mi.max_seq_len == 256
+    assert mi.default_mode == "ddtree" and len(mi.pairs) == 1
+
+
+def test_cli_generate_json_prints_ids_text_and_stats(stack):
+    s, target = stack
+    prompt = prompts_for(target, [4], seed=5)[0]
+    out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", "generate", "--gateway", s.gateway,
+                          "--max-tokens", "12", "--ignore-eos", "--json", "--prompt-ids", ",".join(map(str, prompt))],
+                         capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout)
+    assert result["token_ids"] == reference_greedy(target, prompt, 12)
+    assert isinstance(result["text"], str)
+    assert {"steps", "accepted_tokens", "mean_acceptance_length"} <= set(result["stats"])
+    assert result["stats"]["steps"] >= 1
+
+
+def test_cancelled_stream_frees_its_cache_and_others_finish_unchanged(stack):
+    s, target = stack
+    prompts = prompts_for(target, [5, 8, 6], seed=9)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(s.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+
+            async def full(prompt):
+                ids = []
+                async for msg in stub.GenerateStream(make_request(prompt, 48), timeout=120):
+                    ids.extend(msg.token_ids)
+                return ids
+
+            others = [asyncio.create_task(full(p)) for p in prompts[1:]]
+            call = stub.GenerateStream(make_request(prompts[0], 200), timeout=120)
+            got = 0
+            async for msg in call:
+                got += len(msg.token_ids)
+                if got >= 3:
+                    call.cancel()
+                    break
+            finished = await asyncio.gather(*others)
+            for _ in range(100):  # the engine releases at its next step boundary
+                mi = await stub.ModelInfo(gateway_pb2.ModelInfoRequest(), timeout=30)
+                if mi.pairs[0].target_cache.running_sequences == 0 and mi.running_requests == 0:
+                    break
+                await asyncio.sleep(0.1)
+            return finished, mi
+
+    finished, mi = asyncio.run(scenario())
+    for prompt, ids in zip(prompts[1:], finished):
+        assert ids == reference_greedy(target, prompt, 48)
+    assert mi.running_requests == 0
+    assert mi.pairs[0].target_cache.running_sequences == 0
+    assert mi.pairs[0].drafter_cache.running_sequences == 0
+
+
+def test_drafter_dying_mid_stream_falls_back_to_autoregressive_losslessly(checkpoints):
+    target, drafter = checkpoints("llama")
+    s = start_stack(target, drafter)
+    try:
+        prompt = prompts_for(target, [7], seed=13)[0]
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(s.gateway) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                ids = []
+                async for msg in stub.GenerateStream(make_request(prompt, 40), timeout=120):
+                    ids.extend(msg.token_ids)
+                    if len(ids) >= 4 and s.alive()["drafter"]:
+                        s.kill("drafter")
+                return ids
+
+        ids = asyncio.run(scenario())
+        assert ids == reference_greedy(target, prompt, 40)
+        assert s.alive()["gateway"] and s.alive()["target"]
+        # a new request still works (autoregressively) with the drafter gone
+        again = run_streams(s.gateway, [make_request(prompt, 10)])[0]
+        assert again["token_ids"] == reference_greedy(target, prompt, 10)
+    finally:
+        s.stop()
+
+
+def test_target_dying_mid_stream_gives_unavailable_not_a_hang(checkpoints):
+    target, drafter = checkpoints("qwen3")
+    s = start_stack(target, drafter)
+    try:
+        prompt = prompts_for(target, [7], seed=17)[0]
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(s.gateway) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                async for msg in stub.GenerateStream(make_request(prompt, 500, mode="ar"), timeout=60):
+                    if s.alive()["target"]:
+                        s.kill("target")
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            asyncio.run(scenario())
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert s.alive()["gateway"]
+    finally:
+        s.stop()
