@@ -1,0 +1,745 @@
+"""DFlash block-diffusion draft model in the z-lab checkpoint format: config, weights I/O, forward.
+
+A drafter is a small Qwen3-style decoder stack with no embedding and no LM head of its own: it embeds with the
+target's `embed_tokens` and reads logits through the target's `lm_head` (`load_target_embeddings`). It is
+conditioned on *context features*, the target's hidden states at `target_layer_ids` (output of layer i, i.e. HF
+`hidden_states[i + 1]`), concatenated in id order: `F = len(ids) * hidden_size` per token.
+
+Forward contract (training and inference):
+
+    h = model(noise_embedding,   # [B, Lq, H]  embedded query tokens (block(s) of [token, MASK, MASK, ...])
+              target_hidden,     # [B, Lc, F]  raw context features, or None; fused inside by hidden_norm(fc(.))
+              position_ids,      # [B, Lc + Lq] (or [Lc + Lq]) positions of the new context rows, then the queries
+              attention_mask,    # optional bool, broadcastable to [B, 1, Lq, Lp + Lc + Lq]; True = may attend
+              past)              # optional ContextKV: per-layer context K/V already projected, normed and roped
+    -> [B, Lq, H] hidden states after the final norm; logits = model.compute_logits(h, lm_head).
+
+Keys/values of every layer are `[past | k_proj/v_proj(fused context) | k_proj/v_proj(queries)]` in that order;
+`k_norm` is applied to all keys, `q_norm` to the queries, values are not normed; RoPE uses each key's and query's
+own position. Attention masking, per layer:
+  * the optional `attention_mask` (padding, block structure, "context strictly before the anchor" in training);
+  * sliding_attention layers: only keys with |q_pos - k_pos| < window (a window of w keys ending at the query,
+    as HF/flash-attention count it; the forward half only matters for blocks longer than the window);
+  * causality: none by default (bidirectional inside the block, as the z-lab reference runs every layer with
+    `is_causal=False`); a checkpoint that says `is_causal` (top level) or `dflash_config.causal` / `is_causal`
+    gets `k_pos <= q_pos` on all layers.
+With no mask and no sliding layer the forward is plain bidirectional attention over context + queries, which is
+the reference decode step. Training with many anchors: concatenate all blocks in Lq, pass the whole sequence as
+context, and a 4D mask where block b sees context positions < anchor_b and only its own block.
+
+The cached inference path (drafter_svc/runner.py) calls `project_context` once per context row and stores the
+result; `ContextKV` hands it back to `forward` as `past`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+# Checkpoints sometimes bundle a copy of the target's embedding/head; the drafter always uses the target's own.
+_IGNORED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "model.embed_tokens.weight")
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default feature layers: evenly spaced from 1 to num_target_layers - 3 (middle layer for one)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + (i * span) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DFlashConfig:
+    """config.json of a DFlash drafter (published keys); `raw` keeps the file so unknown keys survive a save."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int | None
+    target_layer_ids: list[int]
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # rope type and its parameters (factor, original_max_position_embeddings, ...), without rope_theta
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 40960
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    # explicit causality from the checkpoint (is_causal / dflash_config.causal); None = bidirectional (reference)
+    causal: bool | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        for t in self.layer_types:
+            if t not in (SLIDING, FULL):
+                raise ValueError(f"unsupported draft layer type {t!r}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (DFlash drafters use silu)")
+        if self.output_multiplier <= 0:
+            raise ValueError(f"output_multiplier must be > 0, got {self.output_multiplier}")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            raise ValueError(f"final_logit_softcapping must be > 0, got {self.final_logit_softcapping}")
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of one context-feature row: len(target_layer_ids) * hidden_size."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of a layer (None = full attention)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def layer_is_causal(self, layer: int) -> bool:
+        """Whether a layer is causal inside the block (reference: never, unless the config says so)."""
+        return bool(self.causal)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
+        """Parses a config.json dict (block_size top level or in dflash_config; rope_theta or rope_parameters)."""
+        raw = copy.deepcopy(d)
+        dfc = dict(d.get("dflash_config") or {})
+        n_layers = int(d["num_hidden_layers"])
+        n_heads = int(d["num_attention_heads"])
+        block_size = dfc.get("block_size", d.get("block_size"))
+        if block_size is None:
+            raise ValueError("DFlash config has no block_size (neither top level nor in dflash_config)")
+        num_target_layers = d.get("num_target_layers")
+        target_layer_ids = dfc.get("target_layer_ids")
+        if target_layer_ids is None:
+            if num_target_layers is None:
+                raise ValueError("DFlash config needs dflash_config.target_layer_ids or num_target_layers")
+            target_layer_ids = build_target_layer_ids(int(num_target_layers), n_layers)
+        mask_token_id = dfc.get("mask_token_id", d.get("mask_token_id"))
+        rope_theta, rope_scaling = _parse_rope(d)
+        layer_types = list(d.get("layer_types") or [])
+        if not layer_types and dfc.get("use_swa"):
+            # Newer engines' all-layers switch.
+            layer_types = [SLIDING] * n_layers
+        elif not layer_types and d.get("use_sliding_window") and d.get("sliding_window"):
+            # transformers' Qwen3Config rule when layer_types is absent: sliding from max_window_layers on.
+            first = int(d.get("max_window_layers", 28))
+            layer_types = [SLIDING if i >= first else FULL for i in range(n_layers)]
+        # Read the window straight from the file: transformers' Qwen3Config would drop it when
+        # use_sliding_window is false, silently turning trained sliding layers into full attention.
+        sliding_window = dfc.get("swa_window_size", d.get("sliding_window"))
+        causal = d.get("is_causal", dfc.get("is_causal", dfc.get("causal")))
+        softcap = dfc.get("final_logit_softcapping")
+        return cls(
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // n_heads),
+            vocab_size=int(d["vocab_size"]),
+            block_size=int(block_size),
+            mask_token_id=None if mask_token_id is None else int(mask_token_id),
+            target_layer_ids=[int(i) for i in target_layer_ids],
+            num_target_layers=None if num_target_layers is None else int(num_target_layers),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            layer_types=layer_types,
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            attention_bias=bool(d.get("attention_bias", False)),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            causal=None if causal is None else bool(causal),
+            output_multiplier=float(dfc.get("output_multiplier", 1.0)),
+            final_logit_softcapping=None if softcap is None else float(softcap),
+            input_embedding_scale=float(dfc.get("input_embedding_scale", 1.0)),
+            raw=raw,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """config.json dict: the loaded file with our fields written back in its own layout."""
+        d = copy.deepcopy(self.raw)
+        raw_dfc = self.raw.get("dflash_config") or {}
+        dfc = dict(d.get("dflash_config") or {})
+        d.setdefault("architectures", ["DFlashDraftModel"])
+        d.setdefault("model_type", "qwen3")
+        d.update(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias,
+            hidden_act=self.hidden_act,
+            layer_types=list(self.layer_types),
+        )
+        d.setdefault("attention_dropout", 0.0)
+        d.setdefault("tie_word_embeddings", False)
+        if self.num_target_layers is not None:
+            d["num_target_layers"] = self.num_target_layers
+        # block_size stays where the file had it (Qwen3-8B-DFlash-b16: top level; newer: dflash_config).
+        in_dfc, top = "block_size" in raw_dfc, "block_size" in self.raw
+        if in_dfc:
+            dfc["block_size"] = self.block_size
+        if top or not in_dfc:
+            d["block_size"] = self.block_size
+        dfc["target_layer_ids"] = list(self.target_layer_ids)
+        if self.mask_token_id is not None:
+            dfc["mask_token_id"] = self.mask_token_id
+        for key, value, default in (
+            ("output_multiplier", self.output_multiplier, 1.0),
+            ("final_logit_softcapping", self.final_logit_softcapping, None),
+            ("input_embedding_scale", self.input_embedding_scale, 1.0),
+        ):
+            if value != default or key in raw_dfc:
+                dfc[key] = value
+        if "swa_window_size" in raw_dfc:
+            dfc["swa_window_size"] = self.sliding_window
+        d["sliding_window"] = self.sliding_window
+        if "use_sliding_window" not in d:
+            # The reference builds a transformers Qwen3Config, which keeps the window only with this flag on.
+            d["use_sliding_window"] = SLIDING in self.layer_types
+        # Causality goes back under the key the file used; a new override is written as dflash_config.causal.
+        if "is_causal" in self.raw:
+            d["is_causal"] = self.causal
+        elif "is_causal" in raw_dfc:
+            dfc["is_causal"] = self.causal
+        elif "causal" in raw_dfc or self.causal is not None:
+            dfc["causal"] = self.causal
+        d["dflash_config"] = dfc
+        _write_rope(d, self.rope_theta, self.rope_scaling)
+        return d
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "DFlashConfig":
+        """Reads model_dir/config.json."""
+        path = Path(model_dir) / CONFIG_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no {CONFIG_NAME} in drafter directory {model_dir}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def save(self, model_dir: str | Path) -> None:
+        """Writes model_dir/config.json."""
+        Path(model_dir).mkdir(parents=True, exist_ok=True)
+        (Path(model_dir) / CONFIG_NAME).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from either transformers-4 keys (rope_theta/rope_scaling) or v5 rope_parameters."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        # Per-layer-type parameters (v5 style for mixed models); DFlash layers share one RoPE.
+        uniq = {json.dumps(v, sort_keys=True) for v in params.values()}
+        if len(uniq) != 1:
+            raise NotImplementedError("per-layer-type RoPE parameters are not supported for DFlash drafters")
+        params = next(iter(params.values()))
+    scaling = dict(d.get("rope_scaling") or {})
+    if isinstance(params, dict) and params:
+        scaling = {**scaling, **params}
+    theta = scaling.pop("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("partial rotary embeddings are not supported for DFlash drafters")
+    scaling.pop("partial_rotary_factor", None)
+    if rope_type == "default" and not scaling:
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def _write_rope(d: dict[str, Any], theta: float, scaling: dict[str, Any] | None) -> None:
+    """Writes RoPE keys in the layout the file used (rope_parameters for v5 files, else rope_theta/rope_scaling)."""
+    if "rope_parameters" in d and isinstance(d["rope_parameters"], dict):
+        d["rope_parameters"] = {"rope_theta": theta, **(scaling or {"rope_type": "default"})}
+        if "rope_theta" in d:
+            d["rope_theta"] = theta
+        return
+    d["rope_theta"] = theta
+    d["rope_scaling"] = dict(scaling) if scaling else None
+
+
+def rope_inv_freq(cfg: DFlashConfig) -> tuple[torch.Tensor, float]:
+    """float32 inverse frequencies [head_dim/2] and cos/sin scale, as transformers computes them."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(sc["factor"]), 1.0
+    if kind == "llama3":
+        factor, low, high = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_len = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        original = sc.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        factor = sc.get("factor") or cfg.max_position_embeddings / original
+        factor = float(factor)
+
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        attention_factor = sc.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = sc.get("mscale"), sc.get("mscale_all_dim")
+            if mscale and mscale_all_dim:
+                attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = get_mscale(factor)
+        beta_fast, beta_slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if sc.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # avoids a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+        return inv, float(attention_factor)
+    raise NotImplementedError(f"rope_type {kind!r} is not supported for DFlash drafters")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for arbitrary position ids; frequencies stay float32 whatever the module dtype."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        inv_freq, self.attention_scaling = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        super()._apply(fn, recurse)
+        # .to(bfloat16) would round the frequencies, dephasing RoPE at large positions: recompute in float32.
+        if self.inv_freq.dtype != torch.float32 and not self.inv_freq.is_meta:
+            self.inv_freq = rope_inv_freq(self.cfg)[0].to(self.inv_freq.device)
+        return self
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, L] -> cos, sin [B, L, head_dim] in dtype."""
+        freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, D] rotated by cos/sin [B, L, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class ContextKV:
+    """Per-layer context keys/values already through k_norm + RoPE, and the key positions (for windows)."""
+
+    keys: list[torch.Tensor]  # per layer [B, n_kv, Lp, head_dim]
+    values: list[torch.Tensor]  # per layer [B, n_kv, Lp, head_dim]
+    positions: torch.Tensor  # [B, Lp]
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block only; keys/values from [context | block] with the same k_proj/v_proj."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, L, H] -> k (k_norm + RoPE), v (raw), each [B, n_kv, L, head_dim]."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor | None,
+        ctx_v: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [B, Lq, H] (normed block), context K/V [B, n_kv, Lk, D] or None, cos/sin of the queries."""
+        b, lq, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, lq, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        if ctx_k is not None:
+            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        n_rep = self.n_heads // self.n_kv
+        if n_rep > 1 and mask is not None and lq > self.head_dim:
+            # SDPA runs masked GQA on its math kernel (a full fp32 score matrix): fine for a 16-token draft
+            # block, too big for training-sized query sets, where repeated K/V keep the fused kernels.
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+            n_rep = 1
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=n_rep > 1)
+        return self.o_proj(out.transpose(1, 2).reshape(b, lq, self.n_heads * self.head_dim))
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm block: attention over [context | block], then SwiGLU, each with a residual."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, ctx_k, ctx_v, cos, sin, mask) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    """The DFlash drafter; parameter names match the published safetensors exactly."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.feature_dim, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg)
+        self.gradient_checkpointing = False
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    def fuse_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Raw features [..., F] -> fused context [..., H] = hidden_norm(fc(x))."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def project_context(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> ContextKV:
+        """Context K/V of every layer for raw features [B, L, F] at positions [B, L] (what the cache stores)."""
+        fused = self.fuse_context(target_hidden)
+        cos, sin = self.rotary(position_ids, fused.dtype)
+        keys, values = [], []
+        for layer in self.layers:
+            k, v = layer.self_attn.project_kv(fused, cos, sin)
+            keys.append(k)
+            values.append(v)
+        return ContextKV(keys, values, position_ids)
+
+    def layer_masks(
+        self, q_pos: torch.Tensor, k_pos: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> list[torch.Tensor | None]:
+        """Per-layer boolean masks [B, 1, Lq, Lk] (None = attend everywhere): user mask & window & causality."""
+        cache: dict[tuple[int | None, bool], torch.Tensor | None] = {}
+        out = []
+        for i in range(self.config.num_hidden_layers):
+            key = (self.config.layer_window(i), self.config.layer_is_causal(i))
+            if key not in cache:
+                window, causal = key
+                mask = attention_mask
+                if window is not None or causal:
+                    dist = q_pos[:, None, :, None] - k_pos[:, None, None, :]  # query pos - key pos
+                    cond = torch.ones_like(dist, dtype=torch.bool)
+                    if causal:
+                        cond = cond & (dist >= 0)
+                    if window is not None:
+                        cond = cond & (dist < window) & (-dist < window)
+                    mask = cond if mask is None else mask & cond
+                cache[key] = mask
+            out.append(cache[key])
+        return out
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_hidden: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past: ContextKV | None = None,
+    ) -> torch.Tensor:
+        """Normed hidden states [B, Lq, H] of the query tokens (see the module docstring for the contract)."""
+        b, lq, _ = noise_embedding.shape
+        lc = 0 if target_hidden is None else target_hidden.shape[1]
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0).expand(b, -1)
+        if position_ids.shape[-1] != lc + lq:
+            raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, expected {lc + lq}")
+        dtype = noise_embedding.dtype
+        cos, sin = self.rotary(position_ids, dtype)
+        ctx = self.fuse_context(target_hidden) if lc else None
+        q_pos = position_ids[:, lc:]
+        k_pos = position_ids if past is None else torch.cat([past.positions.to(position_ids), position_ids], dim=1)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            raise ValueError("attention_mask must be boolean (True = may attend)")
+        masks = self.layer_masks(q_pos, k_pos, attention_mask)
+        h = noise_embedding
+        for i, layer in enumerate(self.layers):
+            ctx_k = ctx_v = None
+            if ctx is not None:
+                ctx_k, ctx_v = layer.self_attn.project_kv(ctx, cos[:, :lc], sin[:, :lc])
+            if past is not None:
+                ctx_k = past.keys[i] if ctx_k is None else torch.cat([past.keys[i], ctx_k], dim=2)
+                ctx_v = past.values[i] if ctx_v is None else torch.cat([past.values[i], ctx_v], dim=2)
+            args = (h, ctx_k, ctx_v, cos[:, lc:], sin[:, lc:], masks[i])
+            if self.gradient_checkpointing and self.training:
+                h = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                h = layer(*args)
+        return self.norm(h)
+
+    def embed(self, token_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+        """Embeds ids with the target's table (times input_embedding_scale, 1 for Qwen targets)."""
+        e = F.embedding(token_ids, embed_weight)
+        scale = self.config.input_embedding_scale
+        return e if scale == 1.0 else e * scale
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor | nn.Module) -> torch.Tensor:
+        """Logits through the target's head (weight [V, H] or module), with the optional output transforms."""
+        logits = lm_head(hidden) if isinstance(lm_head, nn.Module) else F.linear(hidden, lm_head)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ---------------------------------------------------------------------------------------------------------
+    # I/O
+    # ---------------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> "DFlashDraftModel":
+        """Loads a z-lab-format drafter (single or sharded safetensors); every weight must be present."""
+        model_dir = Path(model_dir)
+        cfg = DFlashConfig.load(model_dir)
+        with torch.device("meta"):
+            model = cls(cfg)
+        expected = dict(model.state_dict())
+        state = _read_safetensors(model_dir)
+        unexpected = []
+        for name in list(state):
+            if name in expected:
+                continue
+            if name in _IGNORED_WEIGHTS:
+                logger.warning("drafter checkpoint carries %s; the target's own is used instead", name)
+                state.pop(name)
+            else:
+                unexpected.append(name)
+        if unexpected:
+            raise ValueError(f"drafter checkpoint {model_dir} has weights this model does not know: {unexpected[:8]}")
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(f"drafter checkpoint {model_dir} lacks weights: {missing[:8]}")
+        for name, t in state.items():
+            if tuple(t.shape) != tuple(expected[name].shape):
+                want = tuple(expected[name].shape)
+                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != config shape {want}")
+            state[name] = t.to(device=device, dtype=dtype)
+        model.load_state_dict(state, assign=True, strict=True)
+        model.rotary.inv_freq = rope_inv_freq(cfg)[0].to(device)
+        return model.eval()
+
+    def save_pretrained(self, model_dir: str | Path) -> None:
+        """Writes config.json and model.safetensors in the published format."""
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        dtype = next(iter(state.values())).dtype
+        cfg = self.config
+        cfg.raw = cfg.to_dict()
+        key = "torch_dtype" if "torch_dtype" in cfg.raw and "dtype" not in cfg.raw else "dtype"
+        cfg.raw[key] = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+        cfg.save(model_dir)
+        save_file(state, str(model_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def _safetensors_files(model_dir: Path) -> dict[str, list[str]]:
+    """file name -> tensor names to read, from the shard index when there is one."""
+    index = model_dir / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        files: dict[str, list[str]] = {}
+        for name, fname in json.loads(index.read_text())["weight_map"].items():
+            files.setdefault(fname, []).append(name)
+        return files
+    if (model_dir / WEIGHTS_NAME).is_file():
+        return {WEIGHTS_NAME: []}
+    found = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    return {f: [] for f in found}
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) checkpoint, loaded to CPU."""
+    state: dict[str, torch.Tensor] = {}
+    for fname, names in _safetensors_files(model_dir).items():
+        with safe_open(str(model_dir / fname), framework="pt", device="cpu") as f:
+            for name in names or list(f.keys()):
+                state[name] = f.get_tensor(name)
+    return state
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Target embedding / LM head
+# --------------------------------------------------------------------------------------------------------------
+
+_EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",  # Qwen3.5/3.6 multimodal wrapper
+    "language_model.model.embed_tokens.weight",  # older multimodal wrappers
+    "embed_tokens.weight",
+)
+_LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight")
+
+
+def _target_tied(target_dir: Path) -> bool:
+    """tie_word_embeddings of the target (top level or its text_config); False when unsaid."""
+    path = target_dir / CONFIG_NAME
+    if not path.is_file():
+        return False
+    cfg = json.loads(path.read_text())
+    text = cfg.get("text_config") or {}
+    return bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+
+
+def load_target_embeddings(
+    target_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_weight [V, H], lm_head_weight [V, H]) read alone from the target's safetensors (same tensor if tied)."""
+    target_dir = Path(target_dir)
+    files = _safetensors_files(target_dir)
+    # name -> file, from the index or from the headers (safe_open reads only the header, tensors on demand)
+    where: dict[str, str] = {}
+    for fname, names in files.items():
+        if names:
+            where.update({n: fname for n in names})
+        else:
+            with safe_open(str(target_dir / fname), framework="pt", device="cpu") as f:
+                where.update({n: fname for n in f.keys()})
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(target_dir / where[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name).to(device=device, dtype=dtype)
+
+    embed_name = next((n for n in _EMBED_NAMES if n in where), None)
+    if embed_name is None:
+        raise ValueError(f"target checkpoint {target_dir} has no embed_tokens weight (looked for {_EMBED_NAMES})")
+    embed = read(embed_name)
+    head_name = next((n for n in _LM_HEAD_NAMES if n in where), None)
+    if _target_tied(target_dir) or head_name is None:
+        return embed, embed
+    head = read(head_name)
+    if head.shape != embed.shape:
+        raise ValueError(f"target lm_head {tuple(head.shape)} and embed_tokens {tuple(embed.shape)} differ in shape")
+    return embed, head

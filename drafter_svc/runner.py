@@ -1,0 +1,215 @@
+"""DrafterRunner: per-sequence cache of context K/V and one batched DFlash block forward per step (no gRPC).
+
+Each running sequence owns a slot of preallocated tensors holding, per drafter layer, the context keys (after
+k_norm and RoPE at their own positions) and values; a context row is projected exactly once, when it arrives
+(`add_context`). `draft` builds the block [bonus, MASK x (block_size - 1)] at positions context_len .. context_len +
+block_size - 1 for every sequence, runs one forward over the whole batch (keys padded to the longest context and
+masked), and returns the top-K tokens per position from a float32 log-softmax at temperature 1. Slot i of the block
+predicts the token at its own position (no shift), so position j of the result is slot j + 1. Block K/V are
+never stored.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from drafter_svc.dflash_model import ContextKV, DFlashDraftModel, load_target_embeddings
+
+
+@dataclass
+class DrafterConfig:
+    """Where the drafter and its target live, and how much cache to preallocate."""
+
+    drafter_dir: str
+    target_model_dir: str
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    max_batch: int = 8
+    max_seq_len: int = 2048
+
+
+@dataclass
+class DraftItem:
+    """One sequence of a draft batch: its bonus token sits at position context_len."""
+
+    seq_id: str
+    bonus_token: int
+    context_len: int
+
+
+class DrafterRunner:
+    """Context cache + batched block drafting for a DFlash drafter sharing the target's embedding and head."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        if cfg.max_batch < 1 or cfg.max_seq_len < 1:
+            raise ValueError("max_batch and max_seq_len must be >= 1")
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.dtype
+        self.model = DFlashDraftModel.from_pretrained(cfg.drafter_dir, self.device, self.dtype)
+        mc = self.model.config
+        if mc.mask_token_id is None:
+            raise ValueError(f"drafter {cfg.drafter_dir} has no dflash_config.mask_token_id")
+        self.embed_weight, self.lm_head_weight = load_target_embeddings(cfg.target_model_dir, self.device, self.dtype)
+        if self.embed_weight.shape[1] != mc.hidden_size:
+            raise ValueError(
+                f"target hidden size {self.embed_weight.shape[1]} != drafter hidden size {mc.hidden_size}"
+            )
+        if not 0 <= mc.mask_token_id < self.embed_weight.shape[0]:
+            raise ValueError(f"mask_token_id {mc.mask_token_id} is outside the target vocabulary")
+        self.vocab_size = int(self.lm_head_weight.shape[0])
+        shape = (cfg.max_batch, mc.num_key_value_heads, cfg.max_seq_len, mc.head_dim)
+        # One K and one V tensor per layer, slot-major so that a batch of consecutive slots is a view.
+        self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(mc.num_hidden_layers)]
+        self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(mc.num_hidden_layers)]
+        self._slot: dict[str, int] = {}
+        self._len: dict[str, int] = {}
+        self._free = list(range(cfg.max_batch))
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Properties
+    # ------------------------------------------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.model.config.target_layer_ids)
+
+    @property
+    def mask_token_id(self) -> int:
+        return int(self.model.config.mask_token_id)  # type: ignore[arg-type]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def feature_dim(self) -> int:
+        return self.model.config.feature_dim
+
+    def context_len(self, seq_id: str) -> int:
+        """Context rows held for a sequence (0 when unknown)."""
+        return self._len.get(seq_id, 0)
+
+    def cache_usage(self) -> tuple[int, int, int, int]:
+        """(running sequences, max_batch, used tokens, capacity tokens)."""
+        with self._lock:
+            capacity = self.cfg.max_batch * self.cfg.max_seq_len
+            return len(self._slot), self.cfg.max_batch, sum(self._len.values()), capacity
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Context
+    # ------------------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def add_context(self, seq_id: str, start: int, features: torch.Tensor) -> None:
+        """Appends feature rows [n, F] for positions start .. start + n - 1; start must equal the rows held."""
+        if features.dim() != 2 or features.shape[1] != self.feature_dim:
+            raise ValueError(f"features must be [n, {self.feature_dim}], got {tuple(features.shape)}")
+        n = int(features.shape[0])
+        with self._lock:
+            held = self._len.get(seq_id)
+            if start != (held or 0):
+                raise ValueError(f"sequence {seq_id!r}: context rows start at {start}, expected {held or 0}")
+            if n == 0:
+                return
+            if (held or 0) + n > self.cfg.max_seq_len:
+                raise RuntimeError(
+                    f"capacity exceeded: sequence {seq_id!r} would hold {(held or 0) + n} context rows "
+                    f"(max_seq_len {self.cfg.max_seq_len})"
+                )
+            if held is None:
+                if not self._free:
+                    raise RuntimeError(f"capacity exceeded: all {self.cfg.max_batch} drafter slots are in use")
+                # Lowest slot first keeps running batches on consecutive slots (a view, no gather).
+                self._free.sort()
+                self._slot[seq_id] = self._free.pop(0)
+                self._len[seq_id] = 0
+            slot = self._slot[seq_id]
+            x = features.to(device=self.device, dtype=self.dtype).unsqueeze(0)
+            pos = torch.arange(start, start + n, device=self.device).unsqueeze(0)
+            ctx = self.model.project_context(x, pos)
+            for i in range(len(self.k_cache)):
+                self.k_cache[i][slot, :, start : start + n] = ctx.keys[i][0]
+                self.v_cache[i][slot, :, start : start + n] = ctx.values[i][0]
+            self._len[seq_id] = start + n
+
+    def release(self, seq_id: str) -> bool:
+        """Frees a sequence's slot; False when it was not held (releases are idempotent)."""
+        with self._lock:
+            slot = self._slot.pop(seq_id, None)
+            self._len.pop(seq_id, None)
+            if slot is None:
+                return False
+            self._free.append(slot)
+            return True
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Draft
+    # ------------------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def draft(self, items: list[DraftItem], top_k: int, max_depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block forward for all items -> (top-K log-probs [B, L, K] descending, token ids [B, L, K])."""
+        bs = self.block_size
+        if not items:
+            raise ValueError("draft needs at least one sequence")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if not 0 <= max_depth <= bs - 1:
+            raise ValueError(f"max_depth must be in [0, {bs - 1}] (0 = all), got {max_depth}")
+        depth = max_depth or bs - 1
+        k = min(top_k, self.vocab_size)
+        with self._lock:
+            seen: set[str] = set()
+            for it in items:
+                if it.seq_id in seen:
+                    raise ValueError(f"sequence {it.seq_id!r} appears twice in one draft batch")
+                seen.add(it.seq_id)
+                if it.seq_id not in self._slot:
+                    raise KeyError(f"unknown sequence {it.seq_id!r}")
+                if it.context_len != self._len[it.seq_id]:
+                    raise ValueError(
+                        f"sequence {it.seq_id!r}: draft at context_len {it.context_len}, "
+                        f"but {self._len[it.seq_id]} context rows are held"
+                    )
+                if not 0 <= it.bonus_token < self.embed_weight.shape[0]:
+                    raise ValueError(f"bonus token {it.bonus_token} is outside the vocabulary")
+            slots = [self._slot[it.seq_id] for it in items]
+            lens = [it.context_len for it in items]
+            past, mask = self._gather(slots, lens, bs)
+            dev = self.device
+            ctx_len = torch.tensor(lens, device=dev)
+            ids = torch.full((len(items), bs), self.mask_token_id, dtype=torch.long, device=dev)
+            ids[:, 0] = torch.tensor([it.bonus_token for it in items], device=dev)
+            noise = self.model.embed(ids, self.embed_weight)
+            positions = ctx_len[:, None] + torch.arange(bs, device=dev)
+            h = self.model(noise, None, positions, attention_mask=mask, past=past)
+            logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            values, indices = torch.topk(logprobs, k, dim=-1, sorted=True)
+            return values, indices
+
+    def _gather(self, slots: list[int], lens: list[int], bs: int) -> tuple[ContextKV, torch.Tensor]:
+        """Context K/V of the batch padded to the longest context, and the [B, 1, bs, Lmax + bs] key mask."""
+        lmax = max(lens)
+        dev = self.device
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            sel = slice(slots[0], slots[0] + len(slots))  # consecutive slots: views, no copy
+            keys = [kc[sel, :, :lmax] for kc in self.k_cache]
+            values = [vc[sel, :, :lmax] for vc in self.v_cache]
+        else:
+            idx = torch.tensor(slots, device=dev)
+            keys = [kc[idx, :, :lmax] for kc in self.k_cache]
+            values = [vc[idx, :, :lmax] for vc in self.v_cache]
+        key_pos = torch.arange(lmax, device=dev).expand(len(slots), lmax)
+        valid = key_pos < torch.tensor(lens, device=dev)[:, None]  # padding rows of shorter contexts
+        mask = torch.cat([valid, torch.ones(len(slots), bs, dtype=torch.bool, device=dev)], dim=1)
+        mask = mask[:, None, None, :].expand(len(slots), 1, bs, lmax + bs)
+        return ContextKV(keys, values, key_pos), mask

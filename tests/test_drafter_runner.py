@@ -1,0 +1,143 @@
+"""DrafterRunner: the cached, batched draft equals a from-scratch forward per sequence; windows; errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter_svc.runner import DrafterConfig, DrafterRunner, DraftItem
+from tests.fixtures import make_tiny_qwen3
+from tests.fixtures.tiny_drafter import make_tiny_drafter
+
+BS = 8  # block size of the test drafters (small, to keep the tests fast)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafter")
+    target = make_tiny_qwen3(root / "target")
+    return {
+        "target": target,
+        "full": make_tiny_drafter(root / "full", target, seed=1, block_size=BS, target_layer_ids=[0, 2]),
+        "mixed": make_tiny_drafter(root / "mixed", target, seed=2, num_layers=3, block_size=BS, sliding_window=4,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        "swa": make_tiny_drafter(root / "swa", target, seed=3, block_size=BS, sliding_window=4,
+                                 layer_types=["sliding_attention", "sliding_attention"]),
+    }
+
+
+def _runner(dirs, kind: str, **kw) -> DrafterRunner:
+    return DrafterRunner(DrafterConfig(str(dirs[kind]), str(dirs["target"]), **kw))
+
+
+def _naive_logprobs(r: DrafterRunner, feats: torch.Tensor, bonus: int) -> torch.Tensor:
+    """From scratch: the whole context + block in one uncached forward, one sequence alone -> [BS-1, V]."""
+    c = feats.shape[0]
+    ids = torch.tensor([[bonus] + [r.mask_token_id] * (BS - 1)])
+    with torch.no_grad():
+        h = r.model(r.model.embed(ids, r.embed_weight), feats[None], torch.arange(c + BS))
+        return torch.log_softmax(r.model.compute_logits(h[0, 1:], r.lm_head_weight).float(), dim=-1)
+
+
+def _check_batch(r: DrafterRunner, feats: dict[str, torch.Tensor], held: dict[str, int], order, top_k=5, depth=0):
+    items = [DraftItem(s, 7 + i, held[s]) for i, s in enumerate(order)]
+    vals, ids = r.draft(items, top_k=top_k, max_depth=depth)
+    L = depth or BS - 1
+    assert vals.shape == ids.shape == (len(order), L, min(top_k, r.vocab_size))
+    for b, it in enumerate(items):
+        ref = _naive_logprobs(r, feats[it.seq_id][: it.context_len], it.bonus_token)[:L]
+        ref_vals, ref_ids = torch.topk(ref, vals.shape[-1], dim=-1)
+        torch.testing.assert_close(vals[b], ref_vals, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ids[b], ref_ids)
+        assert torch.all(vals[b, :, :-1] >= vals[b, :, 1:])  # sorted, best first
+    return vals, ids
+
+
+@pytest.mark.parametrize("kind", ["full", "mixed"])
+def test_cached_batched_draft_equals_naive(dirs, kind):
+    r = _runner(dirs, kind, max_batch=4, max_seq_len=64)
+    g = torch.Generator().manual_seed(0)
+    seqs = {"a": 23, "b": 14, "c": 31}
+    feats = {s: torch.randn(n, r.feature_dim, generator=g) for s, n in seqs.items()}
+    held = {s: 0 for s in seqs}
+    # Several rounds of appends of uneven sizes (prefill, then accepted-token rows), a draft after each round.
+    for rnd, chunk in enumerate([{"a": 9, "b": 5, "c": 3}, {"a": 1, "b": 4, "c": 12}, {"a": 13, "b": 5, "c": 16}]):
+        for s, n in chunk.items():
+            r.add_context(s, held[s], feats[s][held[s] : held[s] + n])
+            held[s] += n
+        _check_batch(r, feats, held, ["a", "b", "c"], top_k=5 + rnd)
+    # A single sequence, a batch in another order, and non-consecutive slots after a release.
+    _check_batch(r, feats, held, ["c"])
+    _check_batch(r, feats, held, ["c", "a"], depth=3)
+    assert r.release("b") and not r.release("b")
+    r.add_context("d", 0, feats["b"][:6])
+    held["d"], feats["d"] = 6, feats["b"]
+    _check_batch(r, feats, held, ["d", "c", "a"], top_k=10_000)  # K clamps to the vocabulary
+    assert r.cache_usage() == (3, 4, held["a"] + held["c"] + 6, 4 * 64)
+
+
+def test_sliding_window_hides_old_context(dirs):
+    """With only sliding layers (window 4), rows more than the window behind every query cannot matter."""
+    g = torch.Generator().manual_seed(1)
+    c = 12
+    base = torch.randn(c, 3 * 64, generator=g)
+
+    def draft(kind: str, feats: torch.Tensor) -> torch.Tensor:
+        r = _runner(dirs, kind, max_batch=1, max_seq_len=32)
+        r.add_context("s", 0, feats[:, : r.feature_dim])
+        return r.draft([DraftItem("s", 5, c)], top_k=320)[0]
+
+    ref = draft("swa", base)
+    old = base.clone()
+    old[: c - 3] += 10.0  # positions <= c - 4: |q - k| >= 4 for every block query at c .. c + BS - 1
+    torch.testing.assert_close(draft("swa", old), ref, rtol=0, atol=1e-6)
+    near = base.clone()
+    near[c - 2] += 10.0  # inside the window of the first mask slot (position c + 1)
+    assert not torch.allclose(draft("swa", near), ref, atol=1e-3)
+    # A full-attention layer does see the old rows.
+    assert not torch.allclose(draft("mixed", old), draft("mixed", base), atol=1e-3)
+
+
+def test_runner_metadata(dirs):
+    r = _runner(dirs, "mixed")
+    assert r.block_size == BS and r.target_layer_ids == [1, 1, 1] and r.hidden_size == 64
+    assert r.mask_token_id == 3  # <|MASK|> of the tiny tokenizer
+    assert r.feature_dim == 3 * 64 and r.vocab_size == 320
+    assert r.cache_usage() == (0, 8, 0, 8 * 2048)
+
+
+def test_errors(dirs):
+    r = _runner(dirs, "full", max_batch=2, max_seq_len=16)
+    f = torch.randn(20, r.feature_dim)
+    with pytest.raises(ValueError, match="start"):
+        r.add_context("a", 3, f[:2])  # a new sequence starts at 0
+    r.add_context("a", 0, f[:5])
+    with pytest.raises(ValueError, match="expected 5"):
+        r.add_context("a", 4, f[:2])
+    with pytest.raises(ValueError, match="features must be"):
+        r.add_context("a", 5, torch.randn(2, r.feature_dim + 1))
+    with pytest.raises(RuntimeError, match="capacity"):
+        r.add_context("a", 5, f[:12])  # 17 rows > max_seq_len 16
+    assert r.context_len("a") == 5
+    with pytest.raises(KeyError):
+        r.draft([DraftItem("zz", 1, 0)], top_k=4)
+    with pytest.raises(ValueError, match="context rows are held"):
+        r.draft([DraftItem("a", 1, 6)], top_k=4)
+    with pytest.raises(ValueError, match="top_k"):
+        r.draft([DraftItem("a", 1, 5)], top_k=0)
+    with pytest.raises(ValueError, match="max_depth"):
+        r.draft([DraftItem("a", 1, 5)], top_k=4, max_depth=BS)
+    with pytest.raises(ValueError, match="vocabulary"):
+        r.draft([DraftItem("a", 320, 5)], top_k=4)
+    with pytest.raises(ValueError, match="twice"):
+        r.draft([DraftItem("a", 1, 5), DraftItem("a", 1, 5)], top_k=4)
+    with pytest.raises(ValueError, match="at least one"):
+        r.draft([], top_k=4)
+    r.add_context("b", 0, f[:1])
+    with pytest.raises(RuntimeError, match="capacity"):
+        r.add_context("c", 0, f[:1])  # both slots in use
+    assert r.release("a")
+    r.add_context("c", 0, f[:1])  # the freed slot is reused
+    vals, ids = r.draft([DraftItem("c", 1, 1), DraftItem("b", 2, 1)], top_k=3, max_depth=2)
+    assert vals.shape == (2, 2, 3) and torch.isfinite(vals).all()
