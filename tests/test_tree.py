@@ -1,0 +1,246 @@
+"""DDTree builders: brute-force optimum, heap reference == batched fast path, chains, helpers."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from ddtree_serve.tree import (
+    DraftTree,
+    build_chain,
+    build_ddtree_batch,
+    build_ddtree_reference,
+    expected_acceptance_length,
+    expected_acceptance_lengths,
+    num_prefixes,
+    pad_trees,
+    root_tree,
+    tree_log_probs,
+    validate_tree,
+)
+
+
+def random_topk(gen: torch.Generator, batch: int, n_pos: int, k: int, vocab: int = 40, sharp: float = 2.0):
+    """Sorted top-K log-probs/ids of random drafter distributions (continuous: no exact ties)."""
+    logp = torch.log_softmax(torch.randn(batch, n_pos, vocab, generator=gen) * sharp, dim=-1)
+    values, ids = logp.topk(k, dim=-1)
+    return values, ids
+
+
+def token_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Token sequence from the root (excluded) to each draft node."""
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, len(toks)):
+        paths.append(paths[pars[i]] + (toks[i],))
+    return paths[1:]
+
+
+def brute_force_top(logprobs: torch.Tensor, ids: torch.Tensor, budget: int) -> set[tuple[int, ...]]:
+    """The `budget` highest-scoring prefixes, enumerated exhaustively (float64 scores)."""
+    n_pos, k = logprobs.shape
+    lp = logprobs.double()
+    scored = []
+    for depth in range(1, n_pos + 1):
+        for ranks in itertools.product(range(k), repeat=depth):
+            score = sum(float(lp[d, r]) for d, r in enumerate(ranks))
+            scored.append((score, tuple(int(ids[d, r]) for d, r in enumerate(ranks))))
+    scored.sort(key=lambda s: -s[0])
+    return {p for _, p in scored[:budget]}
+
+
+def assert_same_tree(a: DraftTree, b: DraftTree) -> None:
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert a.parents.tolist() == b.parents.tolist()
+    assert a.depths.tolist() == b.depths.tolist()
+    assert torch.equal(a.log_probs, b.log_probs)
+
+
+def test_reference_equals_brute_force_top_prefixes():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        n_pos, k = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 5, (1,), generator=gen))
+        lp, ids = random_topk(gen, 1, n_pos, k)
+        total = num_prefixes(k, n_pos, 10**9)
+        for budget in (1, 3, 7, total // 2 + 1, total + 5):
+            tree = build_ddtree_reference(lp[0], ids[0], budget)
+            assert tree.size == 1 + min(budget, total)
+            assert set(token_paths(tree)) == brute_force_top(lp[0], ids[0], budget)
+
+
+def test_batch_equals_brute_force_top_prefixes():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        n_pos, k = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 5, (1,), generator=gen))
+        lp, ids = random_topk(gen, 3, n_pos, k)
+        budgets = [int(b) for b in torch.randint(1, 30, (3,), generator=gen)]
+        batch = build_ddtree_batch(lp, ids, [0, 0, 0], budgets)
+        for b in range(3):
+            assert set(token_paths(batch.tree(b))) == brute_force_top(lp[b], ids[b], budgets[b])
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 64, 10_000])
+def test_batch_equals_reference_same_order(budget):
+    gen = torch.Generator().manual_seed(budget)
+    lp, ids = random_topk(gen, 4, 5, 6)
+    roots = [11, 12, 13, 14]
+    batch = build_ddtree_batch(lp, ids, roots, budget)
+    for b in range(4):
+        assert_same_tree(batch.tree(b), build_ddtree_reference(lp[b], ids[b], budget, root_token=roots[b]))
+    assert batch.sizes == [1 + min(budget, num_prefixes(6, 5, budget))] * 4
+
+
+def test_batch_equals_reference_mixed_budgets_and_depths():
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(25):
+        bsz, n_pos = 5, int(torch.randint(1, 8, (1,), generator=gen))
+        k = int(torch.randint(1, 12, (1,), generator=gen))
+        lp, ids = random_topk(gen, bsz, n_pos, k, vocab=64, sharp=float(torch.rand(1, generator=gen)) * 4)
+        budgets = [int(x) for x in torch.randint(0, 80, (bsz,), generator=gen)]
+        depths = [int(x) for x in torch.randint(0, n_pos + 2, (bsz,), generator=gen)]
+        batch = build_ddtree_batch(lp, ids, torch.arange(bsz), budgets, depths)
+        for b in range(bsz):
+            ref = build_ddtree_reference(lp[b], ids[b], budgets[b], max_depth=depths[b], root_token=b)
+            assert_same_tree(batch.tree(b), ref)
+            assert int(batch.tree(b).depths.max()) <= depths[b]
+
+
+def test_batch_equals_reference_large_budget():
+    gen = torch.Generator().manual_seed(3)
+    lp, ids = random_topk(gen, 2, 15, 64, vocab=500, sharp=3.0)
+    batch = build_ddtree_batch(lp, ids, [5, 6], [300, 57])
+    assert_same_tree(batch.tree(0), build_ddtree_reference(lp[0], ids[0], 300, root_token=5))
+    assert_same_tree(batch.tree(1), build_ddtree_reference(lp[1], ids[1], 57, root_token=6))
+
+
+def test_ties_broken_by_rank_tuple_like_the_heap():
+    # all log-probs equal: every depth-1 prefix ties, then every depth-2 prefix: order = rank tuples
+    lp = torch.full((2, 2), -1.0)
+    ids = torch.tensor([[10, 11], [20, 21]])
+    ref = build_ddtree_reference(lp, ids, 6)
+    assert ref.tokens.tolist() == [0, 10, 11, 20, 21, 20, 21]
+    assert ref.parents.tolist() == [-1, 0, 0, 1, 1, 2, 2]
+    assert_same_tree(build_ddtree_batch(lp[None], ids[None], [0], 6).tree(0), ref)
+
+
+def test_ties_on_coarse_grid_batch_equals_reference():
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        # log-probs on a coarse grid, sorted: many exact ties between prefixes of different depths
+        lp = (-0.5 * torch.randint(0, 4, (3, 6, 5), generator=gen).float()).sort(dim=-1, descending=True).values
+        ids = torch.arange(5).expand(3, 6, 5) + 100 * torch.arange(6)[None, :, None]
+        budgets = [int(x) for x in torch.randint(1, 60, (3,), generator=gen)]
+        batch = build_ddtree_batch(lp, ids, [0, 0, 0], budgets)
+        for b in range(3):
+            assert_same_tree(batch.tree(b), build_ddtree_reference(lp[b], ids[b], budgets[b]))
+
+
+def test_pop_order_parents_first_scores_non_increasing():
+    gen = torch.Generator().manual_seed(9)
+    lp, ids = random_topk(gen, 3, 8, 10)
+    batch = build_ddtree_batch(lp, ids, [0, 0, 0], [50, 20, 90])
+    for tree in batch.unbind():
+        par = tree.parents[1:]
+        assert bool((par < torch.arange(1, tree.size)).all()) and bool((par >= 0).all())
+        assert bool((tree.depths[1:] == tree.depths[par] + 1).all())
+        assert bool((tree.log_probs[1:].diff() <= 0).all())
+        validate_tree(tree.tokens, tree.parents)
+
+
+def test_padding_of_batch_rows():
+    gen = torch.Generator().manual_seed(2)
+    lp, ids = random_topk(gen, 2, 4, 3)
+    batch = build_ddtree_batch(lp, ids, [7, 8], [10, 3])
+    assert batch.tokens.shape == (2, 11) and batch.sizes == [11, 4]
+    assert batch.parents[1, 4:].tolist() == [-1] * 7
+    assert bool(torch.isinf(batch.log_probs[1, 4:]).all())
+
+
+def test_zero_budget_and_zero_depth_give_root_only():
+    gen = torch.Generator().manual_seed(4)
+    lp, ids = random_topk(gen, 2, 4, 3)
+    batch = build_ddtree_batch(lp, ids, [7, 8], [0, 5], max_depths=[3, 0])
+    assert batch.sizes == [1, 1]
+    assert batch.tokens.tolist() == [[7], [8]] and batch.parents.tolist() == [[-1], [-1]]
+    single = root_tree(42)
+    assert single.size == 1 and single.tokens.tolist() == [42] and single.parents.tolist() == [-1]
+
+
+def test_chain_shape_and_tokens():
+    gen = torch.Generator().manual_seed(6)
+    lp, ids = random_topk(gen, 3, 6, 4)
+    chain = build_chain(lp, ids, [1, 2, 3], max_depths=[6, 2, 0])
+    assert chain.sizes == [7, 3, 1]
+    first = chain.tree(0)
+    assert first.parents.tolist() == [-1, 0, 1, 2, 3, 4, 5]
+    assert first.depths.tolist() == list(range(7))
+    assert first.tokens.tolist() == [1] + ids[0, :, 0].tolist()
+    assert chain.tree(1).tokens.tolist() == [2] + ids[1, :2, 0].tolist()
+    assert chain.tree(2).tokens.tolist() == [3]
+
+
+def test_chain_equals_top1_ddtree():
+    gen = torch.Generator().manual_seed(8)
+    lp, ids = random_topk(gen, 2, 5, 4)
+    chain = build_chain(lp, ids, [1, 2], max_depths=[5, 3])
+    tree = build_ddtree_batch(lp[..., :1], ids[..., :1], [1, 2], [100, 100], max_depths=[5, 3])
+    for a, b in zip(chain.unbind(), tree.unbind()):
+        assert_same_tree(a, b)
+
+
+def test_expected_acceptance_length_of_chain():
+    lp = torch.full((1, 4, 2), math.log(0.5))
+    ids = torch.tensor([[[1, 2]] * 4])
+    chain = build_chain(lp, ids, [0])
+    assert expected_acceptance_length(chain.tree(0)) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert float(expected_acceptance_lengths(chain)[0]) == pytest.approx(1.9375)
+
+
+def test_tree_log_probs_match_builder_scores():
+    gen = torch.Generator().manual_seed(10)
+    lp, ids = random_topk(gen, 1, 5, 6)
+    tree = build_ddtree_reference(lp[0], ids[0], 40)
+    bare = DraftTree(tree.tokens, tree.parents, tree.depths)
+    torch.testing.assert_close(tree_log_probs(bare, lp[0], ids[0]), tree.log_probs, atol=1e-5, rtol=0)
+    assert expected_acceptance_length(bare, lp[0], ids[0]) == pytest.approx(expected_acceptance_length(tree))
+
+
+def test_larger_budget_never_lowers_expected_acceptance():
+    gen = torch.Generator().manual_seed(11)
+    lp, ids = random_topk(gen, 1, 6, 8)
+    values = [expected_acceptance_length(build_ddtree_reference(lp[0], ids[0], b)) for b in (1, 4, 16, 64)]
+    assert values == sorted(values) and values[0] > 1.0
+
+
+def test_pad_trees_roundtrip():
+    gen = torch.Generator().manual_seed(12)
+    lp, ids = random_topk(gen, 2, 4, 3)
+    trees = [build_ddtree_reference(lp[b], ids[b], n, root_token=b) for b, n in enumerate((9, 2))]
+    batch = pad_trees(trees)
+    assert batch.sizes == [10, 3]
+    for a, b in zip(batch.unbind(), trees):
+        assert_same_tree(a, b)
+
+
+@pytest.mark.parametrize(
+    "tokens,parents,message",
+    [
+        ([5, 6, 6], [-1, 0, 0], "distinct"),
+        ([5, 6, 7], [-1, 0, 2], "smaller index"),
+        ([5, 6], [0, 0], "parents\\[0\\]"),
+        ([5, 99], [-1, 0], "token ids"),
+    ],
+)
+def test_validate_tree_rejects_bad_trees(tokens, parents, message):
+    with pytest.raises(ValueError, match=message):
+        validate_tree(torch.tensor(tokens), torch.tensor(parents), vocab_size=50)
+
+
+def test_mismatched_shapes_raise_value_error():
+    lp = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError):
+        build_ddtree_batch(lp, torch.zeros(2, 3, 5, dtype=torch.long), [0, 0], 4)
+    with pytest.raises(ValueError):
+        build_ddtree_batch(lp, torch.zeros(2, 3, 4, dtype=torch.long), [0, 0], [4, 4, 4])
