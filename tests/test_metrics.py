@@ -5,6 +5,7 @@ import asyncio
 import io
 import json
 import logging
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 
@@ -170,10 +171,21 @@ def test_metrics_http_server_ephemeral_port() -> None:
     server = M.serve_metrics(0, reg, host="127.0.0.1")
     try:
         assert server.port > 0
-        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).read().decode()
+        # The Accept header Prometheus 2.x/3.x sends: OpenMetrics first. prometheus_client would answer it with
+        # escaped names (vllm_...); our endpoint keeps the declared names.
+        req = urllib.request.Request(f"http://127.0.0.1:{server.port}/metrics", headers={"Accept": (
+            "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+            "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            body = resp.read().decode()
+            assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         assert 'vllm:num_requests_running{engine="ddtree-serve",model_name="m"} 1.0' in body
+        assert "vllm_" not in body
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/nope", timeout=5)
     finally:
         server.close()
+    assert M.start_metrics_server(0, CollectorRegistry(), host="127.0.0.1") > 0
 
 
 # -- interceptors on a tiny grpc.aio server (generic handlers, raw bytes) ----------------------------------
