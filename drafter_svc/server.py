@@ -162,14 +162,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return drafter_pb2.DrafterReleaseResponse(released=released, cache=self._cache())
 
     def _release_all(self, seq_ids: list[str]) -> int:
-        released = 0
-        for seq_id in seq_ids:
-            try:
-                self.runner.release(seq_id)
-                released += 1
-            except KeyError:
-                pass
-        return released
+        return sum(bool(self.runner.release(seq_id)) for seq_id in seq_ids)
 
 
 async def serve(cfg: DrafterServerConfig, host: str, port: int, metrics_port: int | None = None,

@@ -97,7 +97,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         r = self.runner
         return target_pb2.TargetInfo(
             model_name=Path(self.cfg.model_dir).name, model_type=r.model_type, vocab_size=r.vocab_size,
-            max_seq_len=r.max_seq_len, eos_token_ids=r.eos_token_ids, hidden_size=r.hidden_size,
+            max_seq_len=self.cfg.max_seq_len, eos_token_ids=r.eos_token_ids, hidden_size=r.hidden_size,
             num_layers=r.num_layers, max_batch=self.cfg.max_batch, max_tree_nodes=self.cfg.max_tree_nodes,
             cache=self._observe_cache(), device=self.cfg.device, dtype=self.cfg.dtype)
 

@@ -1,0 +1,125 @@
+"""At temperature > 0, speculative decoding (chain and DDTree) samples exactly the target's distribution.
+
+A goodness-of-fit test on a tiny vocabulary: many independently seeded sequences each take a prefill token and
+one speculative step through the real runners and tree builders; the empirical joint of the first two generated
+tokens, and the marginal of the third, are compared with the exact distributions computed from the target.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import transformers
+from scipy.stats import chisquare
+
+from ddtree_serve.config import SamplingParams
+from ddtree_serve.tree import build_chain, build_ddtree_batch
+from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
+from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
+from tests.fixtures.tiny_drafter import make_tiny_drafter
+
+VOCAB = 8
+TEMPERATURE = 1.3
+PROMPT = [1, 2, 3, 4]
+DRAWS = 3000
+BATCH = 250
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory):
+    """A random Qwen3 target over 8 tokens, and a random drafter for it."""
+    root = tmp_path_factory.mktemp("tiny-vocab")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=128, tie_word_embeddings=False, eos_token_id=None,
+                                      bos_token_id=None, pad_token_id=None)
+    model = transformers.Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # peaky but not degenerate: several tokens carry real mass
+    model.save_pretrained(root / "target")
+    make_tiny_drafter(root / "drafter", root / "target", seed=3)
+    return root / "target", root / "drafter", model
+
+
+def exact_distributions(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(t1, t2) [V, V] and p(t3) [V] under the target at TEMPERATURE."""
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1].double() / TEMPERATURE, -1)
+        ctx2 = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+        p2 = torch.softmax(model(ctx2).logits[:, -1].double() / TEMPERATURE, -1)          # [t1, t2]
+        pairs = list(itertools.product(range(VOCAB), repeat=2))
+        ctx3 = torch.tensor([PROMPT + [a, b] for a, b in pairs])
+        p3 = torch.softmax(model(ctx3).logits[:, -1].double() / TEMPERATURE, -1).reshape(VOCAB, VOCAB, VOCAB)
+    joint12 = p1[:, None] * p2
+    marg3 = (joint12[:, :, None] * p3).sum((0, 1))
+    return joint12, marg3
+
+
+def speculative_samples(target_dir, drafter_dir, mode: str) -> list[list[int]]:
+    """First three generated tokens of DRAWS sequences: prefill token, then one speculative step (and more if short)."""
+    target = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cpu", dtype=torch.float32, max_batch=BATCH,
+                                       max_seq_len=64, max_tree_nodes=65))
+    drafter = DrafterRunner(DrafterConfig(drafter_dir=str(drafter_dir), target_model_dir=str(target_dir),
+                                          device="cpu", dtype=torch.float32, max_batch=BATCH, max_seq_len=64))
+    target.set_feature_layers(drafter.target_layer_ids)
+    samples = []
+    for start in range(0, DRAWS, BATCH):
+        ids = [f"s{start + i}" for i in range(BATCH)]
+        params = [SamplingParams(temperature=TEMPERATURE, seed=1000 + start + i) for i in range(BATCH)]
+        outs = target.prefill([PrefillItem(s, PROMPT, p, True) for s, p in zip(ids, params)])
+        generated = {o.seq_id: [o.next_token] for o in outs}
+        ctx = {o.seq_id: o.context_len for o in outs}
+        for o in outs:
+            drafter.add_context(o.seq_id, 0, o.features)
+        while any(len(g) < 3 for g in generated.values()):
+            items = [DraftItem(s, generated[s][-1], ctx[s]) for s in ids]
+            logprobs, topk = drafter.draft(items, top_k=VOCAB if mode == "ddtree" else 1, max_depth=4)
+            roots = [generated[s][-1] for s in ids]
+            batch = (build_ddtree_batch(logprobs, topk, roots, [12] * len(ids), [4] * len(ids)) if mode == "ddtree"
+                     else build_chain(logprobs, topk, roots, [4] * len(ids)))
+            results = target.verify([VerifyItem(s, t.tokens, t.parents) for s, t in zip(ids, batch.unbind())])
+            for r in results:
+                generated[r.seq_id] += r.accepted_tokens + [r.next_token]
+                drafter.add_context(r.seq_id, ctx[r.seq_id], r.features)
+                ctx[r.seq_id] = r.context_len
+        for s in ids:
+            samples.append(generated[s][:3])
+            target.release(s)
+            drafter.release(s)
+    return samples
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value, pooling cells whose expected count is below 5 into one."""
+    expected = probs.flatten() * counts.sum()
+    counts = counts.flatten().double()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts[~small]
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected[~small]
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, mode):
+    target_dir, drafter_dir, model = tiny_vocab_pair
+    joint12, marg3 = exact_distributions(model)
+    samples = speculative_samples(target_dir, drafter_dir, mode)
+    counts12 = torch.zeros(VOCAB, VOCAB)
+    counts3 = torch.zeros(VOCAB)
+    for t1, t2, t3 in samples:
+        counts12[t1, t2] += 1
+        counts3[t3] += 1
+    assert chi2_pvalue(counts12, joint12) > 1e-3
+    assert chi2_pvalue(counts3, marg3) > 1e-3
+
+
+def test_goodness_of_fit_rejects_a_wrong_distribution(tiny_vocab_pair):
+    """The test has power: the same samples against a distribution at another temperature are rejected."""
+    _, _, model = tiny_vocab_pair
+    joint12, _ = exact_distributions(model)
+    g = torch.Generator().manual_seed(0)
+    flat = torch.multinomial(torch.softmax(torch.log(joint12.flatten()) * 1.5, -1).float(), DRAWS, True, generator=g)
+    counts = torch.bincount(flat, minlength=VOCAB * VOCAB).reshape(VOCAB, VOCAB).double()
+    assert chi2_pvalue(counts, joint12) < 1e-6
