@@ -1,0 +1,116 @@
+"""Preallocated per-slot target cache: K/V of full-attention layers and Gated DeltaNet states of linear ones."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from target_svc.gated_deltanet import LinearAttnState, LinearAttnStateShape, allocate_linear_attn_state
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Sizes of the cache; capacity rows per slot = max_seq_len + max_tree_nodes (a verify block fits past ctx)."""
+
+    max_batch: int
+    max_seq_len: int
+    max_tree_nodes: int
+    num_full_layers: int
+    num_kv_heads: int
+    head_dim: int
+    linear_shapes: tuple[LinearAttnStateShape, ...]
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def capacity(self) -> int:
+        """Rows per slot: committed context plus one verify block written past it."""
+        return self.max_seq_len + self.max_tree_nodes
+
+
+@dataclass
+class KVCache:
+    """K/V `[n_full_layers, max_batch, capacity, n_kv, head_dim]` plus per-linear-layer states; slots by seq id."""
+
+    spec: CacheSpec
+    k: Tensor
+    v: Tensor
+    linear: list[LinearAttnState]
+    ctx_len: list[int]  # committed tokens per slot (host-side: known without a device sync)
+    slot_of: dict[str, int] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=list)
+
+    @classmethod
+    def allocate(cls, spec: CacheSpec) -> "KVCache":
+        """Zeroed cache with every slot free."""
+        shape = (spec.num_full_layers, spec.max_batch, spec.capacity, spec.num_kv_heads, spec.head_dim)
+        return cls(
+            spec=spec,
+            k=torch.zeros(shape, device=spec.device, dtype=spec.dtype),
+            v=torch.zeros(shape, device=spec.device, dtype=spec.dtype),
+            linear=[allocate_linear_attn_state(s, spec.max_batch, spec.device, spec.dtype) for s in spec.linear_shapes],
+            ctx_len=[0] * spec.max_batch,
+            # Popped from the end: slot 0 is handed out first.
+            free_slots=list(range(spec.max_batch - 1, -1, -1)),
+        )
+
+    def add_sequence(self, seq_id: str) -> int:
+        """Takes a free slot for seq_id and resets its state; RuntimeError('capacity ...') when none is free."""
+        if seq_id in self.slot_of:
+            raise ValueError(f"sequence {seq_id!r} is already in the target cache")
+        if not self.free_slots:
+            raise RuntimeError(f"capacity: all {self.spec.max_batch} sequence slots are in use")
+        slot = self.free_slots.pop()
+        self.slot_of[seq_id] = slot
+        self.ctx_len[slot] = 0
+        # Linear-attention layers start from zero state; K/V rows need no reset (ctx_len bounds what is read).
+        for state in self.linear:
+            state.conv[slot].zero_()
+            state.rec[slot].zero_()
+        return slot
+
+    def release(self, seq_id: str) -> None:
+        """Frees the slot of seq_id; KeyError if unknown."""
+        slot = self.slot(seq_id)
+        del self.slot_of[seq_id]
+        self.ctx_len[slot] = 0
+        self.free_slots.append(slot)
+
+    def slot(self, seq_id: str) -> int:
+        """Slot of seq_id; KeyError if unknown."""
+        try:
+            return self.slot_of[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence id {seq_id!r}") from None
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences holding a slot."""
+        return len(self.slot_of)
+
+    def used_tokens(self) -> int:
+        """Committed tokens over all live slots."""
+        return sum(self.ctx_len[s] for s in self.slot_of.values())
+
+    def write_kv(self, layer: int, slots: Tensor, rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Writes k/v [B, T, n_kv, head_dim] of full-attention layer `layer` to rows[B, T] of slots[B]."""
+        index = (slots[:, None].expand_as(rows), rows)
+        self.k[layer].index_put_(index, k)
+        self.v[layer].index_put_(index, v)
+
+    def read_kv(self, layer: int, slots: Tensor, key_len: int) -> tuple[Tensor, Tensor]:
+        """Rows [0, key_len) of slots[B] for one layer: ([B, key_len, n_kv, hd], same)."""
+        return self.k[layer][slots, :key_len], self.v[layer][slots, :key_len]
+
+    def move_rows(self, slots: Tensor, src_rows: Tensor, dst_rows: Tensor) -> None:
+        """Copies rows src_rows[B, D] to dst_rows[B, D] of slots[B] in every full-attention layer at once.
+
+        Used for compaction of accepted tree rows: gathered before written, so overlapping rows are safe.
+        """
+        if self.spec.num_full_layers == 0:
+            return
+        b_idx = slots[:, None].expand_as(src_rows)
+        for buf in (self.k, self.v):
+            rows = buf[:, b_idx, src_rows]  # [L, B, D, n_kv, hd]
+            buf[:, b_idx, dst_rows] = rows

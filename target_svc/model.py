@@ -1,0 +1,239 @@
+"""Our target forward over the HF modules' weights: padded batches of trees (or chains) against the slot cache.
+
+HF submodules do the norms, MLPs and projections; attention, RoPE, masking, the cache and the Gated DeltaNet
+state handling are ours, so that decode/verify can be captured later (static shapes, no Python per node).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ddtree_serve.acceptance import compaction_indices_batch
+from ddtree_serve.tree_mask import depths_from_parents_batch, tree_attention_mask
+from target_svc.gated_deltanet import (
+    GdnTreeTrace,
+    LinearAttnStateShape,
+    gdn_chain_forward,
+    gdn_commit_path,
+    gdn_tree_forward_lean,
+)
+from target_svc.kv_cache import CacheSpec, KVCache
+from target_svc.loader import FULL_ATTENTION, LoadedTarget
+
+
+@dataclass
+class PendingBlock:
+    """A verified tree not yet committed: its K/V sit past ctx_len, its GDN traces wait for the accepted path."""
+
+    slots: Tensor  # [B]
+    ctx_lens: Tensor  # [B]
+    traces: list[GdnTreeTrace]  # one per linear-attention layer, in layer order
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dim, the HF/NeoX rotary layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotates the first cos.shape[-1] dims of x [B, T, H, D] (partial rotary leaves the rest as is)."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class TargetModel:
+    """The target decoder bound to one KVCache; forward_block verifies padded trees or prefills chains."""
+
+    def __init__(self, target: LoadedTarget, max_batch: int, max_seq_len: int, max_tree_nodes: int):
+        self.target = target
+        self.device = target.device
+        self.dtype = target.dtype
+        self.full_index = {layer: i for i, layer in enumerate(target.full_attention_layers)}
+        self.linear_index = {layer: i for i, layer in enumerate(target.linear_attention_layers)}
+        spec = CacheSpec(
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            max_tree_nodes=max_tree_nodes,
+            num_full_layers=len(self.full_index),
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            linear_shapes=tuple(
+                LinearAttnStateShape.from_module(target.layers[i].linear_attn) for i in self.linear_index
+            ),
+            device=target.device,
+            dtype=target.dtype,
+        )
+        self.cache = KVCache.allocate(spec)
+        self.cos, self.sin = self._rope_tables(spec.capacity)
+        self.pending: PendingBlock | None = None
+
+    def _rope_tables(self, n_positions: int) -> tuple[Tensor, Tensor]:
+        """cos/sin [n_positions, rotary_dim] in the model dtype, computed by HF's own rotary module."""
+        # A lookup by position is exactly what HF computes per call (elementwise in fp32, then cast to the model
+        # dtype); it covers llama3/yarn scaling and partial rotary, and Qwen3.5's M-RoPE, which for text-only
+        # positions (the three sections equal) is plain RoPE over the rotary dims. Static, so graph-capturable.
+        positions = torch.arange(n_positions, dtype=torch.long)[None, :]
+        if hasattr(self.target.rotary_emb, "mrope_section"):
+            # M-RoPE modules take [3, B, P] (temporal, height, width); text positions are equal in all three.
+            positions = positions[None].expand(3, 1, n_positions)
+        probe = torch.zeros(1, dtype=self.dtype)
+        with torch.no_grad():
+            cos, sin = self.target.rotary_emb(probe, positions)
+        return cos[0].to(self.device), sin[0].to(self.device)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_block(
+        self,
+        input_ids: Tensor,
+        parents: Tensor,
+        valid: Tensor,
+        ctx_lens: Tensor,
+        slots: Tensor,
+        *,
+        key_len: int | None = None,
+        feature_layers: tuple[int, ...] = (),
+        chain: bool = False,
+        logits_at: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Padded trees [B, Tmax] at ctx_len + depth -> (logits [B, Tmax, V] fp32, features [B, Tmax, F] | None)."""
+        # valid[b] is a prefix mask (nodes 0..T_b-1); node i's K/V go to cache row ctx_len + i.
+        # chain=True: every row is a chain (prefill / continuation) and linear-attention states are committed at
+        #   once; otherwise the block stays pending until commit_block() knows the accepted paths.
+        # key_len = max(ctx_len + T_b): the caller knows it on the host, so passing it avoids a device sync.
+        # features = cat of HF's hidden_states[i + 1] for i in feature_layers (None when empty).
+        # logits_at [B]: logits of that one row per sequence only ([B, 1, V]; a prefill needs only its last).
+        t = self.target
+        bsz, tmax = input_ids.shape
+        sizes = valid.sum(dim=1)
+        if key_len is None:
+            key_len = int((ctx_lens + sizes).max())
+        depth = depths_from_parents_batch(parents, sizes)
+        positions = ctx_lens[:, None] + depth
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, Tmax, rotary_dim]
+        rows = ctx_lens[:, None] + torch.arange(tmax, device=self.device)
+        mask = tree_attention_mask(ctx_lens, parents, sizes, key_len)[:, None]  # [B, 1, Tmax, key_len]
+
+        wanted = set(feature_layers)
+        feature_set: dict[int, Tensor] = {}
+        traces: list[GdnTreeTrace] = []
+        h = t.embed_tokens(input_ids)
+        for i, layer in enumerate(t.layers):
+            x = layer.input_layernorm(h)
+            if t.layer_types[i] == FULL_ATTENTION:
+                mixed = self._attention(layer.self_attn, self.full_index[i], x, cos, sin, mask, slots, rows, key_len)
+            else:
+                mixed = self._linear_attention(
+                    layer.linear_attn, self.linear_index[i], x, parents, valid, sizes, slots, chain, traces
+                )
+            h = h + mixed
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in wanted:
+                feature_set[i] = h
+        h = t.norm(h)
+        # HF's hidden_states[-1] is taken after the final norm; features follow HF's tuple exactly.
+        feature_set[t.num_layers - 1] = h
+        if logits_at is not None:
+            h = h.gather(1, logits_at[:, None, None].expand(bsz, 1, h.shape[-1]))
+        logits = t.lm_head(h).float()
+        features = torch.cat([feature_set[i] for i in feature_layers], dim=-1) if feature_layers else None
+        self.pending = None if chain else PendingBlock(slots=slots, ctx_lens=ctx_lens, traces=traces)
+        return logits, features
+
+    def _attention(
+        self,
+        attn: nn.Module,
+        cache_layer: int,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        slots: Tensor,
+        rows: Tensor,
+        key_len: int,
+    ) -> Tensor:
+        """Softmax attention over the slot's committed rows plus the block's ancestor rows (tree mask)."""
+        t = self.target
+        bsz, tmax, _ = x.shape
+        nh, nkv, hd = t.num_heads, t.num_kv_heads, t.head_dim
+        q = attn.q_proj(x)
+        # Qwen3.5 gated attention: q_proj also emits a per-head output gate, interleaved per head as [q | gate].
+        gated = q.shape[-1] == 2 * nh * hd
+        if gated:
+            q, gate = q.view(bsz, tmax, nh, 2 * hd).chunk(2, dim=-1)
+            gate = gate.reshape(bsz, tmax, nh * hd)
+        else:
+            q = q.view(bsz, tmax, nh, hd)
+        k = attn.k_proj(x).view(bsz, tmax, nkv, hd)
+        v = attn.v_proj(x).view(bsz, tmax, nkv, hd)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+
+        self.cache.write_kv(cache_layer, slots, rows, k, v)
+        keys, values = self.cache.read_kv(cache_layer, slots, key_len)
+        rep = nh // nkv
+        # GQA: query head h reads kv head h // rep, as HF's repeat_kv.
+        keys = keys.transpose(1, 2).repeat_interleave(rep, dim=1)
+        values = values.transpose(1, 2).repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=attn.scaling)
+        out = out.transpose(1, 2).reshape(bsz, tmax, nh * hd)
+        if gated:
+            out = out * torch.sigmoid(gate)
+        return attn.o_proj(out)
+
+    def _linear_attention(
+        self,
+        gdn: nn.Module,
+        state_layer: int,
+        x: Tensor,
+        parents: Tensor,
+        valid: Tensor,
+        sizes: Tensor,
+        slots: Tensor,
+        chain: bool,
+        traces: list[GdnTreeTrace],
+    ) -> Tensor:
+        """Gated DeltaNet: chains commit their final state; trees keep a trace for the accepted-path replay."""
+        state = self.cache.linear[state_layer]
+        conv0, rec0 = state.conv[slots], state.rec[slots]
+        if chain:
+            out, conv, rec = gdn_chain_forward(gdn, x, sizes, conv0, rec0)
+            state.conv[slots] = conv
+            state.rec[slots] = rec
+            return out
+        out, trace = gdn_tree_forward_lean(gdn, x, parents, valid, conv0, rec0)
+        traces.append(trace)
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # commit
+    # ------------------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def commit_block(self, path: Tensor, path_len: Tensor) -> None:
+        """Commits the pending block's accepted nodes path[b, :path_len[b]] (root first, -1 padded)."""
+        # K/V rows ctx + path[b, j] move to ctx + j; linear-attention states become those after the last accepted
+        # node, replayed from the committed state along the path (one step per column: pass path narrowed to
+        # the deepest possible path). The caller advances ctx_len.
+        pending = self.pending
+        if pending is None:
+            raise RuntimeError("no pending tree block to commit")
+        self.pending = None
+        src, dst = compaction_indices_batch(path, path_len, pending.ctx_lens)
+        self.cache.move_rows(pending.slots, src, dst)
+        for state, trace in zip(self.cache.linear, pending.traces):
+            conv, rec = gdn_commit_path(trace, path, path_len, state.conv[pending.slots], state.rec[pending.slots])
+            state.conv[pending.slots] = conv
+            state.rec[pending.slots] = rec

@@ -1,0 +1,319 @@
+"""TargetRunner: prefill / verify / release over the slot cache (pure torch, no gRPC)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ddtree_serve.acceptance import accept_batch
+from ddtree_serve.config import SamplingParams
+from ddtree_serve.sampling import choose_tokens, make_generator
+from ddtree_serve.tree_mask import depths_from_parents
+from target_svc.loader import load_target
+from target_svc.model import TargetModel
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Where the target lives and how much it may hold."""
+
+    model_dir: str
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    max_batch: int = 8
+    max_seq_len: int = 2048
+    max_tree_nodes: int = 257
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    """One prompt to admit."""
+
+    seq_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    want_features: bool = False
+
+
+@dataclass
+class PrefillOutput:
+    """The first token (pending, not yet in the cache) and the prompt's features."""
+
+    seq_id: str
+    next_token: int
+    context_len: int
+    features: Tensor | None  # [P, F]
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    """One draft tree: node 0 is the pending bonus token; parents[0] = -1, 0 <= parents[i] < i."""
+
+    seq_id: str
+    tokens: Tensor  # LongTensor[T]
+    parents: Tensor  # LongTensor[T]
+
+
+@dataclass
+class VerifyOutput:
+    """The accepted root path, the next bonus token and the accepted rows' features (path order)."""
+
+    seq_id: str
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]
+    next_token: int
+    context_len: int
+    features: Tensor | None  # [len(accepted_nodes), F]
+
+
+@dataclass
+class _Sequence:
+    """Per-sequence state beside the cache slot."""
+
+    slot: int
+    sampling: SamplingParams
+    generator: torch.Generator
+    pending_token: int
+
+
+@dataclass
+class _Tree:
+    """A validated verify item on the host."""
+
+    seq: _Sequence
+    tokens: Tensor
+    parents: Tensor
+    max_depth: int
+
+
+class TargetRunner:
+    """Holds the target model and its cache; every call is a batch over sequences keyed by seq id."""
+
+    def __init__(self, cfg: TargetConfig):
+        self.cfg = cfg
+        self.target = load_target(cfg.model_dir, cfg.device, cfg.dtype)
+        # Positions past the model's trained range are not served.
+        self.max_seq_len = min(cfg.max_seq_len, self.target.max_position_embeddings)
+        self.model = TargetModel(self.target, cfg.max_batch, self.max_seq_len, cfg.max_tree_nodes)
+        self.device = self.target.device
+        self.feature_layers: tuple[int, ...] = ()
+        self.seqs: dict[str, _Sequence] = {}
+
+    # -- model facts (served by Info) ---------------------------------------------------------------------------
+
+    @property
+    def model_type(self) -> str:
+        return self.target.model_type
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.target.num_layers
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.target.eos_token_ids)
+
+    @property
+    def max_batch(self) -> int:
+        return self.cfg.max_batch
+
+    # -- API -----------------------------------------------------------------------------------------------------
+
+    def set_feature_layers(self, layer_ids: list[int]) -> None:
+        """Layers whose outputs form the context features (HF hidden_states[i + 1]), concatenated in this order."""
+        ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad} out of range for a {self.num_layers}-layer target")
+        self.feature_layers = ids
+
+    @torch.inference_mode()
+    def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
+        """Admits prompts (any lengths, one batched forward) and samples each one's first token."""
+        if not items:
+            return []
+        self._check_new_batch(items)
+        slots: list[int] = []
+        try:
+            for it in items:
+                slots.append(self.model.cache.add_sequence(it.seq_id))
+            return self._prefill(items, slots)
+        except BaseException:
+            for it in items[: len(slots)]:
+                self.model.cache.release(it.seq_id)
+                self.seqs.pop(it.seq_id, None)
+            raise
+
+    @torch.inference_mode()
+    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
+        """Verifies one tree per sequence in one forward, commits the accepted paths, returns the bonus tokens."""
+        if not items:
+            return []
+        trees = self._check_trees(items)
+        bsz = len(trees)
+        sizes = [len(tr.tokens) for tr in trees]
+        tmax = max(sizes)
+        ids = torch.zeros(bsz, tmax, dtype=torch.long)
+        parents = torch.full((bsz, tmax), -1, dtype=torch.long)
+        for b, tr in enumerate(trees):
+            ids[b, : sizes[b]] = tr.tokens
+            parents[b, : sizes[b]] = tr.parents
+        ctx_host = [self.model.cache.ctx_len[tr.seq.slot] for tr in trees]
+        size_t = torch.tensor(sizes)
+        valid = torch.arange(tmax)[None, :] < size_t[:, None]
+        dev = self.device
+        ids_d, parents_d, valid_d = (x.to(dev, non_blocking=True) for x in (ids, parents, valid))
+        ctx_d = torch.tensor(ctx_host).to(dev, non_blocking=True)
+        slots_d = torch.tensor([tr.seq.slot for tr in trees]).to(dev, non_blocking=True)
+
+        logits, features = self.model.forward_block(
+            ids_d, parents_d, valid_d, ctx_d, slots_d,
+            key_len=max(c + n for c, n in zip(ctx_host, sizes)), feature_layers=self.feature_layers,
+        )
+        choices = self._choose(logits, [tr.seq for tr in trees], sizes)
+        walk = accept_batch(ids_d, parents_d, choices, size_t.to(dev, non_blocking=True))
+        # Accepted paths are at most max_depth + 1 long: narrowing keeps the GDN replay short.
+        width = max(tr.max_depth for tr in trees) + 1
+        path, n_acc = walk.accepted_nodes[:, :width], walk.num_accepted
+        self.model.commit_block(path, n_acc)
+        rows = None
+        if features is not None:
+            rows = features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[-1]))
+        # The one device->host copy of the step.
+        packed = torch.cat([n_acc[:, None], walk.next_tokens[:, None], path], dim=1).tolist()
+
+        outputs = []
+        for b, (it, tr) in enumerate(zip(items, trees)):
+            n, next_token, nodes = packed[b][0], packed[b][1], packed[b][2 : 2 + packed[b][0]]
+            ctx = ctx_host[b] + n
+            self.model.cache.ctx_len[tr.seq.slot] = ctx
+            tr.seq.pending_token = next_token
+            tokens = tr.tokens.tolist()
+            outputs.append(VerifyOutput(
+                seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=[tokens[i] for i in nodes[1:]],
+                next_token=next_token, context_len=ctx, features=None if rows is None else rows[b, :n],
+            ))
+        return outputs
+
+    def release(self, seq_id: str) -> None:
+        """Frees the sequence's slot; KeyError if unknown."""
+        self.model.cache.release(seq_id)
+        del self.seqs[seq_id]
+
+    def cache_usage(self) -> tuple[int, int, int, int]:
+        """(running sequences, max sequences, committed tokens, token capacity)."""
+        cache = self.model.cache
+        return cache.num_sequences, self.cfg.max_batch, cache.used_tokens(), self.cfg.max_batch * self.max_seq_len
+
+    # -- internals -----------------------------------------------------------------------------------------------
+
+    def _prefill(self, items: list[PrefillItem], slots: list[int]) -> list[PrefillOutput]:
+        bsz = len(items)
+        lens = [len(it.prompt_ids) for it in items]
+        tmax = max(lens)
+        ids = torch.zeros(bsz, tmax, dtype=torch.long)
+        for b, it in enumerate(items):
+            ids[b, : lens[b]] = torch.tensor(it.prompt_ids, dtype=torch.long)
+        len_t = torch.tensor(lens)
+        valid = torch.arange(tmax)[None, :] < len_t[:, None]
+        parents = (torch.arange(tmax) - 1).expand(bsz, tmax).contiguous()
+        dev = self.device
+        feature_layers = self.feature_layers if any(it.want_features for it in items) else ()
+        logits, features = self.model.forward_block(
+            ids.to(dev, non_blocking=True), parents.to(dev, non_blocking=True), valid.to(dev, non_blocking=True),
+            torch.zeros(bsz, dtype=torch.long, device=dev), torch.tensor(slots).to(dev, non_blocking=True),
+            key_len=tmax, feature_layers=feature_layers, chain=True,
+            logits_at=(len_t - 1).to(dev, non_blocking=True),
+        )
+        seqs = []
+        for it, slot in zip(items, slots):
+            seq = _Sequence(slot, it.sampling, make_generator(it.sampling.seed, dev), pending_token=-1)
+            self.seqs[it.seq_id] = seq
+            seqs.append(seq)
+        first = self._choose(logits, seqs, [1] * bsz)[:, 0].tolist()
+        outputs = []
+        for b, (it, seq) in enumerate(zip(items, seqs)):
+            seq.pending_token = first[b]
+            self.model.cache.ctx_len[seq.slot] = lens[b]
+            feats = features[b, : lens[b]] if features is not None and it.want_features else None
+            outputs.append(PrefillOutput(it.seq_id, first[b], lens[b], feats))
+        return outputs
+
+    def _choose(self, logits: Tensor, seqs: list[_Sequence], sizes: list[int]) -> Tensor:
+        """LongTensor[B, Tmax]: the target's choice per node; greedy rows in one argmax, sampled rows per sequence."""
+        choices = logits.argmax(dim=-1)
+        for b, seq in enumerate(seqs):
+            if not seq.sampling.greedy:
+                choices[b, : sizes[b]] = choose_tokens(logits[b, : sizes[b]], seq.sampling, seq.generator)
+        return choices
+
+    def _check_new_batch(self, items: list[PrefillItem]) -> None:
+        """All prompts valid and a slot for each, or nothing happens."""
+        ids = [it.seq_id for it in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate seq_id in one prefill batch")
+        for it in items:
+            if it.seq_id in self.seqs:
+                raise ValueError(f"sequence {it.seq_id!r} already exists")
+            it.sampling.validate()
+            n = len(it.prompt_ids)
+            if n == 0:
+                raise ValueError(f"sequence {it.seq_id!r}: empty prompt")
+            if n > self.max_seq_len - 1:
+                raise ValueError(
+                    f"sequence {it.seq_id!r}: prompt too long ({n} tokens; the limit is {self.max_seq_len - 1})"
+                )
+            lo, hi = min(it.prompt_ids), max(it.prompt_ids)
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"sequence {it.seq_id!r}: token ids must lie in [0, {self.vocab_size}), got {lo if lo < 0 else hi}")
+        free = len(self.model.cache.free_slots)
+        if len(items) > free:
+            raise RuntimeError(f"capacity: {len(items)} new sequences but {free} of {self.cfg.max_batch} slots free")
+
+    def _check_trees(self, items: list[VerifyItem]) -> list[_Tree]:
+        """Validates every tree on the host (vectorised, no device work) before anything runs."""
+        ids = [it.seq_id for it in items]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate seq_id in one verify batch")
+        trees = []
+        for it in items:
+            if it.seq_id not in self.seqs:
+                raise KeyError(f"unknown sequence id {it.seq_id!r}")
+            seq = self.seqs[it.seq_id]
+            tokens = torch.as_tensor(it.tokens).reshape(-1).to("cpu", torch.long)
+            parents = torch.as_tensor(it.parents).reshape(-1).to("cpu", torch.long)
+            t = tokens.numel()
+            where = f"sequence {it.seq_id!r}"
+            if t == 0 or parents.numel() != t:
+                raise ValueError(f"{where}: a tree needs >= 1 node and one parent per token")
+            if t > self.cfg.max_tree_nodes:
+                raise ValueError(f"{where}: tree too big ({t} nodes; the limit is {self.cfg.max_tree_nodes})")
+            if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+                raise ValueError(f"{where}: token ids must lie in [0, {self.vocab_size})")
+            index = torch.arange(t)
+            if int(parents[0]) != -1 or bool(((parents[1:] < 0) | (parents[1:] >= index[1:])).any()):
+                raise ValueError(f"{where}: malformed tree (need parents[0] = -1 and 0 <= parents[i] < i)")
+            if int(tokens[0]) != seq.pending_token:
+                raise ValueError(
+                    f"{where}: root token {int(tokens[0])} is not the pending bonus token {seq.pending_token}"
+                )
+            if torch.unique(parents * self.vocab_size + tokens).numel() != t:
+                raise ValueError(f"{where}: siblings must carry distinct tokens")
+            max_depth = int(depths_from_parents(parents).max())
+            ctx = self.model.cache.ctx_len[seq.slot]
+            if ctx + max_depth + 1 > self.max_seq_len:
+                raise ValueError(
+                    f"{where}: tree too big for the remaining capacity (context {ctx} + depth {max_depth + 1} > "
+                    f"{self.max_seq_len})"
+                )
+            trees.append(_Tree(seq, tokens, parents, max_depth))
+        return trees

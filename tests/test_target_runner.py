@@ -1,0 +1,235 @@
+"""TargetRunner: greedy loops and tree verification reproduce transformers' generate; cache and validation."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from ddtree_serve.config import SamplingParams
+from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
+from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
+
+MAKERS = {
+    "qwen3": lambda d: make_tiny_qwen3(d, seed=21),
+    "llama": lambda d: make_tiny_llama(d, seed=22),
+    "qwen3_5": lambda d: make_tiny_qwen3_5(d, seed=23, multimodal_wrapper=True),
+}
+VOCAB = 320
+N_NEW = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny ops on a shared 2-core machine: OpenMP spinning across busy cores makes them 10-100x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """model_dir per architecture, built once per module."""
+    return {name: make(tmp_path_factory.mktemp(name)) for name, make in MAKERS.items()}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    """transformers' own model per architecture (the losslessness oracle), eos disabled for fixed lengths."""
+    refs = {}
+    for name, path in checkpoints.items():
+        config = transformers.AutoConfig.from_pretrained(path)
+        model = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None
+        refs[name] = model
+    return refs
+
+
+def _runner(path, **kw) -> TargetRunner:
+    return TargetRunner(TargetConfig(model_dir=str(path), **{"max_batch": 4, "max_seq_len": 256, "max_tree_nodes": 32, **kw}))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, min_new_tokens=0, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _root_only(seq_id: str, token: int) -> VerifyItem:
+    return VerifyItem(seq_id, torch.tensor([token]), torch.tensor([-1]))
+
+
+def _random_tree(root: int, truth: list[int], rng: random.Random, n_nodes: int) -> tuple[list[int], list[int]]:
+    """A random tree whose nodes carry the target's next token (truth along the path) or a random token.
+
+    truth[k] is the target's token at depth k + 1 below the root; nodes off the true path get random tokens.
+    """
+    tokens, parents, depth, on_path = [root], [-1], [0], [True]
+    children: list[set[int]] = [set()]
+    for _ in range(n_nodes - 1):
+        # Prefer extending the true path, so that acceptance lengths vary from 1 to deep.
+        p = rng.choice([i for i in range(len(tokens)) if on_path[i]]) if rng.random() < 0.7 else rng.randrange(len(tokens))
+        d = depth[p] + 1
+        token = truth[d - 1] if on_path[p] and d - 1 < len(truth) and rng.random() < 0.6 else rng.randrange(4, VOCAB)
+        if token in children[p]:
+            continue  # siblings carry distinct tokens
+        children[p].add(token)
+        tokens.append(token)
+        parents.append(p)
+        depth.append(d)
+        on_path.append(on_path[p] and d - 1 < len(truth) and token == truth[d - 1])
+        children.append(set())
+    return tokens, parents
+
+
+@pytest.mark.parametrize("arch", sorted(MAKERS))
+def test_greedy_root_only_steps_equal_hf_generate(arch, checkpoints, references):
+    runner = _runner(checkpoints[arch])
+    prompt = _prompt(19, seed=1)
+    out = runner.prefill([PrefillItem("s", prompt, SamplingParams())])[0]
+    assert out.context_len == len(prompt)
+    generated = [out.next_token]
+    while len(generated) < N_NEW:
+        step = runner.verify([_root_only("s", generated[-1])])[0]
+        assert step.accepted_nodes == [0] and step.accepted_tokens == []
+        assert step.context_len == len(prompt) + len(generated)
+        generated.append(step.next_token)
+    assert generated == _hf_greedy(references[arch], prompt, N_NEW)
+
+
+@pytest.mark.parametrize("arch", sorted(MAKERS))
+def test_batched_random_tree_verify_equals_hf_greedy_and_plain_decoding(arch, checkpoints, references):
+    runner = _runner(checkpoints[arch])
+    runner.set_feature_layers([0, 2])
+    prompts = {f"s{i}": _prompt(n, seed=10 + i) for i, n in enumerate((5, 23, 41))}
+    truth = {sid: _hf_greedy(references[arch], p, N_NEW + 16) for sid, p in prompts.items()}
+    first = runner.prefill([PrefillItem(sid, p, SamplingParams(), want_features=True) for sid, p in prompts.items()])
+    generated = {o.seq_id: [o.next_token] for o in first}
+    features = {o.seq_id: [o.features] for o in first}
+    rng = random.Random(0)
+    accepted_lengths = []
+    while min(len(g) for g in generated.values()) < N_NEW:
+        items = []
+        for sid, gen in generated.items():
+            tokens, parents = _random_tree(gen[-1], truth[sid][len(gen):], rng, rng.randint(1, 24))
+            items.append(VerifyItem(sid, torch.tensor(tokens), torch.tensor(parents)))
+        for it, out in zip(items, runner.verify(items)):
+            assert out.accepted_tokens == [int(it.tokens[i]) for i in out.accepted_nodes[1:]]
+            generated[it.seq_id] += out.accepted_tokens + [out.next_token]
+            features[it.seq_id].append(out.features)
+            assert out.context_len == len(prompts[it.seq_id]) + len(generated[it.seq_id]) - 1
+            accepted_lengths.append(len(out.accepted_nodes))
+    assert min(accepted_lengths) == 1 and max(accepted_lengths) >= 4  # acceptance really varied
+    for sid, gen in generated.items():
+        assert gen == truth[sid][: len(gen)]
+
+    # Compacted cache (and GDN states) == a cache built by plain decoding of the committed tokens.
+    plain = _runner(checkpoints[arch])
+    plain.set_feature_layers([0, 2])
+    for sid, gen in generated.items():
+        committed = prompts[sid] + gen[:-1]
+        ref = plain.prefill([PrefillItem(sid, committed, SamplingParams(), want_features=True)])[0]
+        assert ref.next_token == gen[-1]
+        ours, theirs = runner.model.cache, plain.model.cache
+        a, b, n = ours.slot(sid), theirs.slot(sid), len(committed)
+        torch.testing.assert_close(ours.k[:, a, :n], theirs.k[:, b, :n], atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours.v[:, a, :n], theirs.v[:, b, :n], atol=1e-4, rtol=0)
+        for mine, other in zip(ours.linear, theirs.linear):
+            torch.testing.assert_close(mine.conv[a], other.conv[b], atol=1e-4, rtol=0)
+            torch.testing.assert_close(mine.rec[a], other.rec[b], atol=1e-4, rtol=0)
+        # Features of accepted rows, in path order, are the rows of the committed sequence.
+        torch.testing.assert_close(torch.cat(features[sid]), ref.features, atol=1e-4, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible_and_follows_the_seed(checkpoints):
+    runner = _runner(checkpoints["qwen3"])
+    prompt = _prompt(8, seed=3)
+
+    def sample(seq_id: str, seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.5, seed=seed)
+        toks = [runner.prefill([PrefillItem(seq_id, prompt, params)])[0].next_token]
+        for _ in range(15):
+            toks.append(runner.verify([_root_only(seq_id, toks[-1])])[0].next_token)
+        runner.release(seq_id)
+        return toks
+
+    assert sample("a", 7) == sample("b", 7)
+    assert sample("c", 7) != sample("d", 8)
+
+
+def test_release_and_cache_usage(checkpoints):
+    runner = _runner(checkpoints["llama"], max_batch=2)
+    assert runner.cache_usage() == (0, 2, 0, 2 * 256)
+    runner.prefill([PrefillItem("a", _prompt(10, 1)), PrefillItem("b", _prompt(4, 2))])
+    assert runner.cache_usage() == (2, 2, 14, 512)
+    runner.release("a")
+    assert runner.cache_usage() == (1, 2, 4, 512)
+    with pytest.raises(KeyError):
+        runner.release("a")
+
+
+@pytest.fixture(scope="module")
+def busy_runner(checkpoints):
+    """A runner with one live sequence 's' (pending token known) and one free slot."""
+    runner = _runner(checkpoints["qwen3"], max_batch=2, max_seq_len=64, max_tree_nodes=8)
+    out = runner.prefill([PrefillItem("s", _prompt(60, 4))])[0]
+    return runner, out.next_token
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [([], "empty prompt"), ([5, VOCAB], "token ids"), ([5, -1], "token ids"), ([7] * 64, "prompt too long")],
+)
+def test_prefill_rejects_bad_prompts(busy_runner, prompt, message):
+    runner, _ = busy_runner
+    with pytest.raises(ValueError, match=message):
+        runner.prefill([PrefillItem("new", prompt)])
+    assert runner.cache_usage()[0] == 1  # nothing was admitted
+
+
+def test_prefill_rejects_bad_sampling_params(busy_runner):
+    runner, _ = busy_runner
+    with pytest.raises(ValueError, match="temperature"):
+        runner.prefill([PrefillItem("new", [5, 6], SamplingParams(temperature=float("nan")))])
+
+
+def test_prefill_without_free_slot_raises_capacity(busy_runner):
+    runner, _ = busy_runner
+    with pytest.raises(RuntimeError, match="^capacity"):
+        runner.prefill([PrefillItem("x", [5]), PrefillItem("y", [6])])
+    assert runner.cache_usage()[0] == 1  # all or nothing
+
+
+@pytest.mark.parametrize(
+    "tokens, parents, message",
+    [
+        ([None, 9], [-1, 1], "malformed"),
+        ([None, 9], [0, 0], "malformed"),
+        ([None, 9, 10], [-1, 0, 2], "malformed"),
+        ([3], [-1], "pending bonus"),
+        ([None, 9, 9], [-1, 0, 0], "distinct"),
+        ([None, VOCAB], [-1, 0], "token ids"),
+        ([None] * 9, [-1] + list(range(8)), "tree too big"),
+        ([None] + list(range(10, 17)), [-1] + list(range(7)), "remaining capacity"),
+        ([None, 9], [-1], "one parent per token"),
+    ],
+)
+def test_verify_rejects_bad_trees(busy_runner, tokens, parents, message):
+    runner, pending = busy_runner
+    tokens = [pending if t is None else t for t in tokens]
+    with pytest.raises(ValueError, match=message):
+        runner.verify([VerifyItem("s", torch.tensor(tokens), torch.tensor(parents))])
+    assert runner.cache_usage()[2] == 60  # the failed call changed nothing
+
+
+def test_verify_unknown_sequence_raises_key_error(busy_runner):
+    runner, _ = busy_runner
+    with pytest.raises(KeyError):
+        runner.verify([_root_only("nope", 1)])
