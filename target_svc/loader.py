@@ -136,7 +136,9 @@ def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: to
     model.load_state_dict(loaded, strict=False, assign=True)
 
 
-def load_target(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedTarget:
+def load_target(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedTarget:
     """Loads the text decoder of a local checkpoint directly onto (device, dtype); never touches the network."""
     model_dir = Path(model_dir)
     device = torch.device(device)
@@ -160,13 +162,12 @@ def load_target(model_dir: str | Path, device: str | torch.device = "cpu", dtype
     for name, t in [*decoder.layers.named_parameters(), *decoder.layers.named_buffers()]:
         if t.is_meta:
             raise ValueError(f"decoder tensor {name} was not loaded")
-    tok_dir = model_dir if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file() else None
-    if tok_dir is None:
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(f"no tokenizer files in {model_dir}")
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     return LoadedTarget(
         model_dir=model_dir,
-        tokenizer_path=tok_dir,
+        tokenizer_path=model_dir,
         model_type=top_config.model_type,
         text_config=text_config,
         embed_tokens=decoder.embed_tokens,

@@ -274,7 +274,8 @@ class TargetRunner:
                 )
             lo, hi = min(it.prompt_ids), max(it.prompt_ids)
             if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"sequence {it.seq_id!r}: token ids must lie in [0, {self.vocab_size}), got {lo if lo < 0 else hi}")
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"sequence {it.seq_id!r}: token ids must lie in [0, {self.vocab_size}), got {bad}")
         free = len(self.model.cache.free_slots)
         if len(items) > free:
             raise RuntimeError(f"capacity: {len(items)} new sequences but {free} of {self.cfg.max_batch} slots free")

@@ -61,7 +61,8 @@ def test_loader_serves_text_model_only(checkpoint):
     assert target.num_layers == 4 and target.hidden_size == 64 and target.vocab_size == 320
     assert target.eos_token_ids == (0,)
     n_text_params = sum(p.numel() for n, p in ref.named_parameters() if "visual" not in n)
-    ours = sum(p.numel() for m in (target.embed_tokens, target.layers, target.norm, target.lm_head) for p in m.parameters())
+    modules = (target.embed_tokens, target.layers, target.norm, target.lm_head)
+    ours = sum(p.numel() for m in modules for p in m.parameters())
     assert ours == n_text_params  # nothing of a vision tower is kept
     if ref.config.model_type == "qwen3_5":
         assert target.layer_types == ("linear_attention",) * 3 + ("full_attention",)
