@@ -50,6 +50,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.rows_held: dict[str, int] = {}
         self.rows_changed = asyncio.Condition()
         self.released: OrderedDict[str, None] = OrderedDict()
+        self.broken: dict[str, str] = {}   # seq id -> why its context can no longer be trusted
 
     async def load(self) -> None:
         """Loads drafter + the target's embedding and LM head on the model thread."""
@@ -58,6 +59,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                                    max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len)
         t0 = time.perf_counter()
         self.runner = await self._on_model_thread(DrafterRunner, runner_cfg)
+        if self.metrics is not None:
+            self.metrics.track_gpu_memory(self.cfg.device)
         log.info("drafter %s loaded in %.1f s", self.cfg.drafter_dir, time.perf_counter() - t0)
         self.ready.set()
 
@@ -91,19 +94,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         for rows in request.rows:
             if rows.seq_id in self.released:
                 continue  # the sequence finished while its last features were in flight
-            data = decode_rows(rows.dtype, rows.data, rows.num_rows, request.feature_dim)
-            await self._on_model_thread(self.runner.add_context, rows.seq_id, rows.start, data)
-            total += len(rows.data)
-            async with self.rows_changed:
+            try:
+                data = decode_rows(rows.dtype, rows.data, rows.num_rows, request.feature_dim)
+                await self._on_model_thread(self.runner.add_context, rows.seq_id, rows.start, data)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                # one bad sequence must not hold up the rows of the others in the same push
+                log.warning("features of sequence %s rejected: %s", rows.seq_id, exc)
+                self.broken[rows.seq_id] = f"context features rejected: {exc}"
+            else:
+                total += len(rows.data)
                 self.rows_held[rows.seq_id] = rows.start + rows.num_rows
-                self.rows_changed.notify_all()
+        async with self.rows_changed:
+            self.rows_changed.notify_all()
         if self.metrics is not None:
             self.metrics.observe_transport_received("inline", total)
         return drafter_pb2.PushFeaturesResponse(bytes=total)
 
     async def _wait_for_context(self, items: list[DraftItem]) -> None:
         def have_all() -> bool:
-            return all(self.rows_held.get(it.seq_id, 0) >= it.context_len for it in items)
+            return all(self.rows_held.get(it.seq_id, 0) >= it.context_len or it.seq_id in self.broken
+                       for it in items)
 
         async with self.rows_changed:
             try:
@@ -131,18 +141,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         items = [DraftItem(seq_id=it.seq_id, bonus_token=it.bonus_token, context_len=it.context_len)
                  for it in request.items]
         await self._wait_for_context(items)
+        results = [drafter_pb2.DraftResult(seq_id=it.seq_id, error=self.broken[it.seq_id])
+                   for it in items if it.seq_id in self.broken]
+        items = [it for it in items if it.seq_id not in self.broken]
         t1 = time.perf_counter_ns()
-        top_k = min(request.top_k, MAX_TOP_K, self.runner.vocab_size)
-        depth = request.max_depth or self.runner.block_size - 1
-        logprobs, ids = await self._on_model_thread(self.runner.draft, items, top_k, depth)
+        if items:
+            top_k = min(request.top_k, MAX_TOP_K, self.runner.vocab_size)
+            depth = request.max_depth or self.runner.block_size - 1
+            logprobs, ids = await self._on_model_thread(self.runner.draft, items, top_k, depth)
+            logprobs = logprobs.float().cpu()
+            ids = ids.to(torch.int32).cpu()
+            for b, it in enumerate(items):
+                results.append(drafter_pb2.DraftResult(
+                    seq_id=it.seq_id, depth=int(ids.shape[1]), k=int(ids.shape[2]),
+                    token_ids=ids[b].reshape(-1).tolist(), logprobs=logprobs[b].reshape(-1).tolist()))
         t2 = time.perf_counter_ns()
-        logprobs = logprobs.float().cpu()
-        ids = ids.to(torch.int32).cpu()
-        results = []
-        for b, it in enumerate(items):
-            results.append(drafter_pb2.DraftResult(seq_id=it.seq_id, depth=int(ids.shape[1]), k=int(ids.shape[2]),
-                                                   token_ids=ids[b].reshape(-1).tolist(),
-                                                   logprobs=logprobs[b].reshape(-1).tolist()))
         if self.metrics is not None:
             self.metrics.observe_draft(len(items), (t2 - t1) / 1e9)
         return drafter_pb2.DraftResponse(results=results, timings=common_pb2.Timings(
@@ -156,6 +169,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         async with self.rows_changed:
             for seq_id in ids:
                 self.rows_held.pop(seq_id, None)
+                self.broken.pop(seq_id, None)
                 self.released[seq_id] = None
             while len(self.released) > RELEASED_MEMORY:
                 self.released.popitem(last=False)

@@ -115,6 +115,7 @@ class PairEngine:
             kept = s.append([r.next_token])
             s.emit(kept)
             if self.metrics is not None:
+                self.metrics.observe_prompt(len(s.prompt_ids))
                 self.metrics.observe_first_token(now - s.arrival)
 
     async def _draft(self, seqs: list[Sequence]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -137,7 +138,12 @@ class PairEngine:
                 s.drafting = False
             return {}
         out = {}
+        by_id = {s.seq_id: s for s in drafting}
         for r in response.results:
+            if r.error:
+                log.warning("sequence %s continues autoregressively: %s", by_id[r.seq_id].request_id, r.error)
+                by_id[r.seq_id].drafting = False
+                continue
             shape = (r.depth, r.k)
             out[r.seq_id] = (torch.tensor(r.logprobs, dtype=torch.float32).reshape(shape),
                              torch.tensor(r.token_ids, dtype=torch.long).reshape(shape))
@@ -173,6 +179,7 @@ class PairEngine:
             s.stats.steps += 1
             s.stats.accepted_tokens += len(accepted)
             s.stats.draft_tokens += tree_size
+            s.stats.drafted_steps += tree_size > 0
             s.context_len, s.bonus = r.context_len, r.next_token
             kept = s.append(accepted + [r.next_token])
             s.emit(kept)

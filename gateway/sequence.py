@@ -37,13 +37,14 @@ class SequenceStats:
     """Speculation counters of one request (verify steps only; the prefill's first token is not a step)."""
 
     steps: int = 0
+    drafted_steps: int = 0      # steps that verified at least one draft node
     accepted_tokens: int = 0
     draft_tokens: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens committed per verify step, bonus included."""
-        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+        """Tokens committed per drafted verify step, bonus included (vLLM's 1 + accepted / drafts)."""
+        return 1.0 + self.accepted_tokens / self.drafted_steps if self.drafted_steps else 1.0
 
 
 @dataclass

@@ -56,14 +56,16 @@ class TargetServerConfig:
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     """Holds the TargetRunner; model work runs on one dedicated thread so the event loop stays responsive."""
 
-    def __init__(self, cfg: TargetServerConfig, metrics=None):
+    def __init__(self, cfg: TargetServerConfig, metrics=None, client_interceptors=()):
         self.cfg = cfg
         self.metrics = metrics
+        self.client_interceptors = list(client_interceptors)
         self.runner: TargetRunner | None = None
         self.ready = asyncio.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
         self.sender: FeatureSender | None = None
         self.sender_address = ""
+        self.feature_seqs: set[str] = set()   # sequences whose features go to the drafter (not AR ones)
 
     async def load(self) -> None:
         """Loads the model on the model thread (health stays NOT_SERVING until this returns)."""
@@ -73,6 +75,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                   max_tree_nodes=self.cfg.max_tree_nodes)
         t0 = time.perf_counter()
         self.runner = await self._on_model_thread(TargetRunner, runner_cfg)
+        if self.metrics is not None:
+            self.metrics.track_gpu_memory(self.cfg.device)
         log.info("target model %s loaded in %.1f s", self.cfg.model_dir, time.perf_counter() - t0)
         self.ready.set()
 
@@ -123,7 +127,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if self.sender is None or self.sender_address != request.drafter_address or self.sender.name != transport:
             if self.sender is not None:
                 await self.sender.close()
-            self.sender = make_sender(transport, request.drafter_address)
+            on_sent = None
+            if self.metrics is not None:
+                on_sent = lambda nbytes, seconds, t=transport: self.metrics.observe_transport(t, nbytes, seconds)  # noqa: E731
+            self.sender = make_sender(transport, request.drafter_address, self.client_interceptors, on_sent)
             self.sender_address = request.drafter_address
         log.info("drafter attached at %s over %s, feature layers %s", request.drafter_address, transport, ids)
         return target_pb2.AttachDrafterResponse(transport=transport, feature_dim=len(ids) * self.runner.hidden_size)
@@ -134,10 +141,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
         self.sender.submit(rows)
-        nbytes = sum(r.data.numel() * r.data.element_size() for r in rows)
-        if self.metrics is not None:
-            self.metrics.observe_transport(self.sender.name, nbytes)
-        return nbytes
+        return sum(r.data.numel() * r.data.element_size() for r in rows)
 
     @grpc_errors
     async def Prefill(self, request, context):
@@ -152,7 +156,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         t1 = time.perf_counter_ns()
         outputs = await self._on_model_thread(self.runner.prefill, items)
         t2 = time.perf_counter_ns()
-        nbytes = self._push([FeatureRows(o.seq_id, 0, o.features) for o in outputs if o.features is not None])
+        self.feature_seqs.update(it.seq_id for it in items if it.want_features)
+        nbytes = self._push([FeatureRows(o.seq_id, 0, o.features) for o in outputs
+                             if o.features is not None and o.seq_id in self.feature_seqs])
         if self.metrics is not None:
             self.metrics.observe_forward("prefill", len(items), (t2 - t1) / 1e9)
         self._observe_cache()
@@ -177,7 +183,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         outputs = await self._on_model_thread(self.runner.verify, items)
         t2 = time.perf_counter_ns()
         nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features)
-                             for o in outputs if o.features is not None])
+                             for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if self.metrics is not None:
             self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9)
         results = [target_pb2.VerifyResult(seq_id=o.seq_id, accepted_nodes=o.accepted_nodes,
@@ -190,6 +196,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Release(self, request, context):
         require_ready(self.ready)
         released = await self._on_model_thread(self._release_all, list(request.seq_ids))
+        self.feature_seqs.difference_update(request.seq_ids)
         return target_pb2.ReleaseResponse(released=released, cache=self._observe_cache())
 
     def _release_all(self, seq_ids: list[str]) -> int:
@@ -206,18 +213,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 async def serve(cfg: TargetServerConfig, host: str, port: int, metrics_port: int | None = None,
                 ready_file: str | None = None) -> None:
     """Runs the target service until SIGTERM."""
-    interceptors, metrics = [], None
-    registry = None
+    interceptors, client_interceptors, metrics, registry = [], [], None, None
     if metrics_port is not None:
         from ddtree_serve import metrics as m
 
         registry = m.new_registry()
         metrics = m.TargetMetrics(registry, model_name=Path(cfg.model_dir).name)
         interceptors.append(m.ServerMetricsInterceptor(registry, service="target"))
+        client_interceptors = m.client_interceptors(registry, service="target")
     from ddtree_serve.request_context import RequestIdServerInterceptor
 
     interceptors.append(RequestIdServerInterceptor())
-    servicer = TargetServicer(cfg, metrics)
+    servicer = TargetServicer(cfg, metrics, client_interceptors)
     host_ = ServiceHost([SERVICE_NAME], interceptors)
     target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host_.server)
     bound = await host_.start(host, port)

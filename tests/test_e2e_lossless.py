@@ -43,3 +43,5 @@ def test_concurrent_mixed_requests_equal_transformers_greedy(checkpoints, kind):
         assert stats.accepted_tokens + stats.steps == max_tokens - 1
         if mode == "ar":
             assert stats.accepted_tokens == 0 and stats.draft_tokens == 0
+        else:  # every step verified a real draft (no silent fall-back to autoregressive decoding)
+            assert stats.draft_tokens >= stats.steps

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +35,8 @@ class InlineFeatureSender(FeatureSender):
     timeout_s: float = 30.0
     name: str = "inline"
     stats: TransportStats = field(default_factory=TransportStats)
+    interceptors: list = field(default_factory=list)
+    on_sent: Callable[[int, float], None] | None = None   # (bytes, seconds) of each delivered push
 
     def __post_init__(self) -> None:
         self._channel: grpc.aio.Channel | None = None
@@ -42,7 +45,8 @@ class InlineFeatureSender(FeatureSender):
 
     def _ensure_started(self) -> None:
         if self._task is None:
-            self._channel = grpc.aio.insecure_channel(self.drafter_address, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self.drafter_address, options=CHANNEL_OPTIONS,
+                                                      interceptors=self.interceptors)
             self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
             self._queue = asyncio.Queue()
             self._task = asyncio.create_task(self._run())
@@ -76,9 +80,12 @@ class InlineFeatureSender(FeatureSender):
                                                 data=raw))
         batch = drafter_pb2.FeatureBatch(rows=msgs, feature_dim=int(rows[0].data.shape[1]))
         await self._stub.PushFeatures(batch, timeout=self.timeout_s)
-        self.stats.bytes_sent += sum(len(m.data) for m in msgs)
+        nbytes, seconds = sum(len(m.data) for m in msgs), time.perf_counter() - t0
+        self.stats.bytes_sent += nbytes
         self.stats.batches_sent += 1
-        self.stats.seconds += time.perf_counter() - t0
+        self.stats.seconds += seconds
+        if self.on_sent is not None:
+            self.on_sent(nbytes, seconds)
 
     async def flush(self) -> None:
         if self._queue is not None:
