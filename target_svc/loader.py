@@ -24,7 +24,7 @@ class LoadedTarget:
     """The text decoder's modules on (device, dtype) plus the config facts the runner needs."""
 
     model_dir: Path
-    tokenizer_path: Path
+    tokenizer_path: Path | None
     model_type: str  # top-level config model_type ("qwen3", "llama", "qwen3_5", ...)
     text_config: PretrainedConfig
     embed_tokens: nn.Embedding
@@ -162,12 +162,12 @@ def load_target(
     for name, t in [*decoder.layers.named_parameters(), *decoder.layers.named_buffers()]:
         if t.is_meta:
             raise ValueError(f"decoder tensor {name} was not loaded")
-    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise FileNotFoundError(f"no tokenizer files in {model_dir}")
+    # The target serves token ids; only a gateway needs the tokenizer (fetched over TokenizerFiles).
+    has_tokenizer = any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     return LoadedTarget(
         model_dir=model_dir,
-        tokenizer_path=model_dir,
+        tokenizer_path=model_dir if has_tokenizer else None,
         model_type=top_config.model_type,
         text_config=text_config,
         embed_tokens=decoder.embed_tokens,

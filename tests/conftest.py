@@ -16,6 +16,9 @@ from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 from tests.fixtures.tiny_drafter import make_tiny_drafter
 
+# Two cores are shared by pytest and up to three service processes: more threads only add contention.
+torch.set_num_threads(1)
+
 TARGET_MAKERS = {
     "qwen3": lambda d: make_tiny_qwen3(d, seed=1),
     "llama": lambda d: make_tiny_llama(d, seed=2),

@@ -57,14 +57,14 @@ def exact_distributions(model) -> tuple[torch.Tensor, torch.Tensor]:
     return joint12, marg3
 
 
-def speculative_samples(target_dir, drafter_dir, mode: str) -> list[list[int]]:
-    """First three generated tokens of DRAWS sequences: prefill token, then one speculative step (and more if short)."""
+def speculative_samples(target_dir, drafter_dir, mode: str) -> tuple[list[list[int]], int]:
+    """First three generated tokens of DRAWS sequences (prefill token, then speculative steps), and drafts accepted."""
     target = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cpu", dtype=torch.float32, max_batch=BATCH,
                                        max_seq_len=64, max_tree_nodes=65))
     drafter = DrafterRunner(DrafterConfig(drafter_dir=str(drafter_dir), target_model_dir=str(target_dir),
                                           device="cpu", dtype=torch.float32, max_batch=BATCH, max_seq_len=64))
     target.set_feature_layers(drafter.target_layer_ids)
-    samples = []
+    samples, accepted = [], 0
     for start in range(0, DRAWS, BATCH):
         ids = [f"s{start + i}" for i in range(BATCH)]
         params = [SamplingParams(temperature=TEMPERATURE, seed=1000 + start + i) for i in range(BATCH)]
@@ -81,6 +81,7 @@ def speculative_samples(target_dir, drafter_dir, mode: str) -> list[list[int]]:
                      else build_chain(logprobs, topk, roots, [4] * len(ids)))
             results = target.verify([VerifyItem(s, t.tokens, t.parents) for s, t in zip(ids, batch.unbind())])
             for r in results:
+                accepted += len(r.accepted_tokens)
                 generated[r.seq_id] += r.accepted_tokens + [r.next_token]
                 drafter.add_context(r.seq_id, ctx[r.seq_id], r.features)
                 ctx[r.seq_id] = r.context_len
@@ -88,7 +89,7 @@ def speculative_samples(target_dir, drafter_dir, mode: str) -> list[list[int]]:
             samples.append(generated[s][:3])
             target.release(s)
             drafter.release(s)
-    return samples
+    return samples, accepted
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -105,7 +106,8 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, mode):
     target_dir, drafter_dir, model = tiny_vocab_pair
     joint12, marg3 = exact_distributions(model)
-    samples = speculative_samples(target_dir, drafter_dir, mode)
+    samples, accepted = speculative_samples(target_dir, drafter_dir, mode)
+    assert accepted > DRAWS // 10  # drafts really were accepted, so the walk is what is being tested
     counts12 = torch.zeros(VOCAB, VOCAB)
     counts3 = torch.zeros(VOCAB)
     for t1, t2, t3 in samples:
