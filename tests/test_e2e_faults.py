@@ -217,3 +217,15 @@ def test_target_dying_mid_stream_gives_unavailable_not_a_hang(checkpoints):
         assert s.alive()["gateway"]
     finally:
         s.stop()
+
+
+def test_seeded_sampling_is_reproducible_through_the_services(stack):
+    s, target = stack
+    prompt = prompts_for(target, [6], seed=21)[0]
+    runs = run_streams(s.gateway, [make_request(prompt, 32, mode=m, temperature=0.9, seed=seed)
+                                   for m, seed in [("ddtree", 42), ("ddtree", 42), ("dflash", 7), ("dflash", 7),
+                                                   ("ddtree", 43)]])
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert runs[2]["token_ids"] == runs[3]["token_ids"]
+    assert runs[0]["token_ids"] != runs[4]["token_ids"]  # another seed, another sample (32 tokens at T=0.9)
+    assert all(len(r["token_ids"]) == 32 for r in runs)
