@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import tempfile
 import time
@@ -11,10 +10,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 from transformers import AutoTokenizer
 
 from ddtree_serve.config import SamplingParams
+from ddtree_serve.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
 from ddtree_serve.rpc import RequestError, ServiceHost, grpc_errors, require_ready
 from gateway.backends import BackendPair, PairAddress
@@ -154,7 +153,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         stops = set(request.stop_token_ids)
         if not request.ignore_eos:
             stops |= set(info.eos_token_ids)
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = request.request_id or get_request_id() or uuid.uuid4().hex
         return Sequence(request_id=request_id, prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                         sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,
                         stop_token_ids=frozenset(stops),
@@ -173,6 +172,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _events(self, request, context):
         require_ready(self.ready)
         seq = self._make_sequence(request)
+        set_request_id(seq.request_id)  # this handler's task: its log lines carry the id
         self.scheduler.submit(seq)
         log.info("request %s: %d prompt tokens, max_tokens %d, mode %s", seq.request_id, len(seq.prompt_ids),
                  seq.max_tokens, seq.mode)
