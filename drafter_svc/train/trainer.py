@@ -1,0 +1,711 @@
+"""DFlash drafter training (the published recipe): random anchors, masked blocks, decayed CE, frozen target.
+
+One step, per sequence of a batch:
+  * the frozen target runs once over the whole sequence; context features = its hidden states at
+    target_layer_ids (HF hidden_states[i + 1]), concatenated;
+  * up to `num_anchors` anchors a are drawn among the positions that may start a block (response tokens);
+  * each block is [token a, MASK x (bs-1)] at positions a..a+bs-1; it attends to context features of
+    positions < a (strictly before its anchor: at decode time the anchor is the bonus token, whose features
+    do not exist yet) and bidirectionally to its own block, never to other blocks;
+  * slot k (1..bs-1) predicts token a+k at its own position (no shift), through the target's frozen LM head,
+    with weight exp(-(k-1)/gamma).
+The drafter is saved in the z-lab format (config.json + model.safetensors); training state beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from drafter_svc.dflash_model import DFlashConfig, DFlashDraftModel, build_target_layer_ids, load_target_embeddings
+from drafter_svc.train.data import Batch, BatchSampler, Sample, collate
+
+log = logging.getLogger(__name__)
+
+STATE_NAME = "trainer_state.pt"
+
+# ----------------------------------------------------------------------------------------------------------
+# Anchors, masks, labels
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sample_anchors(
+    lengths: torch.Tensor,
+    loss_start: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random distinct anchors per row, sorted: positions in [loss_start, length - 2] (each has >= 1 label).
+
+    Returns (anchors LongTensor[B, N], keep BoolTensor[B, N]); rows with fewer valid positions than N are
+    padded with anchor 0 and keep False.
+    """
+    device = lengths.device
+    width = int(lengths.max().item())
+    pos = torch.arange(width, device=device)[None, :]
+    valid = (pos >= loss_start[:, None]) & (pos <= lengths[:, None] - 2)
+    counts = valid.sum(1)
+    n = min(num_anchors, int(counts.max().item()))
+    if n <= 0:
+        raise ValueError("batch has no anchor position (sequences too short after loss_start)")
+    # Uniform random order of the valid positions (invalid ones sort last), first n kept.
+    noise = torch.rand(valid.shape, generator=generator, device="cpu" if generator is None else generator.device)
+    noise = noise.to(device).masked_fill(~valid, 2.0)
+    picked = noise.topk(n, dim=1, largest=False).indices
+    keep = torch.arange(n, device=device)[None, :] < counts.clamp(max=n)[:, None]
+    anchors = torch.where(keep, picked, torch.zeros_like(picked))
+    # Sorted anchors keep blocks in sequence order (nicer to debug; attention does not care).
+    anchors, order = torch.sort(torch.where(keep, anchors, torch.full_like(anchors, width + 1)), dim=1)
+    keep = keep.gather(1, order)
+    return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
+
+
+def block_attention_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Bool mask [B, 1, N*bs, ctx_len + N*bs]: block b sees context < anchor_b and its own block only.
+
+    Dropped blocks (keep False) see only themselves, so no attention row is empty (an all-False row would
+    make SDPA return NaN, which would poison the gradients even under a zero loss weight).
+    """
+    b, n = anchors.shape
+    device = anchors.device
+    q_block = torch.arange(n * block_size, device=device) // block_size  # [Q]
+    kv = torch.arange(ctx_len + n * block_size, device=device)  # [K]
+    anchor_q = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
+    keep_q = keep.repeat_interleave(block_size, dim=1)
+    ctx_ok = (kv[None, None, :] < ctx_len) & (kv[None, None, :] < anchor_q[:, :, None]) & keep_q[:, :, None]
+    kv_block = (kv - ctx_len).div(block_size, rounding_mode="floor")
+    own = (kv[None, :] >= ctx_len) & (kv_block[None, :] == q_block[:, None])  # [Q, K]
+    return (ctx_ok | own[None]).unsqueeze(1)
+
+
+def block_position_ids(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Position ids [B, ctx_len + N*bs]: context 0..ctx_len-1, then anchor + k for each block slot."""
+    b, n = anchors.shape
+    device = anchors.device
+    ctx = torch.arange(ctx_len, device=device)[None, :].expand(b, -1)
+    blocks = (anchors[:, :, None] + torch.arange(block_size, device=device)[None, None, :]).reshape(b, -1)
+    return torch.cat([ctx, blocks], dim=1)
+
+
+def block_inputs_and_labels(
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(noise ids [B, N*bs], labels [B, N, bs], label_valid [B, N, bs]) for the anchored blocks.
+
+    Slot 0 holds the anchor token (no label); slot k >= 1 holds MASK and is labelled with token anchor + k
+    when that position exists in the sequence.
+    """
+    b, n = anchors.shape
+    device = input_ids.device
+    k = torch.arange(block_size, device=device)
+    idx = anchors[:, :, None] + k[None, None, :]  # [B, N, bs]
+    inside = idx < lengths[:, None, None]
+    labels = input_ids.gather(1, idx.clamp(max=input_ids.shape[1] - 1).reshape(b, -1)).reshape(b, n, block_size)
+    valid = inside & keep[:, :, None] & (k >= 1)[None, None, :]
+    noise = torch.full((b, n, block_size), mask_token_id, dtype=torch.long, device=device)
+    noise[:, :, 0] = torch.where(keep, labels[:, :, 0], torch.full_like(labels[:, :, 0], mask_token_id))
+    return noise.reshape(b, -1), labels, valid
+
+
+def slot_weights(block_size: int, gamma: float | None, device: torch.device | str) -> torch.Tensor:
+    """Loss weight per slot: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1 (1 when gamma is None or <= 0)."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.ones(block_size, device=device) if not gamma or gamma <= 0 else torch.exp(-(k - 1).clamp(min=0) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def default_gamma(block_size: int) -> float:
+    """The recipe's decay: 7 for block 16 (scaled for other block sizes)."""
+    return 7.0 * (block_size - 1) / 15.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Target features
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_target(model_dir: str | os.PathLike, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """The target as a frozen transformers causal LM (eval mode, no grad)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def target_num_layers(model_dir: str | os.PathLike) -> int:
+    """num_hidden_layers of the target (its text config for multimodal wrappers)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int({**cfg, **(cfg.get("text_config") or {})}["num_hidden_layers"])
+
+
+@torch.no_grad()
+def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+    """Context features [B, L, len(ids)*H]: outputs of layers layer_ids (HF hidden_states[i + 1]), concatenated.
+
+    Right padding needs no mask: the target is causal, so padded tail positions never reach real ones.
+    """
+    out = target(input_ids=input_ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    hs = out.hidden_states
+    return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loss module
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepStats:
+    """Sums over one step's valid label slots (sums so that ranks and steps add up)."""
+
+    loss: torch.Tensor  # weighted mean CE (the optimised value)
+    weight_sum: torch.Tensor
+    correct: torch.Tensor  # top-1 hits over valid slots
+    n_labels: torch.Tensor  # valid label slots
+    correct_per_slot: torch.Tensor  # [bs]
+    n_per_slot: torch.Tensor  # [bs]
+
+
+class DFlashTrainModule(nn.Module):
+    """Drafter + frozen target embedding/head (buffers, so DDP and the optimiser leave them alone)."""
+
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        gamma: float | None,
+        ce_chunk: int = 0,
+    ) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        tied = lm_head_weight.data_ptr() == embed_weight.data_ptr()
+        self.register_buffer("lm_head_weight", embed_weight.detach() if tied else lm_head_weight.detach(), persistent=False)
+        self.gamma = gamma
+        self.ce_chunk = ce_chunk
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        features: torch.Tensor,
+        anchors: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> StepStats:
+        """Weighted CE over all anchored blocks of a batch."""
+        cfg = self.drafter.config
+        bs = cfg.block_size
+        b, s = input_ids.shape
+        noise_ids, labels, valid = block_inputs_and_labels(input_ids, lengths, anchors, keep, bs, cfg.mask_token_id)
+        noise = self.drafter.embed(noise_ids, self.embed_weight)
+        pos = block_position_ids(anchors, s, bs)
+        mask = block_attention_mask(anchors, keep, s, bs)
+        hidden = self.drafter(noise, features.to(noise.dtype), pos, attention_mask=mask)  # [B, N*bs, H]
+        w_slot = slot_weights(bs, self.gamma, hidden.device)
+        flat_valid = valid.reshape(-1)
+        rows = hidden.reshape(-1, hidden.shape[-1])[flat_valid]
+        tgt = labels.reshape(-1)[flat_valid]
+        slot = torch.arange(bs, device=hidden.device).repeat(b * anchors.shape[1])[flat_valid]
+        w = w_slot[slot]
+        ce, hit = self._ce(rows, tgt)
+        wsum = w.sum()
+        loss = (ce * w).sum() / wsum.clamp(min=1e-6)
+        with torch.no_grad():
+            hits = hit.float()
+            correct_per_slot = torch.zeros(bs, device=hidden.device).index_add_(0, slot, hits)
+            n_per_slot = torch.zeros(bs, device=hidden.device).index_add_(0, slot, torch.ones_like(hits))
+        return StepStats(loss, wsum.detach(), hits.sum(), torch.tensor(float(tgt.numel()), device=hidden.device),
+                         correct_per_slot, n_per_slot)
+
+    def _ce(self, rows: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row CE (float32 softmax) and top-1 hits; optionally in recomputed chunks to bound memory."""
+
+        def piece(r: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.drafter.compute_logits(r, self.lm_head_weight.to(r.dtype)).float()
+            return F.cross_entropy(logits, t, reduction="none"), logits.argmax(-1) == t
+
+        if not self.ce_chunk or rows.shape[0] <= self.ce_chunk:
+            return piece(rows, tgt)
+        ces, hits = [], []
+        for i in range(0, rows.shape[0], self.ce_chunk):
+            r, t = rows[i : i + self.ce_chunk], tgt[i : i + self.ce_chunk]
+            if torch.is_grad_enabled():
+                # Logits of a chunk are rebuilt in backward instead of kept: [rows, vocab] floats dominate memory.
+                c, h = checkpoint(piece, r, t, use_reentrant=False)
+            else:
+                c, h = piece(r, t)
+            ces.append(c)
+            hits.append(h)
+        return torch.cat(ces), torch.cat(hits)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Drafter construction
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterShape:
+    """Architecture choices for a new drafter (hidden size, heads, vocab and RoPE come from the target)."""
+
+    num_layers: int = 4
+    intermediate_size: int | None = None  # None: the target's
+    block_size: int = 16
+    mask_token_id: int | None = None  # None: chosen from the tokenizer (see choose_mask_token_id)
+    target_layer_ids: list[int] | None = None  # None: build_target_layer_ids(n_target, num_layers)
+
+
+def choose_mask_token_id(target_dir: str | os.PathLike) -> int:
+    """A vocabulary row to use as MASK: an existing <|MASK|>-like token, else an unused special token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    vocab = tok.get_vocab()
+    for name in ("<|MASK|>", "<mask>", "<|mask|>", "[MASK]"):
+        if name in vocab:
+            return int(vocab[name])
+    # SmolLM2-style vocabularies carry code-dataset markers that chat never produces.
+    for name in ("<empty_output>", "<jupyter_script>", "<gh_stars>", "<reponame>"):
+        if name in vocab:
+            return int(vocab[name])
+    specials = set(tok.all_special_ids)
+    reserved = [i for t, i in vocab.items() if "reserved" in t.lower() and i not in specials]
+    if reserved:
+        return int(min(reserved))
+    raise ValueError("no token to use as MASK found; pass --mask-token-id")
+
+
+def new_drafter_config(target_dir: str | os.PathLike, shape: DrafterShape) -> DFlashConfig:
+    """A DFlash config sized for the target at target_dir (z-lab config.json layout)."""
+    target_dir = Path(target_dir)
+    raw = json.loads((target_dir / "config.json").read_text())
+    t = {**raw, **(raw.get("text_config") or {})}
+    n_target = int(t["num_hidden_layers"])
+    hidden, n_heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+    head_dim = int(t.get("head_dim") or hidden // n_heads)
+    rope = dict(t.get("rope_parameters") or {})
+    theta = float(rope.pop("rope_theta", t.get("rope_theta", 10000.0)))
+    if rope.get("rope_type", "default") == "default":
+        rope = {}
+    mask_id = shape.mask_token_id if shape.mask_token_id is not None else choose_mask_token_id(target_dir)
+    ids = shape.target_layer_ids or build_target_layer_ids(n_target, shape.num_layers)
+    if any(not 0 <= i < n_target for i in ids):
+        raise ValueError(f"target_layer_ids {ids} out of range for a {n_target}-layer target")
+    d: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": int(shape.intermediate_size or t["intermediate_size"]),
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(t.get("num_key_value_heads") or n_heads),
+        "head_dim": head_dim,
+        "vocab_size": int(t["vocab_size"]),
+        "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(t.get("max_position_embeddings", 40960)),
+        "rope_theta": theta,
+        "rope_scaling": ({"rope_type": rope.pop("rope_type"), **rope} if rope else None),
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "block_size": shape.block_size,
+        "num_target_layers": n_target,
+        "dflash_config": {"mask_token_id": int(mask_id), "target_layer_ids": [int(i) for i in ids]},
+    }
+    return DFlashConfig.from_dict(d)
+
+
+def init_drafter(cfg: DFlashConfig, seed: int, std: float = 0.02) -> DFlashDraftModel:
+    """A freshly initialised float32 drafter: N(0, std) linear weights, unit norms."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DFlashDraftModel(cfg)
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of parameters."""
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs besides the data."""
+
+    target_dir: str
+    out_dir: str
+    shape: DrafterShape = field(default_factory=DrafterShape)
+    init_from: str | None = None  # start from an existing drafter directory instead of a fresh one
+    device: str = "cpu"
+    amp: bool = False  # bf16 autocast (GPU); float32 otherwise
+    target_dtype: str = "float32"
+    save_dtype: str = "bfloat16"
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    gamma: float | None = None  # None: default_gamma(block_size)
+    num_anchors: int = 512
+    max_tokens: int = 8192  # padded sequence tokens per batch (per rank)
+    max_batch: int | None = None
+    max_len: int = 3072
+    max_steps: int = 1000
+    time_budget_s: float | None = None  # ends the run (and shapes the LR schedule) by wall-clock time
+    ckpt_dir: str | None = None
+    ckpt_every: int = 500
+    ckpt_every_s: float | None = None
+    resume: bool = True
+    log_every: int = 10
+    seed: int = 0
+    ce_chunk: int = 0
+    grad_checkpointing: bool = False
+    fsdp: bool = False
+    progress: bool = True
+    compile: bool = False
+
+
+@dataclass
+class TrainResult:
+    """What a run did."""
+
+    steps: int
+    epochs: float
+    elapsed_s: float
+    first_loss: float
+    last_loss: float
+    last_acc: float
+    loss_history: list[tuple[int, float, float]]  # (step, loss, acc) at each log point
+    label_tokens: int
+    context_tokens: int
+    params: int
+    out_dir: str
+    per_slot_acc: list[float]
+
+
+def dist_info() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment (0, 1, 0 when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+    return 0, 1, 0
+
+
+def init_distributed(device: str) -> tuple[int, int, str]:
+    """Initialises torch.distributed under torchrun; returns (rank, world, this rank's device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, device
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") and torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def lr_factor(progress: float, warmup_frac: float, min_ratio: float) -> float:
+    """Linear warm-up then cosine decay to min_ratio, over progress in [0, 1]."""
+    progress = min(max(progress, 0.0), 1.0)
+    if warmup_frac > 0 and progress < warmup_frac:
+        return max(progress / warmup_frac, 1e-3)
+    t = (progress - warmup_frac) / max(1e-9, 1.0 - warmup_frac)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def _atomic_dir_write(final: Path, write: Callable[[Path], None]) -> None:
+    """Writes a directory through a temporary sibling and a rename, so a crash never leaves half a checkpoint."""
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: torch.dtype) -> None:
+    """Saves a copy of the drafter in dtype (z-lab format), leaving the training weights untouched."""
+    copy = DFlashDraftModel(model.config)
+    copy.load_state_dict({k: v.detach().to("cpu", dtype=torch.float32) for k, v in model.state_dict().items()})
+    copy.to(dtype).save_pretrained(out_dir)
+
+
+def _full_state_dict(module: nn.Module, fsdp: bool) -> dict[str, torch.Tensor]:
+    """The drafter's full (unsharded) state dict on CPU."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def train(
+    cfg: TrainConfig,
+    samples: Sequence[Sample],
+    on_log: Callable[[dict[str, Any]], None] | None = None,
+    target: nn.Module | None = None,
+) -> TrainResult:
+    """Trains (or resumes) a drafter on token samples; saves checkpoints and the final drafter (rank 0).
+
+    `target` may be passed already loaded (frozen, on cfg.device); otherwise it is loaded from cfg.target_dir.
+    """
+    rank, world, local = dist_info()
+    device = torch.device(cfg.device)
+    is_main = rank == 0
+    torch.manual_seed(cfg.seed + 17 * rank)
+    random.seed(cfg.seed + 17 * rank)
+
+    # --- model -------------------------------------------------------------------------------------------
+    ckpt_root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else Path(cfg.out_dir) / "checkpoints"
+    latest = ckpt_root / "latest"
+    resume_state: dict[str, Any] | None = None
+    if cfg.resume and (latest / STATE_NAME).is_file():
+        drafter = DFlashDraftModel.from_pretrained(latest, device="cpu", dtype=torch.float32)
+        resume_state = torch.load(str(latest / STATE_NAME), map_location="cpu", weights_only=False)
+        log.info("resuming from %s at step %d", latest, resume_state["step"])
+    elif cfg.init_from:
+        drafter = DFlashDraftModel.from_pretrained(cfg.init_from, device="cpu", dtype=torch.float32)
+    else:
+        drafter = init_drafter(new_drafter_config(cfg.target_dir, cfg.shape), cfg.seed)
+    drafter.train()
+    drafter.gradient_checkpointing = cfg.grad_checkpointing
+    dcfg = drafter.config
+    if dcfg.mask_token_id is None:
+        raise ValueError("drafter config has no mask_token_id")
+    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(dcfg.block_size)
+    drafter.to(device)
+    embed, head = load_target_embeddings(cfg.target_dir, device=device, dtype=torch.float32)
+    module = DFlashTrainModule(drafter, embed, head, gamma, ce_chunk=cfg.ce_chunk)
+    if target is None:
+        target = load_target(cfg.target_dir, device, _dtype(cfg.target_dtype))
+    n_params = count_parameters(drafter)
+
+    wrapped: nn.Module = module
+    if world > 1 and cfg.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        # One FSDP unit for the whole drafter: its forward calls into layers outside their own forward
+        # (context K/V projection), which per-layer units would leave sharded.
+        fully_shard(drafter)
+    elif world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # Buffers (frozen embedding/head) are identical everywhere: no per-step broadcast.
+        wrapped = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    step_fn: nn.Module = wrapped
+    if cfg.compile:
+        step_fn = torch.compile(wrapped)
+
+    decay, no_decay = [], []
+    for name, p in drafter.named_parameters():
+        (no_decay if p.ndim < 2 else decay).append(p)
+    opt_kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=cfg.betas)
+    if device.type == "cuda" and not cfg.fsdp:
+        opt_kwargs["fused"] = True
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], **opt_kwargs
+    )
+
+    # --- data --------------------------------------------------------------------------------------------
+    sampler = BatchSampler(samples, cfg.max_tokens, cfg.max_len, seed=cfg.seed, rank=rank, world_size=world,
+                           max_batch=cfg.max_batch)
+    step, elapsed_before, epoch0, skip = 0, 0.0, 0, 0
+    history: list[tuple[int, float, float]] = []
+    label_tokens = context_tokens = anchors_drawn = 0
+    if resume_state is not None:
+        if resume_state.get("optimizer") is not None and not (cfg.fsdp and world > 1):
+            optimizer.load_state_dict(resume_state["optimizer"])
+        else:
+            log.warning("resuming without optimiser state (FSDP checkpoint or FSDP run)")
+        step = int(resume_state["step"])
+        elapsed_before = float(resume_state["elapsed_s"])
+        epoch0, skip = int(resume_state["epoch"]), int(resume_state["batch_in_epoch"])
+        history = [tuple(h) for h in resume_state.get("history", [])]  # type: ignore[misc]
+        label_tokens = int(resume_state.get("label_tokens", 0))
+        context_tokens = int(resume_state.get("context_tokens", 0))
+        anchors_drawn = int(resume_state.get("anchors_drawn", 0))
+        torch.set_rng_state(resume_state["torch_rng"])
+        random.setstate(resume_state["py_rng"])
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed * 7919 + rank + 1000 * step)
+    batches = sampler.iterate(epoch0, skip)
+
+    amp_ctx = (
+        (lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16))
+        if cfg.amp
+        else contextlib.nullcontext
+    )
+    bar = None
+    if is_main and cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=step, desc="train-drafter", dynamic_ncols=True)
+
+    def save_checkpoint(epoch: int, in_epoch: int, elapsed: float) -> None:
+        state = _full_state_dict(drafter, cfg.fsdp)
+        if not is_main:
+            return
+
+        def write(d: Path) -> None:
+            copy = DFlashDraftModel(dcfg)
+            copy.load_state_dict({k: v.float() for k, v in state.items()})
+            copy.save_pretrained(d)
+            torch.save(
+                {
+                    "step": step, "epoch": epoch, "batch_in_epoch": in_epoch, "elapsed_s": elapsed,
+                    # FSDP optimiser state is sharded per rank: not kept (a resume restarts the moments)
+                    "optimizer": None if cfg.fsdp and world > 1 else optimizer.state_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                    "py_rng": random.getstate(), "history": history, "label_tokens": label_tokens,
+                    "context_tokens": context_tokens, "anchors_drawn": anchors_drawn,
+                    "config": asdict(cfg),
+                },
+                str(d / STATE_NAME),
+            )
+
+        _atomic_dir_write(latest, write)
+
+    start_step = step
+    t_start = time.perf_counter()
+    last_ckpt_t = t_start
+    ema_loss = ema_acc = None
+    first_loss = math.nan
+    win_labels = win_ctx = 0
+    win_t = time.perf_counter()
+    slot_hits = torch.zeros(dcfg.block_size)
+    slot_counts = torch.zeros(dcfg.block_size)
+    epoch = epoch0
+    in_epoch = skip
+    while True:
+        elapsed = elapsed_before + (time.perf_counter() - t_start)
+        progress = step / max(1, cfg.max_steps)
+        if cfg.time_budget_s:
+            progress = max(progress, elapsed / cfg.time_budget_s)
+        stop = step >= cfg.max_steps or progress >= 1.0
+        if world > 1:  # every rank must stop at the same step (time differs slightly between ranks)
+            flag = torch.tensor([1.0 if stop else 0.0], device=device if device.type == "cuda" else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item() > 0)
+        if stop:
+            break
+        for g in optimizer.param_groups:
+            g["lr"] = cfg.lr * lr_factor(progress, cfg.warmup_frac, cfg.min_lr_ratio)
+
+        epoch, in_epoch, batch_samples = next(batches)
+        batch: Batch = collate(batch_samples, pad_id=0, max_len=cfg.max_len).to(device)
+        anchors, keep = sample_anchors(batch.lengths, batch.loss_start, cfg.num_anchors, gen)
+        with amp_ctx():
+            feats = target_features(target, batch.input_ids, dcfg.target_layer_ids)
+            stats = step_fn(batch.input_ids, batch.lengths, feats, anchors, keep)
+        optimizer.zero_grad(set_to_none=True)
+        stats.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        optimizer.step()
+        step += 1
+        in_epoch += 1
+
+        loss_v = float(stats.loss.detach())
+        acc_v = float(stats.correct / stats.n_labels.clamp(min=1))
+        if math.isnan(first_loss):
+            first_loss = loss_v
+        ema_loss = loss_v if ema_loss is None else 0.95 * ema_loss + 0.05 * loss_v
+        ema_acc = acc_v if ema_acc is None else 0.95 * ema_acc + 0.05 * acc_v
+        n_lab = int(stats.n_labels.item()) * world
+        n_ctx = int(batch.lengths.sum().item()) * world
+        label_tokens += n_lab
+        anchors_drawn += int(keep.sum().item()) * world
+        context_tokens += n_ctx
+        win_labels += n_lab
+        win_ctx += n_ctx
+        slot_hits += stats.correct_per_slot.detach().float().cpu()
+        slot_counts += stats.n_per_slot.detach().float().cpu()
+        if step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.max_steps:
+            now = time.perf_counter()
+            rate = win_ctx / max(1e-9, now - win_t)
+            lrate = win_labels / max(1e-9, now - win_t)
+            win_labels = win_ctx = 0
+            win_t = now
+            history.append((step, ema_loss, ema_acc))
+            if bar is not None:
+                bar.set_postfix(loss=f"{ema_loss:.3f}", acc=f"{ema_acc:.3f}", tok_s=f"{rate:,.0f}",
+                                lbl_s=f"{lrate:,.0f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+            if on_log is not None and is_main:
+                on_log({"step": step, "loss": ema_loss, "acc": ema_acc, "raw_loss": loss_v, "tokens_per_s": rate,
+                        "labels_per_s": lrate, "lr": optimizer.param_groups[0]["lr"], "epoch": epoch,
+                        "grad_norm": float(grad_norm), "elapsed_s": elapsed})
+        if bar is not None:
+            bar.update(1)
+        now = time.perf_counter()
+        due = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or (
+            cfg.ckpt_every_s is not None and now - last_ckpt_t >= cfg.ckpt_every_s)
+        if world > 1 and cfg.ckpt_every_s is not None:
+            flag = torch.tensor([1.0 if due else 0.0], device=device if device.type == "cuda" else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            due = bool(flag.item() > 0)
+        if due:
+            save_checkpoint(epoch, in_epoch, elapsed_before + (now - t_start))
+            last_ckpt_t = now
+
+    if bar is not None:
+        bar.close()
+    elapsed = elapsed_before + (time.perf_counter() - t_start)
+    if step > 0:
+        save_checkpoint(epoch, in_epoch, elapsed)
+    state = _full_state_dict(drafter, cfg.fsdp)
+    if is_main:
+        final = DFlashDraftModel(dcfg)
+        final.load_state_dict({k: v.float() for k, v in state.items()})
+        final.to(_dtype(cfg.save_dtype)).save_pretrained(cfg.out_dir)
+    per_slot = (slot_hits / slot_counts.clamp(min=1)).tolist()
+    # anchor positions per epoch: every position from loss_start to length - 2
+    epochs = anchors_drawn / max(1, sampler.tokens_per_epoch() - len(sampler.samples))
+    last = history[-1] if history else (step, math.nan, math.nan)
+    return TrainResult(step, epochs, elapsed, first_loss, float(last[1]), float(last[2]), history, label_tokens,
+                       context_tokens, n_params, str(cfg.out_dir), per_slot)

@@ -1,0 +1,172 @@
+"""train-drafter: the DFlash training layout matches decoding, and a tiny run trains, checkpoints, resumes, reloads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter_svc.dflash_model import DFlashDraftModel
+from drafter_svc.train import cli
+from drafter_svc.train.data import Sample, collate, load_samples
+from drafter_svc.train.trainer import (
+    DrafterShape,
+    block_attention_mask,
+    block_inputs_and_labels,
+    block_position_ids,
+    init_drafter,
+    new_drafter_config,
+    sample_anchors,
+    slot_weights,
+)
+from tests.fixtures.tiny_models import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 4-layer Llama with the fixtures' tokenizer (chat template included)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("target"), seed=2)
+
+
+def test_anchor_sampling_stays_in_the_response() -> None:
+    """Anchors are distinct, sorted, inside [loss_start, length - 2]; short rows are padded with keep False."""
+    lengths = torch.tensor([40, 12, 30])
+    starts = torch.tensor([10, 8, 29])  # row 2 has no anchor position at all
+    g = torch.Generator().manual_seed(0)
+    anchors, keep = sample_anchors(lengths, starts, num_anchors=8, generator=g)
+    assert anchors.shape == (3, 8)
+    assert keep.sum(1).tolist() == [8, 3, 0]
+    for b in range(3):
+        a = anchors[b][keep[b]]
+        assert torch.all(a >= starts[b]) and torch.all(a <= lengths[b] - 2)
+        assert a.unique().numel() == a.numel() and torch.equal(a, a.sort().values)
+    assert anchors[1][keep[1]].tolist() == [8, 9, 10]
+
+
+def test_block_mask_sees_context_strictly_before_the_anchor() -> None:
+    """Block b: context positions < anchor_b and its own block; nothing of other blocks."""
+    anchors = torch.tensor([[3, 7]])
+    keep = torch.tensor([[True, False]])
+    bs, s = 4, 10
+    m = block_attention_mask(anchors, keep, s, bs)[0, 0]
+    assert m.shape == (2 * bs, s + 2 * bs)
+    for q in range(bs):  # block 0, anchor 3
+        assert m[q, :s].tolist() == [True] * 3 + [False] * 7
+        assert m[q, s : s + bs].all() and not m[q, s + bs :].any()
+    for q in range(bs, 2 * bs):  # dropped block: only itself (never an empty row)
+        assert not m[q, :s].any() and not m[q, s : s + bs].any() and m[q, s + bs :].all()
+    pos = block_position_ids(anchors, s, bs)[0]
+    assert pos.tolist() == list(range(s)) + [3, 4, 5, 6, 7, 8, 9, 10]
+
+
+def test_labels_are_the_tokens_at_each_slots_own_position() -> None:
+    """Slot k of the block anchored at a is labelled x[a + k] (no shift); slot 0 and positions past the end are not."""
+    x = torch.arange(100, 112)[None]
+    noise, labels, valid = block_inputs_and_labels(x, torch.tensor([12]), torch.tensor([[5, 9]]),
+                                                   torch.tensor([[True, True]]), 4, mask_token_id=1)
+    assert noise.tolist() == [[105, 1, 1, 1, 109, 1, 1, 1]]
+    assert labels[0, 0].tolist() == [105, 106, 107, 108]
+    assert valid[0, 0].tolist() == [False, True, True, True]
+    assert valid[0, 1].tolist() == [False, True, True, False]  # 9 + 3 = 12 is past the sequence
+    w = slot_weights(16, 7.0, "cpu")
+    assert w[0] == 0 and w[1] == 1 and torch.isclose(w[8], torch.exp(torch.tensor(-1.0)))
+
+
+def test_training_layout_equals_the_decode_step(tiny_target: Path) -> None:
+    """Many anchored blocks in one masked forward give, per block, the plain decode-step forward's output."""
+    cfg = new_drafter_config(tiny_target, DrafterShape(num_layers=2, block_size=8))
+    model = init_drafter(cfg, seed=3).eval()
+    g = torch.Generator().manual_seed(1)
+    s = 24
+    x = torch.randint(5, cfg.vocab_size, (1, s), generator=g)
+    feats = torch.randn(1, s, cfg.feature_dim, generator=g)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    anchors = torch.tensor([[0, 6, 11, 20]])
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    noise_ids, _, _ = block_inputs_and_labels(x, torch.tensor([s]), anchors, keep, 8, cfg.mask_token_id)
+    with torch.no_grad():
+        batched = model(model.embed(noise_ids, embed), feats, block_position_ids(anchors, s, 8),
+                        attention_mask=block_attention_mask(anchors, keep, s, 8))
+        for n, a in enumerate(anchors[0].tolist()):
+            block = torch.tensor([[int(x[0, a])] + [cfg.mask_token_id] * 7])
+            ctx = feats[:, :a] if a > 0 else None
+            ref = model(model.embed(block, embed), ctx, torch.arange(a + 8)[None])
+            torch.testing.assert_close(batched[:, n * 8 : (n + 1) * 8], ref, rtol=1e-4, atol=1e-5)
+
+
+def _args(target: Path, out: Path, work: Path, corpus: Path, **over) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    argv = [
+        "--target", str(target), "--out", str(out), "--work-dir", str(work), "--device", "cpu",
+        "--corpus", str(corpus), "--no-system-corpora", "--num-prompts", "16", "--num-heldout", "3",
+        "--max-new-tokens", "24", "--eval-max-new-tokens", "20", "--gen-batch-size", "16",
+        "--num-layers", "2", "--num-anchors", "12", "--max-tokens", "1200", "--lr", "3e-3",
+        "--eval-budgets", "4,16", "--no-progress",
+    ]
+    for k, v in over.items():
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return parser.parse_args(argv)
+
+
+def test_tiny_end_to_end_trains_checkpoints_resumes_and_reloads(tiny_target: Path, tmp_path: Path) -> None:
+    """Distillation data from the tiny target, a few CPU steps, checkpoint, resume, reload, offline eval."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "story.txt").write_text("\n\n".join(
+        f"Paragraph {i}: the rain stopped and the children ran outside to count puddles on the road, "
+        f"while the baker opened the shop and the night train left the quiet town number {i}." for i in range(40)))
+    (corpus / "funcs.py").write_text("\n\n".join(
+        f"def add_{i}(x):\n    \"\"\"Return x plus {i}, doubled, for the tests.\"\"\"\n    y = x + {i}\n    return 2 * y\n"
+        for i in range(30)))
+    out, work = tmp_path / "drafter", tmp_path / "work"
+
+    m1 = cli.run(_args(tiny_target, out, work, corpus, steps=6, ckpt_every=3, no_eval=True))
+    assert m1["train"]["steps"] == 6
+    latest = work / "checkpoints" / "latest"
+    assert (latest / "config.json").is_file() and (latest / "model.safetensors").is_file()
+    assert (latest / "trainer_state.pt").is_file()
+
+    # z-lab format on disk: published config keys and parameter names
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 16
+    assert cfg["num_target_layers"] == 4 and len(cfg["dflash_config"]["target_layer_ids"]) == 2
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_norm.weight",
+            "layers.0.mlp.gate_proj.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+
+    # resume: same work dir, more steps, reusing the generated samples
+    m2 = cli.run(_args(tiny_target, out, work, corpus, steps=14, ckpt_every=0,
+                       samples=work / "samples.pt"))
+    assert m2["train"]["steps"] == 14
+    log = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in log]
+    assert steps[0] == 1 and 7 <= min(s for s in steps if s > 6) and steps[-1] == 14
+    assert sorted(steps) == steps  # continued, not restarted
+    first, last = m1["train"]["first_loss"], m2["train"]["last_loss"]
+    assert last < 0.7 * first, (first, last)
+
+    drafter = DFlashDraftModel.from_pretrained(out, device="cpu", dtype=torch.float32)
+    assert drafter.config.num_hidden_layers == 2 and drafter.mask_token_id == cfg["dflash_config"]["mask_token_id"]
+    ev = m2["eval"]
+    assert ev["sequences"] == len(load_samples(work / "heldout_samples.pt"))
+    for key in ("chain_mean_acceptance_length", "ddtree_b4_mean_acceptance_length", "ddtree_b16_mean_acceptance_length"):
+        assert 1.0 <= ev[key] <= 16.0
+    # a bigger tree never accepts less than the chain (it contains the chain's path)
+    assert ev["ddtree_b16_mean_acceptance_length"] >= ev["chain_mean_acceptance_length"] - 1e-9
+    assert len(ev["chain"]["per_position"]) == 15
+
+
+def test_collate_right_pads() -> None:
+    """Batches are right-padded with lengths and loss starts."""
+    b = collate([Sample([1, 2, 3], 1), Sample([4, 5, 6, 7, 8], 2)], pad_id=0)
+    assert b.input_ids.tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+    assert b.lengths.tolist() == [3, 5] and b.loss_start.tolist() == [1, 2]
