@@ -165,14 +165,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def Release(self, request, context):
         require_ready(self.ready)
         ids = list(request.seq_ids)
+        # Tombstones first, before any await: a feature push checked after this point is dropped, and one
+        # checked before it was queued on the model thread ahead of the release below.
+        for seq_id in ids:
+            self.rows_held.pop(seq_id, None)
+            self.broken.pop(seq_id, None)
+            self.released[seq_id] = None
+        while len(self.released) > RELEASED_MEMORY:
+            self.released.popitem(last=False)
         released = await self._on_model_thread(self._release_all, ids)
-        async with self.rows_changed:
-            for seq_id in ids:
-                self.rows_held.pop(seq_id, None)
-                self.broken.pop(seq_id, None)
-                self.released[seq_id] = None
-            while len(self.released) > RELEASED_MEMORY:
-                self.released.popitem(last=False)
         return drafter_pb2.DrafterReleaseResponse(released=released, cache=self._cache())
 
     def _release_all(self, seq_ids: list[str]) -> int:
