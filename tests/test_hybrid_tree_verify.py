@@ -26,15 +26,6 @@ TREE_B = [-1, 0, 1, 1, 0, 4, 2]
 PATH_B = [0, 4, 5]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny ops on a shared 2-core machine: OpenMP spinning across busy cores makes them 10-100x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """(our model with two live sequences, HF reference, prompts) for a tiny Qwen3.5 in the flagship layout."""

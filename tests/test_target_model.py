@@ -17,15 +17,6 @@ MAKERS = {
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny ops on a shared 2-core machine: OpenMP spinning across busy cores makes them 10-100x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module", params=sorted(MAKERS))
 def checkpoint(request, tmp_path_factory):
     """(model_dir, HF reference model) per architecture, built once per module."""

@@ -20,15 +20,6 @@ VOCAB = 320
 N_NEW = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny ops on a shared 2-core machine: OpenMP spinning across busy cores makes them 10-100x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """model_dir per architecture, built once per module."""
