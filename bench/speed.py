@@ -1,0 +1,392 @@
+"""Speed benchmark: tokens/s as ratios measured in one run, and where the time of a speculative step goes.
+
+Through one gateway/target/drafter stack (modes and budgets are per request): `ar`, `dflash` and `ddtree`
+(--budget) at batch 1 (the prompts one after another) and at batch N (the same prompts, N in flight at once).
+Then, in this same process and on the same device/dtype/threads, transformers' own greedy `generate()` (batch 1,
+and left-padded batches of N), and its assisted generation by prompt lookup (`prompt_lookup_num_tokens`, needs
+no extra model; batch 1). Same prompts (the gateway's own chat rendering, sent as token ids), same max_tokens,
+EOS honoured, temperature 0, so every system produces the same text.
+
+The per-step breakdown comes from the services' Prometheus metrics, as deltas between scrapes around each
+phase: gateway step/draft/tree-build/verify times, gateway-side (client) vs server-side latency of the Verify and
+Draft RPCs (the difference is the gRPC hop), the target's and drafter's forward times and the feature transport.
+
+    python -m bench.speed                                   # CPU defaults: 4 prompts x 64 tokens, batch 4
+    python -m bench.speed --device cuda --dtype bfloat16    # GPU defaults: 16 prompts x 256 tokens, batch 8
+
+Writes bench/results/speed-<hardware>.{md,json} (or --out-dir).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from bench import common
+
+MODES = ("ar", "dflash", "ddtree")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="target checkpoint dir (default: SmolLM2-135M-Instruct from the packaged GGUF)")
+    p.add_argument("--drafter", help="DFlash drafter dir (default: ddtree_serve/assets/smollm2-dflash)")
+    p.add_argument("--prompts", help="prompt file (default: bench/heldout_prompts.json)")
+    p.add_argument("--num-prompts", type=int, default=None, help="first N prompts (default: 4 on CPU, 16 otherwise)")
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=None, help="max new tokens (default: 64 on CPU, 256 otherwise)")
+    p.add_argument("--budget", type=int, default=64, help="DDTree budget")
+    p.add_argument("--batch", type=int, default=None, help="requests in flight for the batched runs "
+                                                          "(default: 4 on CPU, 8 otherwise)")
+    p.add_argument("--modes", default=",".join(MODES), help="service modes to run (comma-separated)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--drafter-device", default=None, help="drafter service device (default: --device)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per model service, and for transformers in this process")
+    p.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens for assisted generation")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers generate() entirely")
+    p.add_argument("--no-assisted", action="store_true", help="skip prompt-lookup assisted generation")
+    p.add_argument("--no-hf-batch", action="store_true", help="skip transformers' batched generate()")
+    p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    return p.parse_args(argv)
+
+
+# ---- services ---------------------------------------------------------------------------------------------------
+def breakdown(before: dict, after: dict) -> dict:
+    """Per-step times (ms) of one phase from the three services' metric deltas. Series are summed over every
+    label value (the gateway labels its step histograms by mode, but one phase runs one mode only)."""
+    g0, g1 = before["gateway"], after["gateway"]
+    t0, t1 = before["target"], after["target"]
+    d0, d1 = before["drafter"], after["drafter"]
+    H = common.hist_delta
+    b = {
+        "step": H(g0, g1, "ddtree_step_seconds"),
+        "draft_phase": H(g0, g1, "ddtree_draft_seconds"),
+        "tree_build": H(g0, g1, "ddtree_tree_build_seconds"),
+        "verify_phase": H(g0, g1, "ddtree_verify_seconds"),
+        "verify_rpc_client": H(g0, g1, "ddtree_rpc_client_latency_seconds", service="gateway",
+                               method="TargetService/Verify"),
+        "verify_rpc_server": H(t0, t1, "ddtree_rpc_server_latency_seconds", method="TargetService/Verify"),
+        "target_verify_forward": H(t0, t1, "ddtree_target_forward_seconds", op="verify"),
+        "draft_rpc_client": H(g0, g1, "ddtree_rpc_client_latency_seconds", service="gateway",
+                              method="DrafterService/Draft"),
+        "draft_rpc_server": H(d0, d1, "ddtree_rpc_server_latency_seconds", method="DrafterService/Draft"),
+        "drafter_forward": H(d0, d1, "ddtree_drafter_forward_seconds"),
+        "prefill_rpc_client": H(g0, g1, "ddtree_rpc_client_latency_seconds", service="gateway",
+                                method="TargetService/Prefill"),
+        "target_prefill_forward": H(t0, t1, "ddtree_target_forward_seconds", op="prefill"),
+        "push_features_rpc_client": H(t0, t1, "ddtree_rpc_client_latency_seconds", method="DrafterService/PushFeatures"),
+        "push_features_rpc_server": H(d0, d1, "ddtree_rpc_server_latency_seconds",
+                                      method="DrafterService/PushFeatures"),
+        "transport_send": H(t0, t1, "ddtree_transport_seconds", direction="send"),
+        "batch_size": H(g0, g1, "ddtree_step_batch_size"),
+        "tree_size": H(g0, g1, "ddtree_tree_size_nodes"),
+    }
+    steps = b["step"]["count"]
+    for k in ("batch_size", "tree_size"):  # means of counts, not times
+        h = b[k]
+        h["mean"] = round(h.pop("sum_s") / h["count"], 2) if h["count"] else None
+        h.pop("mean_ms")
+
+    def per_step(name: str) -> float | None:
+        """Total time of a family over the phase / engine steps, ms (0 when the family never ran)."""
+        return round(1000 * b[name]["sum_s"] / steps, 3) if steps else None
+
+    ps = {k: per_step(k) for k in ("step", "draft_phase", "tree_build", "verify_phase", "verify_rpc_client",
+                                   "verify_rpc_server", "target_verify_forward", "draft_rpc_client",
+                                   "draft_rpc_server", "drafter_forward", "push_features_rpc_client",
+                                   "transport_send")}
+    if steps:
+        ps["gateway_other"] = round(ps["step"] - ps["draft_phase"] - ps["tree_build"] - ps["verify_phase"], 3)
+        ps["verify_hop"] = round(ps["verify_rpc_client"] - ps["verify_rpc_server"], 3)
+        ps["draft_hop"] = round(ps["draft_rpc_client"] - ps["draft_rpc_server"], 3)
+        ps["verify_server_non_forward"] = round(ps["verify_rpc_server"] - ps["target_verify_forward"], 3)
+        ps["draft_server_non_forward"] = round(ps["draft_rpc_server"] - ps["drafter_forward"], 3)
+        ps["forward_total"] = round(ps["target_verify_forward"] + ps["drafter_forward"], 3)
+        ps["non_forward"] = round(ps["step"] - ps["forward_total"], 3)
+        ps["hop_share_of_step"] = round((ps["verify_hop"] + ps["draft_hop"]) / ps["step"], 4) if ps["step"] else None
+        ps["non_forward_share_of_step"] = round(ps["non_forward"] / ps["step"], 4) if ps["step"] else None
+    return {"engine_steps": steps, "per_step_ms": ps, "histograms": b}
+
+
+def service_run(stack, prompt_ids: list[list[int]], mode: str, budget: int, max_tokens: int, concurrency: int) -> dict:
+    reqs = [common.ids_request(ids, max_tokens, mode, budget) for ids in prompt_ids]
+    before = common.scrape_all(stack)
+    results, wall = common.run_requests(stack.gateway, reqs, concurrency)
+    after = common.scrape_all(stack)
+    g0, g1 = before["gateway"], after["gateway"]
+    drafts = common.delta(g0, g1, "vllm:spec_decode_num_drafts_total")
+    accepted = common.delta(g0, g1, "vllm:spec_decode_num_accepted_tokens_total")
+    tokens = sum(r.stats["generated_tokens"] for r in results)
+    steps = sum(r.stats["steps"] for r in results)
+    bd = breakdown(before, after)
+    engine_steps = bd["engine_steps"]
+    step_total_s = bd["histograms"]["step"]["sum_s"]
+    return {
+        "system": f"services {mode}" + (f" b{budget}" if mode == "ddtree" else ""), "mode": mode,
+        "budget": budget if mode == "ddtree" else None, "batch": concurrency, "requests": len(reqs),
+        "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 3),
+        "mean_latency_s": round(sum(r.client_latency_s for r in results) / len(results), 3),
+        "mean_ttft_s": round(sum(r.client_ttft_s for r in results) / len(results), 4),
+        "tau": round(1 + accepted / drafts, 3) if drafts else 1.0,
+        "tokens_per_seq_step": round((tokens - len(results)) / steps, 3) if steps else None,
+        "engine_steps": engine_steps,
+        "outside_steps_s": round(wall - step_total_s, 3),   # prefill, release, streaming, idle between requests
+        "breakdown": bd, "outputs": [r.token_ids for r in results],
+    }
+
+
+# ---- transformers -----------------------------------------------------------------------------------------------
+def hf_runs(model_dir: str, device: str, dtype: str, threads: int | None, prompt_ids: list[list[int]],
+            max_tokens: int, batch: int, prompt_lookup: int, do_batch: bool, do_assisted: bool,
+            warmup_tokens: int) -> list[dict]:
+    import torch
+    import transformers
+
+    if threads:
+        torch.set_num_threads(threads)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    cls = getattr(transformers, config.architectures[0], None) or transformers.AutoModelForCausalLM
+    t0 = time.perf_counter()
+    model = cls.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    print(f"transformers model loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    gc = model.generation_config
+    eos = gc.eos_token_id
+    eos_set = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (min(eos_set) if eos_set else 0)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def cut(row: list[int]) -> list[int]:
+        for i, t in enumerate(row):
+            if t in eos_set:
+                return row[:i + 1]
+        return row
+
+    def generate(batch_ids: list[list[int]], new_tokens: int, **kw) -> list[list[int]]:
+        width = max(len(x) for x in batch_ids)
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch_ids], device=device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch_ids], device=device)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                 pad_token_id=pad, **kw)
+        return [cut(row) for row in out[:, width:].tolist()]
+
+    def timed(name: str, chunks: list[list[list[int]]], b: int, **kw) -> dict:
+        outputs, lat = [], []
+        t_all = time.perf_counter()
+        for chunk in chunks:
+            sync()
+            t = time.perf_counter()
+            outputs += generate(chunk, max_tokens, **kw)
+            sync()
+            lat.append(time.perf_counter() - t)
+        wall = time.perf_counter() - t_all
+        tokens = sum(len(o) for o in outputs)
+        print(f"{name:34s} batch {b}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.2f} tok/s", flush=True)
+        return {"system": name, "mode": None, "budget": None, "batch": b, "requests": len(outputs), "tokens": tokens,
+                "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 3),
+                "mean_latency_s": round(sum(lat) / len(lat), 3) if b == 1 else None, "outputs": outputs}
+
+    # Warm-up (kernels, allocator, the prompt-lookup candidate generator).
+    generate(prompt_ids[:1], warmup_tokens)
+    runs = [timed("transformers generate (greedy)", [[x] for x in prompt_ids], 1)]
+    if do_assisted:
+        try:
+            generate(prompt_ids[:1], warmup_tokens, prompt_lookup_num_tokens=prompt_lookup)
+            runs.append(timed(f"transformers prompt-lookup (n={prompt_lookup})", [[x] for x in prompt_ids], 1,
+                              prompt_lookup_num_tokens=prompt_lookup))
+        except Exception as exc:  # noqa: BLE001 - report, keep the rest
+            print(f"assisted generation failed: {exc!r}", flush=True)
+            runs.append({"system": f"transformers prompt-lookup (n={prompt_lookup})", "batch": 1,
+                         "error": repr(exc)})
+    if do_batch and batch > 1:
+        chunks = [prompt_ids[i:i + batch] for i in range(0, len(prompt_ids), batch)]
+        generate(chunks[0], warmup_tokens)
+        runs.append(timed("transformers generate (greedy, left-padded)", chunks, batch))
+    return runs
+
+
+# ---- report -----------------------------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    on_cpu = args.device == "cpu"
+    n_prompts = args.num_prompts if args.num_prompts is not None else (4 if on_cpu else 16)
+    max_tokens = args.max_tokens or (64 if on_cpu else 256)
+    batch = args.batch or (4 if on_cpu else 8)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if "ar" not in modes:
+        modes.insert(0, "ar")  # the baseline of every ratio
+    prompts, source = common.load_prompts(args.prompts, n_prompts or None, args.offset)
+    if batch > len(prompts):
+        print(f"batch {batch} > {len(prompts)} prompts: batch {len(prompts)} instead", flush=True)
+        batch = len(prompts)
+    model, drafter = common.resolve_model(args.model), common.resolve_drafter(args.drafter)
+    command, date = common.command_line("bench.speed"), common.now_utc()
+    hw = common.hardware(args.device, args.dtype, args.threads)
+    tag = common.hardware_tag(hw)
+    print(f"{len(prompts)} prompts from {source}; max_tokens {max_tokens}; batch 1 and {batch}; "
+          f"modes {modes}; budget {args.budget}; hardware tag {tag}", flush=True)
+
+    t_run = time.perf_counter()
+    stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=args.budget,
+                               max_batch=max(8, batch), max_seq_len=args.max_seq_len,
+                               drafter_device=args.drafter_device)
+    runs: list[dict] = []
+    try:
+        prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
+        # Warm-up, excluded from every figure: each mode once, then one batch in flight.
+        for mode in modes:
+            common.run_requests(stack.gateway, [common.ids_request(prompt_ids[0], args.warmup_tokens, mode,
+                                                                   args.budget)], 1)
+        common.run_requests(stack.gateway, [common.ids_request(ids, args.warmup_tokens, "ddtree", args.budget)
+                                            for ids in prompt_ids[:batch]], batch)
+        for b in (1, batch) if batch > 1 else (1,):
+            for mode in modes:
+                r = service_run(stack, prompt_ids, mode, args.budget, max_tokens, b)
+                runs.append(r)
+                ps = r["breakdown"]["per_step_ms"]
+                print(f"{r['system']:34s} batch {b}: {r['tokens']} tokens in {r['wall_s']:.2f} s = "
+                      f"{r['tokens_per_s']:.2f} tok/s, tau {r['tau']}, step {ps.get('step')} ms "
+                      f"(draft {ps.get('draft_phase')}, tree {ps.get('tree_build')}, verify {ps.get('verify_phase')})",
+                      flush=True)
+    finally:
+        stack.stop()
+    load_after_services = _loadavg()
+
+    if not args.no_hf:
+        runs += hf_runs(model, args.device, args.dtype, args.threads, prompt_ids, max_tokens, batch,
+                        args.prompt_lookup, not args.no_hf_batch, not args.no_assisted, args.warmup_tokens)
+    total_s = time.perf_counter() - t_run
+    report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch, total_s,
+           load_after_services)
+
+
+def _loadavg():
+    try:
+        import os
+
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch, total_s,
+           load_after_services) -> None:
+    def find(system_prefix: str, b: int) -> dict | None:
+        for r in runs:
+            if r.get("system", "").startswith(system_prefix) and r.get("batch") == b and "tokens_per_s" in r:
+                return r
+        return None
+
+    # Output agreement: every system against services-ar at batch 1 (greedy: all should match).
+    ref = find("services ar", 1)["outputs"]
+    for r in runs:
+        if "outputs" in r:
+            same = sum(a == b for a, b in zip(r["outputs"], ref))
+            r["outputs_equal_services_ar"] = f"{same}/{len(ref)}"
+
+    hf1 = find("transformers generate (greedy)", 1)
+    rows = []
+    for r in runs:
+        if "tokens_per_s" not in r:
+            rows.append([r["system"], r["batch"], None, None, None, None, None, None, None, None, r.get("error")])
+            continue
+        ar = find("services ar", r["batch"])
+        hf_same = find("transformers generate (greedy" + (", left-padded)" if r["batch"] > 1 else ")"), r["batch"])
+        r["x_vs_services_ar"] = round(r["tokens_per_s"] / ar["tokens_per_s"], 3) if ar else None
+        r["x_vs_hf_generate_b1"] = round(r["tokens_per_s"] / hf1["tokens_per_s"], 3) if hf1 else None
+        r["x_vs_hf_generate_same_batch"] = round(r["tokens_per_s"] / hf_same["tokens_per_s"], 3) if hf_same else None
+        rows.append([r["system"], r["batch"], r["tokens"], r["wall_s"], r["tokens_per_s"], r["x_vs_services_ar"],
+                     r["x_vs_hf_generate_b1"], r["x_vs_hf_generate_same_batch"], r.get("tau"),
+                     r.get("mean_latency_s"), r.get("outputs_equal_services_ar")])
+    table = common.md_table(["system", "batch", "tokens", "wall s", "tok/s", "× services ar (same batch)",
+                             "× HF generate b1", "× HF generate (same batch)", "tau", "mean latency s",
+                             "output == services ar b1"], rows)
+
+    bd_rows = []
+    for r in runs:
+        if "breakdown" not in r:
+            continue
+        ps = r["breakdown"]["per_step_ms"]
+        if not r["breakdown"]["engine_steps"]:
+            continue
+        bd_rows.append([r["system"], r["batch"], r["breakdown"]["engine_steps"],
+                        r["breakdown"]["histograms"]["batch_size"]["mean"], ps["step"], ps["draft_phase"],
+                        ps["drafter_forward"], ps["draft_server_non_forward"], ps["draft_hop"], ps["tree_build"],
+                        ps["verify_phase"], ps["target_verify_forward"], ps["verify_server_non_forward"],
+                        ps["verify_hop"], ps["gateway_other"], ps["non_forward"], ps["hop_share_of_step"],
+                        r["outside_steps_s"]])
+    bd_table = common.md_table(
+        ["system", "batch", "engine steps", "seqs/step", "step ms", "draft phase ms", "drafter fwd ms",
+         "Draft server − fwd ms", "Draft hop ms", "tree build ms", "verify phase ms", "target fwd ms",
+         "Verify server − fwd ms", "Verify hop ms", "gateway other ms", "step − forwards ms",
+         "hops / step", "wall outside steps s"], bd_rows)
+
+    push_rows = []
+    for r in runs:
+        if "breakdown" in r and r["mode"] != "ar":
+            h = r["breakdown"]["histograms"]
+            push_rows.append([r["system"], r["batch"], h["push_features_rpc_client"]["count"],
+                              h["push_features_rpc_client"]["mean_ms"], h["push_features_rpc_server"]["mean_ms"],
+                              h["transport_send"]["mean_ms"], h["prefill_rpc_client"]["mean_ms"],
+                              h["target_prefill_forward"]["mean_ms"]])
+    push_table = common.md_table(["system", "batch", "PushFeatures calls", "PushFeatures client ms",
+                                  "PushFeatures server ms", "transport send ms", "Prefill RPC (gateway) ms",
+                                  "prefill forward ms"], push_rows)
+
+    model_info, drafter_info = common.describe_checkpoint(model), common.describe_checkpoint(drafter)
+    summary = {}
+    for r in runs:
+        if "tokens_per_s" in r:
+            key = r["system"].replace(" ", "_") + f"_batch{r['batch']}"
+            summary[key] = {"tokens_per_s": r["tokens_per_s"], "x_vs_services_ar": r.get("x_vs_services_ar"),
+                            "x_vs_hf_generate_b1": r.get("x_vs_hf_generate_b1")}
+    data = {
+        "command": command, "date": date, "hardware": hw, "hardware_tag": tag, "model": model_info,
+        "drafter": drafter_info, "prompts": len(prompts), "prompt_source": source,
+        "prompt_ids": [p["id"] for p in prompts], "max_tokens": max_tokens, "batch": batch, "budget": args.budget,
+        "temperature": 0.0, "run_seconds": round(total_s, 1), "load_average_after_services": load_after_services,
+        "summary": summary,
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+    }
+    drafter_note = ("the bundled trained drafter" if drafter_info.get("bundled_drafter")
+                    else "NOT the bundled trained drafter")
+    gpu = f", {hw['gpu']} (CUDA {hw.get('cuda')})" if hw.get("gpu") else ""
+    md = f"""# Speed: services vs transformers, one run ({tag})
+
+- Command: `{command}`
+- Date: {date}; whole run {total_s:.0f} s
+- Hardware: {hw['cpu_model']} ({hw['usable_cpus']} usable of {hw['logical_cpus']} logical CPUs){gpu}; device `{args.device}`{' (drafter on ' + args.drafter_device + ')' if args.drafter_device else ''}, dtype {args.dtype}; torch threads per service and for transformers: {args.threads or 'default'}; load average at start {hw.get('load_average_at_start')}, after the services {load_after_services}
+- Software: torch {hw['torch']}, transformers {hw['transformers']}, grpcio {hw['grpcio']}, Python {hw['python']}
+- Target: `{model_info['dir']}` ({model_info.get('architectures')}, {model_info.get('num_hidden_layers')} layers)
+- Drafter: `{drafter_info['dir']}` ({drafter_note}; {drafter_info.get('num_hidden_layers')} layers, block {drafter_info.get('block_size')}, weights sha256 {drafter_info.get('weights_sha256')}…)
+- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget {args.budget}; batch 1 = the prompts one after another, batch {batch} = {batch} requests in flight (transformers: left-padded batches of {batch}); warm-up excluded
+
+tok/s = generated tokens (first token included) / wall time of the whole set, measured by the client.
+Ratios are within this run only.
+
+{table}
+
+## Where a step goes (services, ms per engine step, from Prometheus deltas)
+
+An engine step is one Draft + tree build + one Verify for the whole running batch. *Draft/Verify hop* = the
+gateway's client-side RPC latency minus the serving process's server-side latency (serialisation, HTTP/2, event
+loops, loopback): the cost of the split. *Server − fwd* = handler time outside the model forward (the Draft
+handler also waits there for the features the target pushed after the previous Verify). *Step − forwards* =
+everything that is not a target or drafter forward. *Wall outside steps* = prefill, release and idle time.
+
+{bd_table}
+
+## Feature transport (target → drafter) and prefill, mean ms per call
+
+{push_table}
+"""
+    common.write_outputs(args.out_dir, f"speed-{tag}", data, md)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
