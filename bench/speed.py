@@ -1,7 +1,7 @@
 """Speed benchmark: tokens/s as ratios measured in one run, and where the time of a speculative step goes.
 
 Through one gateway/target/drafter stack (modes and budgets are per request): `ar`, `dflash` and `ddtree`
-(--budget) at batch 1 (the prompts one after another) and at batch N (the same prompts, N in flight at once).
+(--budget, one or several) at batch 1 (the prompts one after another) and at batch N (the same prompts, N in flight at once).
 Then, in this same process and on the same device/dtype/threads, transformers' own greedy `generate()` (batch 1,
 and left-padded batches of N), and its assisted generation by prompt lookup (`prompt_lookup_num_tokens`, needs
 no extra model; batch 1). Same prompts (the gateway's own chat rendering, sent as token ids), same max_tokens,
@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None, help="first N prompts (default: 4 on CPU, 16 otherwise)")
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=None, help="max new tokens (default: 64 on CPU, 256 otherwise)")
-    p.add_argument("--budget", type=int, default=64, help="DDTree budget")
+    p.add_argument("--budget", default="64", help="DDTree budget, or several comma-separated (each its own run)")
     p.add_argument("--batch", type=int, default=None, help="requests in flight for the batched runs "
                                                           "(default: 4 on CPU, 8 otherwise)")
     p.add_argument("--modes", default=",".join(MODES), help="service modes to run (comma-separated)")
@@ -220,6 +220,8 @@ def main(argv=None) -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "ar" not in modes:
         modes.insert(0, "ar")  # the baseline of every ratio
+    budgets = [int(b) for b in str(args.budget).split(",") if b.strip()]
+    plan = [(m, 0) for m in modes if m != "ddtree"] + ([("ddtree", b) for b in budgets] if "ddtree" in modes else [])
     prompts, source = common.load_prompts(args.prompts, n_prompts or None, args.offset)
     if batch > len(prompts):
         print(f"batch {batch} > {len(prompts)} prompts: batch {len(prompts)} instead", flush=True)
@@ -229,24 +231,24 @@ def main(argv=None) -> None:
     hw = common.hardware(args.device, args.dtype, args.threads)
     tag = common.hardware_tag(hw)
     print(f"{len(prompts)} prompts from {source}; max_tokens {max_tokens}; batch 1 and {batch}; "
-          f"modes {modes}; budget {args.budget}; hardware tag {tag}", flush=True)
+          f"runs {plan}; hardware tag {tag}", flush=True)
 
     t_run = time.perf_counter()
-    stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=args.budget,
+    stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=budgets[0],
                                max_batch=max(8, batch), max_seq_len=args.max_seq_len,
                                drafter_device=args.drafter_device)
     runs: list[dict] = []
     try:
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
         # Warm-up, excluded from every figure: each mode once, then one batch in flight.
-        for mode in modes:
+        for mode, budget in plan:
             common.run_requests(stack.gateway, [common.ids_request(prompt_ids[0], args.warmup_tokens, mode,
-                                                                   args.budget)], 1)
-        common.run_requests(stack.gateway, [common.ids_request(ids, args.warmup_tokens, "ddtree", args.budget)
+                                                                   budget)], 1)
+        common.run_requests(stack.gateway, [common.ids_request(ids, args.warmup_tokens, *plan[-1])
                                             for ids in prompt_ids[:batch]], batch)
         for b in (1, batch) if batch > 1 else (1,):
-            for mode in modes:
-                r = service_run(stack, prompt_ids, mode, args.budget, max_tokens, b)
+            for mode, budget in plan:
+                r = service_run(stack, prompt_ids, mode, budget, max_tokens, b)
                 runs.append(r)
                 ps = r["breakdown"]["per_step_ms"]
                 print(f"{r['system']:34s} batch {b}: {r['tokens']} tokens in {r['wall_s']:.2f} s = "
@@ -262,7 +264,7 @@ def main(argv=None) -> None:
                         args.prompt_lookup, not args.no_hf_batch, not args.no_assisted, args.warmup_tokens)
     total_s = time.perf_counter() - t_run
     report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch, total_s,
-           load_after_services)
+           load_after_services, budgets)
 
 
 def _loadavg():
@@ -275,7 +277,7 @@ def _loadavg():
 
 
 def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch, total_s,
-           load_after_services) -> None:
+           load_after_services, budgets) -> None:
     def find(system_prefix: str, b: int) -> dict | None:
         for r in runs:
             if r.get("system", "").startswith(system_prefix) and r.get("batch") == b and "tokens_per_s" in r:
@@ -348,7 +350,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
     data = {
         "command": command, "date": date, "hardware": hw, "hardware_tag": tag, "model": model_info,
         "drafter": drafter_info, "prompts": len(prompts), "prompt_source": source,
-        "prompt_ids": [p["id"] for p in prompts], "max_tokens": max_tokens, "batch": batch, "budget": args.budget,
+        "prompt_ids": [p["id"] for p in prompts], "max_tokens": max_tokens, "batch": batch, "budgets": budgets,
         "temperature": 0.0, "run_seconds": round(total_s, 1), "load_average_after_services": load_after_services,
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
@@ -364,7 +366,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
 - Software: torch {hw['torch']}, transformers {hw['transformers']}, grpcio {hw['grpcio']}, Python {hw['python']}
 - Target: `{model_info['dir']}` ({model_info.get('architectures')}, {model_info.get('num_hidden_layers')} layers)
 - Drafter: `{drafter_info['dir']}` ({drafter_note}; {drafter_info.get('num_hidden_layers')} layers, block {drafter_info.get('block_size')}, weights sha256 {drafter_info.get('weights_sha256')}…)
-- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget {args.budget}; batch 1 = the prompts one after another, batch {batch} = {batch} requests in flight (transformers: left-padded batches of {batch}); warm-up excluded
+- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = the prompts one after another, batch {batch} = {batch} requests in flight (transformers: left-padded batches of {batch}); warm-up excluded
 
 tok/s = generated tokens (first token included) / wall time of the whole set, measured by the client.
 Ratios are within this run only.
