@@ -1,6 +1,8 @@
 """CUDA paths (run on the GPU machine; skipped where there is no GPU): the same lossless guarantees on the device."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -14,16 +16,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def hf_greedy_on(device: str, model_dir, prompt: list[int], n: int, dtype=torch.float32) -> list[int]:
-    """transformers' greedy generate() on `device`."""
-    model = reference_model(str(model_dir)).to(device=device, dtype=dtype)
-    try:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=n,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-                                 pad_token_id=0)
-        return out[0, len(prompt):].tolist()
-    finally:
-        model.to(device="cpu", dtype=torch.float32)
+    """transformers' greedy generate() on `device`, from a fresh copy (the cached CPU oracle stays untouched)."""
+    model = copy.deepcopy(reference_model(str(model_dir))).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=n,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
 
 
 def speculative_greedy(target_dir, drafter_dir, prompt: list[int], n: int, dtype: torch.dtype) -> tuple[list[int], int]:
