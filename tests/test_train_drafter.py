@@ -170,3 +170,25 @@ def test_collate_right_pads() -> None:
     b = collate([Sample([1, 2, 3], 1), Sample([4, 5, 6, 7, 8], 2)], pad_id=0)
     assert b.input_ids.tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
     assert b.lengths.tolist() == [3, 5] and b.loss_start.tolist() == [1, 2]
+
+
+def test_offline_eval_drafts_like_the_drafter_service(tiny_target: Path, tmp_path: Path) -> None:
+    """The evaluation's per-root top-k equals what DrafterRunner returns for the same context (serving path)."""
+    from drafter_svc.runner import DrafterConfig, DrafterRunner, DraftItem
+    from drafter_svc.train.evaluate import draft_topk_all_roots
+    from drafter_svc.train.trainer import load_target, target_features
+
+    cfg = new_drafter_config(tiny_target, DrafterShape(num_layers=2))
+    init_drafter(cfg, seed=5).save_pretrained(tmp_path / "d")
+    runner = DrafterRunner(DrafterConfig(str(tmp_path / "d"), str(tiny_target)))
+    target = load_target(tiny_target, "cpu", torch.float32)
+    x = torch.randint(5, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    feats = target_features(target, x[None], runner.target_layer_ids)
+    roots = torch.tensor([3, 17, 38])
+    lp, ids = draft_topk_all_roots(runner.model, runner.embed_weight, runner.lm_head_weight, x[None], feats, roots, 8)
+    for n, p in enumerate(roots.tolist()):
+        runner.release("s")
+        runner.add_context("s", 0, feats[0, :p])
+        v, k = runner.draft([DraftItem("s", int(x[p]), p)], top_k=8)
+        assert torch.equal(k[0], ids[n])
+        torch.testing.assert_close(v[0], lp[n], rtol=0, atol=1e-4)
