@@ -219,7 +219,7 @@ def main(argv=None) -> None:
 
 - Command: `{command}`
 - Date: {date}; whole run {total_s:.0f} s
-- Hardware: {hw['cpu_model']} ({hw['usable_cpus']} usable of {hw['logical_cpus']} logical CPUs){', ' + hw['gpu'] if hw.get('gpu') else ''}; device `{args.device}`, dtype {args.dtype}, torch threads per service {args.threads or 'default'}
+- Hardware: {hw['cpu_model']} ({hw['usable_cpus']} usable of {hw['logical_cpus']} logical CPUs){', ' + hw['gpu'] if hw.get('gpu') else ''}; device `{args.device}`{' (drafter on ' + args.drafter_device + ')' if args.drafter_device else ''}, dtype {args.dtype}, torch threads per service {args.threads or 'default'}; load average at start {hw.get('load_average_at_start')}
 - Software: torch {hw['torch']}, transformers {hw['transformers']}, grpcio {hw['grpcio']}, Python {hw['python']}
 - Target: `{model_info['dir']}` ({model_info.get('architectures')}, {model_info.get('num_hidden_layers')} layers)
 - Drafter: `{drafter_info['dir']}` ({drafter_note}; {drafter_info.get('num_hidden_layers')} layers, block {drafter_info.get('block_size')}, target layers {drafter_info.get('target_layer_ids')}, weights sha256 {drafter_info.get('weights_sha256')}…)
