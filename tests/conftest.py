@@ -42,6 +42,14 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted once per session from the packaged GGUF into a temporary cache."""
+    from ddtree_serve.default_model import ensure_default_model
+
+    return ensure_default_model(cache_dir=tmp_path_factory.mktemp("ddtree-cache"))
+
+
 def start_stack(target: Path, drafter: Path, **kw) -> LocalStack:
     """Starts the three services (one torch thread each: CI has 2 cores)."""
     return LocalStack(model=str(target), drafter=str(drafter), threads=1, **kw).start(timeout_s=180)

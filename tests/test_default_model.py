@@ -21,9 +21,9 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Convert once per test session into a temporary cache."""
-    return dm.ensure_default_model(cache_dir=tmp_path_factory.mktemp("ddtree-cache"))
+def converted(smollm2_dir: Path) -> Path:
+    """The session's conversion (conftest: once, into a temporary cache)."""
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")
