@@ -6,6 +6,7 @@ import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -75,6 +76,29 @@ def require_ready(ready: asyncio.Event | bool) -> None:
     is_set = ready.is_set() if isinstance(ready, asyncio.Event) else ready
     if not is_set:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+
+
+class ModelThread:
+    """One dedicated thread for a service's model work: device work stays serialised, the event loop stays free."""
+
+    def __init__(self, name: str):
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn, *args):
+        """Runs fn(*args) on the model thread and awaits its result."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def cache_usage_proto(usage: tuple[int, int, int, int]):
+    """A runner's (running, max sequences, used tokens, capacity tokens) as the CacheUsage message."""
+    from ddtree_serve.proto import common_pb2
+
+    running, max_seqs, used, capacity = usage
+    return common_pb2.CacheUsage(running_sequences=running, max_sequences=max_seqs, used_tokens=used,
+                                 capacity_tokens=capacity)
 
 
 @dataclass

@@ -6,7 +6,6 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import grpc
 import torch
 
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from ddtree_serve.rpc import RequestError, ServiceHost, grpc_errors, require_ready
+from ddtree_serve.rpc import ModelThread, RequestError, ServiceHost, cache_usage_proto, grpc_errors, require_ready
 from ddtree_serve.transport import decode_rows
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 
@@ -46,7 +45,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.metrics = metrics
         self.runner: DrafterRunner | None = None
         self.ready = asyncio.Event()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-model")
+        self.model_thread = ModelThread("drafter-model")
         self.rows_held: dict[str, int] = {}
         self.rows_changed = asyncio.Condition()
         self.released: OrderedDict[str, None] = OrderedDict()
@@ -58,24 +57,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                                    device=self.cfg.device, dtype=getattr(torch, self.cfg.dtype),
                                    max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len)
         t0 = time.perf_counter()
-        self.runner = await self._on_model_thread(DrafterRunner, runner_cfg)
+        self.runner = await self.model_thread.run(DrafterRunner, runner_cfg)
         if self.metrics is not None:
             self.metrics.track_gpu_memory(self.cfg.device)
         log.info("drafter %s loaded in %.1f s", self.cfg.drafter_dir, time.perf_counter() - t0)
         self.ready.set()
 
-    async def _on_model_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
     async def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.model_thread.shutdown()
 
     def _cache(self) -> common_pb2.CacheUsage:
-        running, max_seqs, used, capacity = self.runner.cache_usage()
+        usage = self.runner.cache_usage()
         if self.metrics is not None:
-            self.metrics.set_cache(running, max_seqs, used, capacity)
-        return common_pb2.CacheUsage(running_sequences=running, max_sequences=max_seqs, used_tokens=used,
-                                     capacity_tokens=capacity)
+            self.metrics.set_cache(*usage)
+        return cache_usage_proto(usage)
 
     @grpc_errors
     async def Info(self, request, context):
@@ -96,7 +91,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 continue  # the sequence finished while its last features were in flight
             try:
                 data = decode_rows(rows.dtype, rows.data, rows.num_rows, request.feature_dim)
-                await self._on_model_thread(self.runner.add_context, rows.seq_id, rows.start, data)
+                await self.model_thread.run(self.runner.add_context, rows.seq_id, rows.start, data)
             except (ValueError, KeyError, RuntimeError) as exc:
                 # one bad sequence must not hold up the rows of the others in the same push
                 log.warning("features of sequence %s rejected: %s", rows.seq_id, exc)
@@ -148,7 +143,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if items:
             top_k = min(request.top_k, MAX_TOP_K, self.runner.vocab_size)
             depth = request.max_depth or self.runner.block_size - 1
-            logprobs, ids = await self._on_model_thread(self.runner.draft, items, top_k, depth)
+            logprobs, ids = await self.model_thread.run(self.runner.draft, items, top_k, depth)
             logprobs = logprobs.float().cpu()
             ids = ids.to(torch.int32).cpu()
             for b, it in enumerate(items):
@@ -173,7 +168,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             self.released[seq_id] = None
         while len(self.released) > RELEASED_MEMORY:
             self.released.popitem(last=False)
-        released = await self._on_model_thread(self._release_all, ids)
+        released = await self.model_thread.run(self._release_all, ids)
         return drafter_pb2.DrafterReleaseResponse(released=released, cache=self._cache())
 
     def _release_all(self, seq_ids: list[str]) -> int:

@@ -5,7 +5,6 @@ import asyncio
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 
 from ddtree_serve.config import SamplingParams
 from ddtree_serve.proto import common_pb2, target_pb2, target_pb2_grpc
-from ddtree_serve.rpc import RequestError, ServiceHost, grpc_errors, require_ready
+from ddtree_serve.rpc import ModelThread, RequestError, ServiceHost, cache_usage_proto, grpc_errors, require_ready
 from ddtree_serve.transport import FeatureRows, FeatureSender, make_sender
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 
@@ -32,13 +31,6 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
                             top_k=int(p.top_k), seed=int(p.seed) if p.has_seed else None)
     params.validate()
     return params
-
-
-def cache_usage_proto(usage) -> common_pb2.CacheUsage:
-    """Runner's (running, max, used, capacity) tuple -> proto."""
-    running, max_seqs, used, capacity = usage
-    return common_pb2.CacheUsage(running_sequences=running, max_sequences=max_seqs, used_tokens=used,
-                                 capacity_tokens=capacity)
 
 
 @dataclass
@@ -62,7 +54,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.client_interceptors = list(client_interceptors)
         self.runner: TargetRunner | None = None
         self.ready = asyncio.Event()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
+        self.model_thread = ModelThread("target-model")
         self.sender: FeatureSender | None = None
         self.sender_address = ""
         self.feature_seqs: set[str] = set()   # sequences whose features go to the drafter (not AR ones)
@@ -74,20 +66,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
                                   max_tree_nodes=self.cfg.max_tree_nodes)
         t0 = time.perf_counter()
-        self.runner = await self._on_model_thread(TargetRunner, runner_cfg)
+        self.runner = await self.model_thread.run(TargetRunner, runner_cfg)
         if self.metrics is not None:
             self.metrics.track_gpu_memory(self.cfg.device)
         log.info("target model %s loaded in %.1f s", self.cfg.model_dir, time.perf_counter() - t0)
         self.ready.set()
 
-    async def _on_model_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
     async def close(self) -> None:
         """Delivers queued features and stops the model thread."""
         if self.sender is not None:
             await self.sender.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.model_thread.shutdown()
 
     def _observe_cache(self) -> common_pb2.CacheUsage:
         usage = self.runner.cache_usage()
@@ -123,7 +112,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         ids = list(request.target_layer_ids)
         if any(i < 0 or i >= self.runner.num_layers for i in ids):
             raise ValueError(f"target_layer_ids {ids} out of range for {self.runner.num_layers} layers")
-        await self._on_model_thread(self.runner.set_feature_layers, ids)
+        await self.model_thread.run(self.runner.set_feature_layers, ids)
         if self.sender is None or self.sender_address != request.drafter_address or self.sender.name != transport:
             if self.sender is not None:
                 await self.sender.close()
@@ -154,7 +143,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if any(it.want_features for it in items) and self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
         t1 = time.perf_counter_ns()
-        outputs = await self._on_model_thread(self.runner.prefill, items)
+        outputs = await self.model_thread.run(self.runner.prefill, items)
         t2 = time.perf_counter_ns()
         self.feature_seqs.update(it.seq_id for it in items if it.want_features)
         nbytes = self._push([FeatureRows(o.seq_id, 0, o.features) for o in outputs
@@ -180,7 +169,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             items.append(VerifyItem(seq_id=it.seq_id, tokens=torch.tensor(list(it.tokens), dtype=torch.long),
                                     parents=torch.tensor(list(it.parents), dtype=torch.long)))
         t1 = time.perf_counter_ns()
-        outputs = await self._on_model_thread(self.runner.verify, items)
+        outputs = await self.model_thread.run(self.runner.verify, items)
         t2 = time.perf_counter_ns()
         nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
@@ -195,7 +184,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def Release(self, request, context):
         require_ready(self.ready)
-        released = await self._on_model_thread(self._release_all, list(request.seq_ids))
+        released = await self.model_thread.run(self._release_all, list(request.seq_ids))
         self.feature_seqs.difference_update(request.seq_ids)
         return target_pb2.ReleaseResponse(released=released, cache=self._observe_cache())
 
