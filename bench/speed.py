@@ -1,14 +1,16 @@
 """Speed benchmark: tokens/s as ratios measured in one run, and where the time of a speculative step goes.
 
 Through one gateway/target/drafter stack (modes and budgets are per request): `ar`, `dflash` and `ddtree`
-(--budget, one or several) at batch 1 (the prompts one after another) and at batch N (the same prompts, N in flight at once).
-Then, in this same process and on the same device/dtype/threads, transformers' own greedy `generate()` (batch 1,
-and left-padded batches of N), and its assisted generation by prompt lookup (`prompt_lookup_num_tokens`, needs
+(--budget, one or several) at batch 1 (the prompts one at a time) and at batch N (chunks of N prompts in flight
+at once). In this same process and on the same device/dtype/threads: transformers' own greedy `generate()` (batch
+1, and left-padded batches of N), and its assisted generation by prompt lookup (`prompt_lookup_num_tokens`, needs
 no extra model; batch 1). Same prompts (the gateway's own chat rendering, sent as token ids), same max_tokens,
-EOS honoured, temperature 0, so every system produces the same text.
+EOS honoured, temperature 0, so every system produces the same text. The systems are interleaved: each chunk of
+prompts goes through every system (in an order that rotates per chunk) before the next chunk, so that background
+load drifting during the run spreads over all of them alike.
 
 The per-step breakdown comes from the services' Prometheus metrics, as deltas between scrapes around each
-phase: gateway step/draft/tree-build/verify times, gateway-side (client) vs server-side latency of the Verify and
+request set: gateway step/draft/tree-build/verify times, gateway-side (client) vs server-side latency of the Verify and
 Draft RPCs (the difference is the gRPC hop), the target's and drafter's forward times and the feature transport.
 
     python -m bench.speed                                   # CPU defaults: 4 prompts x 64 tokens, batch 4
@@ -19,6 +21,7 @@ Writes bench/results/speed-<hardware>.{md,json} (or --out-dir).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -113,104 +116,139 @@ def breakdown(before: dict, after: dict) -> dict:
     return {"engine_steps": steps, "per_step_ms": ps, "histograms": b}
 
 
-def service_run(stack, prompt_ids: list[list[int]], mode: str, budget: int, max_tokens: int, concurrency: int) -> dict:
-    reqs = [common.ids_request(ids, max_tokens, mode, budget) for ids in prompt_ids]
-    before = common.scrape_all(stack)
-    results, wall = common.run_requests(stack.gateway, reqs, concurrency)
-    after = common.scrape_all(stack)
-    g0, g1 = before["gateway"], after["gateway"]
-    drafts = common.delta(g0, g1, "vllm:spec_decode_num_drafts_total")
-    accepted = common.delta(g0, g1, "vllm:spec_decode_num_accepted_tokens_total")
-    tokens = sum(r.stats["generated_tokens"] for r in results)
-    steps = sum(r.stats["steps"] for r in results)
-    bd = breakdown(before, after)
-    engine_steps = bd["engine_steps"]
-    step_total_s = bd["histograms"]["step"]["sum_s"]
-    return {
-        "system": f"services {mode}" + (f" b{budget}" if mode == "ddtree" else ""), "mode": mode,
-        "budget": budget if mode == "ddtree" else None, "batch": concurrency, "requests": len(reqs),
-        "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 3),
-        "mean_latency_s": round(sum(r.client_latency_s for r in results) / len(results), 3),
-        "mean_ttft_s": round(sum(r.client_ttft_s for r in results) / len(results), 4),
-        "tau": round(1 + accepted / drafts, 3) if drafts else 1.0,
-        "tokens_per_seq_step": round((tokens - len(results)) / steps, 3) if steps else None,
-        "engine_steps": engine_steps,
-        "outside_steps_s": round(wall - step_total_s, 3),   # prefill, release, streaming, idle between requests
-        "breakdown": bd, "outputs": [r.token_ids for r in results],
-    }
+class ServiceSystem:
+    """One (mode, budget) through the services; accumulates client timings and metric deltas over chunks."""
+
+    def __init__(self, stack, mode: str, budget: int, batch: int, max_tokens: int):
+        self.stack, self.mode, self.budget, self.batch, self.max_tokens = stack, mode, budget, batch, max_tokens
+        self.name = f"services {mode}" + (f" b{budget}" if mode == "ddtree" else "")
+        self.results: dict[int, common.Result] = {}
+        self.wall = 0.0
+        self.deltas: dict[str, dict] = {}
+
+    def warmup(self, chunk: list[tuple[int, list[int]]], tokens: int) -> None:
+        common.run_requests(self.stack.gateway, [common.ids_request(ids, tokens, self.mode, self.budget)
+                                                 for _, ids in chunk], len(chunk))
+
+    def run(self, chunk: list[tuple[int, list[int]]]) -> None:
+        reqs = [common.ids_request(ids, self.max_tokens, self.mode, self.budget) for _, ids in chunk]
+        before = common.scrape_all(self.stack)
+        results, wall = common.run_requests(self.stack.gateway, reqs, len(reqs))
+        after = common.scrape_all(self.stack)
+        self.wall += wall
+        for (i, _), r in zip(chunk, results):
+            self.results[i] = r
+        for svc, samples in after.items():
+            acc = self.deltas.setdefault(svc, {})
+            for k, v in samples.items():
+                acc[k] = acc.get(k, 0.0) + v - before[svc].get(k, 0.0)
+
+    def summary(self) -> dict:
+        results = [self.results[i] for i in sorted(self.results)]
+        zero = {svc: {} for svc in self.deltas}
+        g = self.deltas["gateway"]
+        drafts = common.total(g, "vllm:spec_decode_num_drafts_total")
+        accepted = common.total(g, "vllm:spec_decode_num_accepted_tokens_total")
+        tokens = sum(r.stats["generated_tokens"] for r in results)
+        steps = sum(r.stats["steps"] for r in results)
+        bd = breakdown(zero, self.deltas)
+        return {
+            "system": self.name, "mode": self.mode, "budget": self.budget if self.mode == "ddtree" else None,
+            "batch": self.batch, "requests": len(results), "tokens": tokens, "wall_s": round(self.wall, 3),
+            "tokens_per_s": round(tokens / self.wall, 3),
+            "mean_latency_s": round(sum(r.client_latency_s for r in results) / len(results), 3),
+            "mean_ttft_s": round(sum(r.client_ttft_s for r in results) / len(results), 4),
+            "tau": round(1 + accepted / drafts, 3) if drafts else 1.0,
+            "tokens_per_seq_step": round((tokens - len(results)) / steps, 3) if steps else None,
+            "engine_steps": bd["engine_steps"],
+            # prefill, release, streaming and gaps between the engine's steps
+            "outside_steps_s": round(self.wall - bd["histograms"]["step"]["sum_s"], 3),
+            "breakdown": bd, "outputs": [r.token_ids for r in results],
+        }
 
 
 # ---- transformers -----------------------------------------------------------------------------------------------
-def hf_runs(model_dir: str, device: str, dtype: str, threads: int | None, prompt_ids: list[list[int]],
-            max_tokens: int, batch: int, prompt_lookup: int, do_batch: bool, do_assisted: bool,
-            warmup_tokens: int) -> list[dict]:
-    import torch
-    import transformers
+class HFModel:
+    """transformers' own model in this process, greedy generate() with left padding; EOS cuts each row."""
 
-    if threads:
-        torch.set_num_threads(threads)
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    cls = getattr(transformers, config.architectures[0], None) or transformers.AutoModelForCausalLM
-    t0 = time.perf_counter()
-    model = cls.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
-    print(f"transformers model loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    gc = model.generation_config
-    eos = gc.eos_token_id
-    eos_set = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    pad = gc.pad_token_id if gc.pad_token_id is not None else (min(eos_set) if eos_set else 0)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    def __init__(self, model_dir: str, device: str, dtype: str):
+        import torch
+        import transformers
 
-    def cut(row: list[int]) -> list[int]:
-        for i, t in enumerate(row):
-            if t in eos_set:
-                return row[:i + 1]
-        return row
+        self.torch, self.device = torch, device
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        cls = getattr(transformers, config.architectures[0], None) or transformers.AutoModelForCausalLM
+        t0 = time.perf_counter()
+        self.model = cls.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+        print(f"transformers model loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+        gc = self.model.generation_config
+        eos = gc.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.pad = gc.pad_token_id if gc.pad_token_id is not None else (min(self.eos) if self.eos else 0)
 
-    def generate(batch_ids: list[list[int]], new_tokens: int, **kw) -> list[list[int]]:
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize()
+
+    def generate(self, batch_ids: list[list[int]], new_tokens: int, **kw) -> list[list[int]]:
+        torch, pad = self.torch, self.pad
         width = max(len(x) for x in batch_ids)
-        ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch_ids], device=device)
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch_ids], device=device)
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch_ids], device=self.device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch_ids], device=self.device)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                                 pad_token_id=pad, **kw)
-        return [cut(row) for row in out[:, width:].tolist()]
+            out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                      pad_token_id=pad, **kw)
+        rows = []
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in self.eos), len(row))
+            rows.append(row[:cut])
+        return rows
 
-    def timed(name: str, chunks: list[list[list[int]]], b: int, **kw) -> dict:
-        outputs, lat = [], []
-        t_all = time.perf_counter()
-        for chunk in chunks:
-            sync()
-            t = time.perf_counter()
-            outputs += generate(chunk, max_tokens, **kw)
-            sync()
-            lat.append(time.perf_counter() - t)
-        wall = time.perf_counter() - t_all
-        tokens = sum(len(o) for o in outputs)
-        print(f"{name:34s} batch {b}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.2f} tok/s", flush=True)
-        return {"system": name, "mode": None, "budget": None, "batch": b, "requests": len(outputs), "tokens": tokens,
-                "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 3),
-                "mean_latency_s": round(sum(lat) / len(lat), 3) if b == 1 else None, "outputs": outputs}
 
-    # Warm-up (kernels, allocator, the prompt-lookup candidate generator).
-    generate(prompt_ids[:1], warmup_tokens)
-    runs = [timed("transformers generate (greedy)", [[x] for x in prompt_ids], 1)]
-    if do_assisted:
+class HFSystem:
+    """One transformers configuration (plain greedy, or prompt-lookup assisted); accumulates over chunks."""
+
+    def __init__(self, hf: HFModel, name: str, batch: int, max_tokens: int, **kw):
+        self.hf, self.name, self.batch, self.max_tokens, self.kw = hf, name, batch, max_tokens, kw
+        self.outputs: dict[int, list[int]] = {}
+        self.lat: list[float] = []
+        self.error: str | None = None
+
+    def warmup(self, chunk: list[tuple[int, list[int]]], tokens: int) -> None:
+        self._generate(chunk, tokens)
+
+    def _generate(self, chunk: list[tuple[int, list[int]]], tokens: int) -> list[list[int]] | None:
+        if self.error:
+            return None
         try:
-            generate(prompt_ids[:1], warmup_tokens, prompt_lookup_num_tokens=prompt_lookup)
-            runs.append(timed(f"transformers prompt-lookup (n={prompt_lookup})", [[x] for x in prompt_ids], 1,
-                              prompt_lookup_num_tokens=prompt_lookup))
-        except Exception as exc:  # noqa: BLE001 - report, keep the rest
-            print(f"assisted generation failed: {exc!r}", flush=True)
-            runs.append({"system": f"transformers prompt-lookup (n={prompt_lookup})", "batch": 1,
-                         "error": repr(exc)})
-    if do_batch and batch > 1:
-        chunks = [prompt_ids[i:i + batch] for i in range(0, len(prompt_ids), batch)]
-        generate(chunks[0], warmup_tokens)
-        runs.append(timed("transformers generate (greedy, left-padded)", chunks, batch))
-    return runs
+            return self.hf.generate([ids for _, ids in chunk], tokens, **self.kw)
+        except Exception as exc:  # noqa: BLE001 - e.g. assisted generation unsupported: report, keep the rest
+            print(f"{self.name} failed: {exc!r}", flush=True)
+            self.error = repr(exc)
+            return None
+
+    def run(self, chunk: list[tuple[int, list[int]]]) -> None:
+        self.hf.sync()
+        t = time.perf_counter()
+        out = self._generate(chunk, self.max_tokens)
+        self.hf.sync()
+        if out is None:
+            return
+        self.lat.append(time.perf_counter() - t)
+        for (i, _), o in zip(chunk, out):
+            self.outputs[i] = o
+
+    def summary(self) -> dict:
+        if self.error:
+            return {"system": self.name, "mode": None, "batch": self.batch, "error": self.error}
+        outputs = [self.outputs[i] for i in sorted(self.outputs)]
+        tokens, wall = sum(len(o) for o in outputs), sum(self.lat)
+        return {"system": self.name, "mode": None, "budget": None, "batch": self.batch, "requests": len(outputs),
+                "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 3),
+                "mean_latency_s": round(wall / len(self.lat), 3) if self.batch == 1 else None, "outputs": outputs}
 
 
-# ---- report -----------------------------------------------------------------------------------------------------
+# ---- the run ----------------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     args = parse_args(argv)
     on_cpu = args.device == "cpu"
@@ -234,37 +272,55 @@ def main(argv=None) -> None:
           f"runs {plan}; hardware tag {tag}", flush=True)
 
     t_run = time.perf_counter()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    hf = None if args.no_hf else HFModel(model, args.device, args.dtype)
     stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=budgets[0],
                                max_batch=max(8, batch), max_seq_len=args.max_seq_len,
                                drafter_device=args.drafter_device)
     runs: list[dict] = []
     try:
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
-        # Warm-up, excluded from every figure: each mode once, then one batch in flight.
-        for mode, budget in plan:
-            common.run_requests(stack.gateway, [common.ids_request(prompt_ids[0], args.warmup_tokens, mode,
-                                                                   budget)], 1)
-        common.run_requests(stack.gateway, [common.ids_request(ids, args.warmup_tokens, *plan[-1])
-                                            for ids in prompt_ids[:batch]], batch)
+        indexed = list(enumerate(prompt_ids))
         for b in (1, batch) if batch > 1 else (1,):
-            for mode, budget in plan:
-                r = service_run(stack, prompt_ids, mode, budget, max_tokens, b)
+            systems: list = [ServiceSystem(stack, mode, budget, b, max_tokens) for mode, budget in plan]
+            if hf is not None:
+                if b == 1:
+                    systems.append(HFSystem(hf, "transformers generate (greedy)", 1, max_tokens))
+                    if not args.no_assisted:
+                        systems.append(HFSystem(hf, f"transformers prompt-lookup (n={args.prompt_lookup})", 1,
+                                                max_tokens, prompt_lookup_num_tokens=args.prompt_lookup))
+                elif not args.no_hf_batch:
+                    systems.append(HFSystem(hf, "transformers generate (greedy, left-padded)", b, max_tokens))
+            # Warm-up, excluded from every figure: each system once on a short generation.
+            for sys_ in systems:
+                sys_.warmup(indexed[:b], args.warmup_tokens)
+            # Interleaved: every chunk of b prompts goes through every system before the next chunk, the order
+            # rotating per chunk, so that drifting background load spreads over all systems alike.
+            chunks = [indexed[i:i + b] for i in range(0, len(indexed), b)]
+            for c, chunk in enumerate(chunks):
+                k = c % len(systems)
+                for sys_ in systems[k:] + systems[:k]:
+                    sys_.run(chunk)
+            for sys_ in systems:
+                r = sys_.summary()
                 runs.append(r)
-                ps = r["breakdown"]["per_step_ms"]
-                print(f"{r['system']:34s} batch {b}: {r['tokens']} tokens in {r['wall_s']:.2f} s = "
-                      f"{r['tokens_per_s']:.2f} tok/s, tau {r['tau']}, step {ps.get('step')} ms "
-                      f"(draft {ps.get('draft_phase')}, tree {ps.get('tree_build')}, verify {ps.get('verify_phase')})",
-                      flush=True)
+                if "error" in r:
+                    continue
+                msg = f"{r['system']:44s} batch {b}: {r['tokens']} tokens in {r['wall_s']:.2f} s = " \
+                      f"{r['tokens_per_s']:.2f} tok/s"
+                if "breakdown" in r:
+                    ps = r["breakdown"]["per_step_ms"]
+                    msg += f", tau {r['tau']}, step {ps.get('step')} ms (draft {ps.get('draft_phase')}, " \
+                           f"tree {ps.get('tree_build')}, verify {ps.get('verify_phase')})"
+                print(msg, flush=True)
     finally:
         stack.stop()
-    load_after_services = _loadavg()
-
-    if not args.no_hf:
-        runs += hf_runs(model, args.device, args.dtype, args.threads, prompt_ids, max_tokens, batch,
-                        args.prompt_lookup, not args.no_hf_batch, not args.no_assisted, args.warmup_tokens)
     total_s = time.perf_counter() - t_run
     report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch, total_s,
-           load_after_services, budgets)
+           _loadavg(), budgets)
 
 
 def _loadavg():
@@ -295,18 +351,21 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
     rows = []
     for r in runs:
         if "tokens_per_s" not in r:
-            rows.append([r["system"], r["batch"], None, None, None, None, None, None, None, None, r.get("error")])
+            rows.append([r["system"], r["batch"], None, None, None, None, None, None, None, None, None,
+                         r.get("error")])
             continue
         ar = find("services ar", r["batch"])
         hf_same = find("transformers generate (greedy" + (", left-padded)" if r["batch"] > 1 else ")"), r["batch"])
+        chain = find("services dflash", r["batch"])
         r["x_vs_services_ar"] = round(r["tokens_per_s"] / ar["tokens_per_s"], 3) if ar else None
+        r["x_vs_services_dflash"] = round(r["tokens_per_s"] / chain["tokens_per_s"], 3) if chain else None
         r["x_vs_hf_generate_b1"] = round(r["tokens_per_s"] / hf1["tokens_per_s"], 3) if hf1 else None
         r["x_vs_hf_generate_same_batch"] = round(r["tokens_per_s"] / hf_same["tokens_per_s"], 3) if hf_same else None
         rows.append([r["system"], r["batch"], r["tokens"], r["wall_s"], r["tokens_per_s"], r["x_vs_services_ar"],
-                     r["x_vs_hf_generate_b1"], r["x_vs_hf_generate_same_batch"], r.get("tau"),
+                     r["x_vs_services_dflash"] if r["mode"] == "ddtree" else None, r["x_vs_hf_generate_b1"], r["x_vs_hf_generate_same_batch"], r.get("tau"),
                      r.get("mean_latency_s"), r.get("outputs_equal_services_ar")])
     table = common.md_table(["system", "batch", "tokens", "wall s", "tok/s", "× services ar (same batch)",
-                             "× HF generate b1", "× HF generate (same batch)", "tau", "mean latency s",
+                             "× services dflash (same batch)", "× HF generate b1", "× HF generate (same batch)", "tau", "mean latency s",
                              "output == services ar b1"], rows)
 
     bd_rows = []
@@ -344,9 +403,11 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
     summary = {}
     for r in runs:
         if "tokens_per_s" in r:
-            key = r["system"].replace(" ", "_") + f"_batch{r['batch']}"
+            key = re.sub(r"[^a-z0-9]+", "_", r["system"].lower()).strip("_") + f"_batch{r['batch']}"
             summary[key] = {"tokens_per_s": r["tokens_per_s"], "x_vs_services_ar": r.get("x_vs_services_ar"),
-                            "x_vs_hf_generate_b1": r.get("x_vs_hf_generate_b1")}
+                            "x_vs_services_dflash": r.get("x_vs_services_dflash") if r.get("mode") == "ddtree" else None,
+                            "x_vs_hf_generate_b1": r.get("x_vs_hf_generate_b1"),
+                            "x_vs_hf_generate_same_batch": r.get("x_vs_hf_generate_same_batch")}
     data = {
         "command": command, "date": date, "hardware": hw, "hardware_tag": tag, "model": model_info,
         "drafter": drafter_info, "prompts": len(prompts), "prompt_source": source,
@@ -362,7 +423,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
 
 - Command: `{command}`
 - Date: {date}; whole run {total_s:.0f} s
-- Hardware: {hw['cpu_model']} ({hw['usable_cpus']} usable of {hw['logical_cpus']} logical CPUs){gpu}; device `{args.device}`{' (drafter on ' + args.drafter_device + ')' if args.drafter_device else ''}, dtype {args.dtype}; torch threads per service and for transformers: {args.threads or 'default'}; load average at start {hw.get('load_average_at_start')}, after the services {load_after_services}
+- Hardware: {hw['cpu_model']} ({hw['usable_cpus']} usable of {hw['logical_cpus']} logical CPUs){gpu}; device `{args.device}`{' (drafter on ' + args.drafter_device + ')' if args.drafter_device else ''}, dtype {args.dtype}; torch threads per service and for transformers: {args.threads or 'default'}; load average at start {hw.get('load_average_at_start')}, at the end {load_after_services}
 - Software: torch {hw['torch']}, transformers {hw['transformers']}, grpcio {hw['grpcio']}, Python {hw['python']}
 - Target: `{model_info['dir']}` ({model_info.get('architectures')}, {model_info.get('num_hidden_layers')} layers)
 - Drafter: `{drafter_info['dir']}` ({drafter_note}; {drafter_info.get('num_hidden_layers')} layers, block {drafter_info.get('block_size')}, weights sha256 {drafter_info.get('weights_sha256')}…)
