@@ -427,7 +427,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
 - Software: torch {hw['torch']}, transformers {hw['transformers']}, grpcio {hw['grpcio']}, Python {hw['python']}
 - Target: `{model_info['dir']}` ({model_info.get('architectures')}, {model_info.get('num_hidden_layers')} layers)
 - Drafter: `{drafter_info['dir']}` ({drafter_note}; {drafter_info.get('num_hidden_layers')} layers, block {drafter_info.get('block_size')}, weights sha256 {drafter_info.get('weights_sha256')}…)
-- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = the prompts one after another, batch {batch} = {batch} requests in flight (transformers: left-padded batches of {batch}); warm-up excluded
+- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = one prompt at a time, batch {batch} = chunks of {batch} requests in flight (transformers: left-padded batches of {batch}); systems interleaved chunk by chunk in a rotating order; warm-up excluded
 
 tok/s = generated tokens (first token included) / wall time of the whole set, measured by the client.
 Ratios are within this run only.
