@@ -190,9 +190,10 @@ class PairEngine:
                 accepted_per_seq.append(len(accepted))
                 tree_sizes.append(tree_size)
         if self.metrics is not None:
+            modes = {s.mode for s in seqs}
             self.metrics.observe_step(batch_size=len(seqs), tree_sizes=tree_sizes, accepted_per_seq=accepted_per_seq,
                                       draft_s=t1 - t0, tree_s=t2 - t1, verify_s=t3 - t2,
-                                      step_s=time.perf_counter() - t0)
+                                      step_s=time.perf_counter() - t0, mode=modes.pop() if len(modes) == 1 else "mixed")
 
     async def _release(self, seqs: list[Sequence]) -> None:
         """Frees the sequences in both services and reports their end; release failures are logged, not fatal."""
