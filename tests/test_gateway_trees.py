@@ -1,0 +1,37 @@
+"""The gateway's per-step trees: DDTree (host heap path) equals the batched builder; chains; root-only for AR."""
+from __future__ import annotations
+
+import torch
+
+from ddtree_serve.config import SamplingParams
+from ddtree_serve.tree import build_chain, build_ddtree_batch
+from gateway.sequence import Sequence
+from gateway.trees import build_step_trees
+
+
+def _seq(seq_id: str, mode: str, budget: int, bonus: int) -> Sequence:
+    s = Sequence(request_id=seq_id, prompt_ids=[1], max_tokens=64, sampling=SamplingParams(), mode=mode,
+                 budget=budget, stop_token_ids=frozenset(), detokenizer=None, seq_id=seq_id)
+    s.bonus = bonus
+    return s
+
+
+def test_step_trees_match_the_batched_builders():
+    g = torch.Generator().manual_seed(0)
+    seqs = [_seq("a", "ddtree", 64, 5), _seq("b", "ddtree", 7, 6), _seq("c", "dflash", 0, 7), _seq("d", "ar", 0, 8)]
+    drafts = {}
+    for s in seqs[:3]:
+        lp = torch.log_softmax(torch.randn(15, 64, generator=g) * 3, -1).sort(-1, descending=True).values
+        drafts[s.seq_id] = (lp, torch.randperm(300, generator=g)[:64].expand(15, -1).contiguous())
+    depths = {"a": 15, "b": 4, "c": 9, "d": 0}
+    trees = build_step_trees(seqs, drafts, depths)
+    for s in seqs[:2]:
+        lp, ids = drafts[s.seq_id]
+        want = build_ddtree_batch(lp[None], ids[None], [s.bonus], [s.budget], [depths[s.seq_id]]).tree(0)
+        assert torch.equal(trees[s.seq_id].tokens, want.tokens)
+        assert torch.equal(trees[s.seq_id].parents, want.parents)
+    assert trees["a"].size == 65 and trees["b"].size == 8 and int(trees["b"].depths.max()) <= 4
+    lp, ids = drafts["c"]
+    chain = build_chain(lp[None], ids[None], [7], [9]).tree(0)
+    assert torch.equal(trees["c"].tokens, chain.tokens) and trees["c"].size == 10
+    assert trees["d"].tokens.tolist() == [8] and trees["d"].parents.tolist() == [-1]
