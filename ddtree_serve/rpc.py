@@ -4,10 +4,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -170,3 +172,35 @@ async def wait_until_serving(address: str, timeout_s: float = 120.0, service: st
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{address} not serving after {timeout_s:.0f} s")
             await asyncio.sleep(0.2)
+
+
+def metrics_hooks(service: str, metrics_port: int | None):
+    """(registry, server interceptors, client interceptors) of a service; (None, [], []) when metrics are off."""
+    if metrics_port is None:
+        return None, [], []
+    from ddtree_serve import metrics as m
+
+    registry = m.new_registry()
+    return registry, [m.ServerMetricsInterceptor(registry, service=service)], m.client_interceptors(registry, service)
+
+
+async def run_service(label: str, service_name: str, servicer, add_to_server: Callable, interceptors: Sequence,
+                      host: str, port: int, *, start: Callable[[], Awaitable[None]],
+                      on_stop: Callable[[], Awaitable[None]], registry=None, metrics_port: int | None = None,
+                      ready_file: str | None = None) -> None:
+    """Serves one servicer: bind, metrics endpoint, `start()` (load/connect), SERVING, then until SIGTERM."""
+    from ddtree_serve.request_context import RequestIdServerInterceptor
+
+    host_ = ServiceHost([service_name], [*interceptors, RequestIdServerInterceptor()])
+    add_to_server(servicer, host_.server)
+    bound = await host_.start(host, port)
+    if metrics_port is not None:
+        from ddtree_serve.metrics import start_metrics_server
+
+        log.info("%s metrics on :%d", label, start_metrics_server(metrics_port, registry))
+    log.info("%s listening on %s:%d (pid %d)", label, host, bound, os.getpid())
+    await start()
+    await host_.mark_serving()
+    if ready_file:
+        Path(ready_file).write_text(str(bound))
+    await host_.serve_until_signal(on_stop=on_stop)

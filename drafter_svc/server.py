@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -13,7 +12,8 @@ import grpc
 import torch
 
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from ddtree_serve.rpc import ModelThread, RequestError, ServiceHost, cache_usage_proto, grpc_errors, require_ready
+from ddtree_serve.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
+                              require_ready, run_service)
 from ddtree_serve.transport import decode_rows
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 
@@ -178,27 +178,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 async def serve(cfg: DrafterServerConfig, host: str, port: int, metrics_port: int | None = None,
                 ready_file: str | None = None) -> None:
     """Runs the drafter service until SIGTERM."""
-    interceptors, metrics, registry = [], None, None
-    if metrics_port is not None:
-        from ddtree_serve import metrics as m
+    registry, interceptors, _ = metrics_hooks("drafter", metrics_port)
+    metrics = None
+    if registry is not None:
+        from ddtree_serve.metrics import DrafterMetrics
 
-        registry = m.new_registry()
-        metrics = m.DrafterMetrics(registry, model_name=Path(cfg.drafter_dir).name)
-        interceptors.append(m.ServerMetricsInterceptor(registry, service="drafter"))
-    from ddtree_serve.request_context import RequestIdServerInterceptor
-
-    interceptors.append(RequestIdServerInterceptor())
+        metrics = DrafterMetrics(registry, model_name=Path(cfg.drafter_dir).name)
     servicer = DrafterServicer(cfg, metrics)
-    host_ = ServiceHost([SERVICE_NAME], interceptors)
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, host_.server)
-    bound = await host_.start(host, port)
-    if metrics_port is not None:
-        from ddtree_serve.metrics import start_metrics_server
-
-        log.info("drafter metrics on :%d", start_metrics_server(metrics_port, registry))
-    log.info("drafter service listening on %s:%d (pid %d), loading %s", host, bound, os.getpid(), cfg.drafter_dir)
-    await servicer.load()
-    await host_.mark_serving()
-    if ready_file:
-        Path(ready_file).write_text(str(bound))
-    await host_.serve_until_signal(on_stop=servicer.close)
+    log.info("drafter service: loading %s", cfg.drafter_dir)
+    await run_service("drafter service", SERVICE_NAME, servicer, drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
+                      interceptors, host, port, start=servicer.load, on_stop=servicer.close, registry=registry,
+                      metrics_port=metrics_port, ready_file=ready_file)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import tempfile
 import time
 import uuid
@@ -15,7 +14,7 @@ from transformers import AutoTokenizer
 from ddtree_serve.config import SamplingParams
 from ddtree_serve.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
-from ddtree_serve.rpc import RequestError, ServiceHost, grpc_errors, require_ready
+from ddtree_serve.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
 from gateway.backends import BackendPair, PairAddress
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine import EngineConfig, PairEngine
@@ -248,28 +247,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | None = None,
                 ready_file: str | None = None) -> None:
     """Runs the gateway until SIGTERM: health turns SERVING once every pair is connected."""
-    from ddtree_serve.request_context import RequestIdServerInterceptor
+    registry, interceptors, client_interceptors = metrics_hooks("gateway", metrics_port)
+    metrics_factory = None
+    if registry is not None:
+        from ddtree_serve.metrics import GatewayMetrics
 
-    interceptors, client_interceptors, metrics_factory, registry = [RequestIdServerInterceptor()], [], None, None
-    if metrics_port is not None:
-        from ddtree_serve import metrics as m
-
-        registry = m.new_registry()
-        interceptors.insert(0, m.ServerMetricsInterceptor(registry, service="gateway"))
-        client_interceptors = m.client_interceptors(registry, service="gateway")
-        metrics_factory = lambda model_name: m.GatewayMetrics(registry, model_name=model_name)  # noqa: E731
+        metrics_factory = lambda model_name: GatewayMetrics(registry, model_name=model_name)  # noqa: E731
     servicer = GatewayServicer(cfg, metrics_factory, client_interceptors)
-    host_ = ServiceHost([SERVICE_NAME], interceptors)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, host_.server)
-    bound = await host_.start(host, port)
-    if metrics_port is not None:
-        from ddtree_serve.metrics import start_metrics_server
-
-        log.info("gateway metrics on :%d", start_metrics_server(metrics_port, registry))
-    log.info("gateway listening on %s:%d (pid %d); pairs %s", host, bound, os.getpid(),
-             [(p.target, p.drafter) for p in cfg.pairs])
-    await servicer.connect()
-    await host_.mark_serving()
-    if ready_file:
-        Path(ready_file).write_text(str(bound))
-    await host_.serve_until_signal(on_stop=servicer.close)
+    log.info("gateway: pairs %s", [(p.target, p.drafter) for p in cfg.pairs])
+    await run_service("gateway", SERVICE_NAME, servicer, gateway_pb2_grpc.add_GatewayServicer_to_server,
+                      interceptors, host, port, start=servicer.connect, on_stop=servicer.close, registry=registry,
+                      metrics_port=metrics_port, ready_file=ready_file)

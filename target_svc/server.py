@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,8 @@ import torch
 
 from ddtree_serve.config import SamplingParams
 from ddtree_serve.proto import common_pb2, target_pb2, target_pb2_grpc
-from ddtree_serve.rpc import ModelThread, RequestError, ServiceHost, cache_usage_proto, grpc_errors, require_ready
+from ddtree_serve.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
+                              require_ready, run_service)
 from ddtree_serve.transport import FeatureRows, FeatureSender, make_sender
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 
@@ -202,29 +202,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 async def serve(cfg: TargetServerConfig, host: str, port: int, metrics_port: int | None = None,
                 ready_file: str | None = None) -> None:
     """Runs the target service until SIGTERM."""
-    interceptors, client_interceptors, metrics, registry = [], [], None, None
-    if metrics_port is not None:
-        from ddtree_serve import metrics as m
+    registry, interceptors, client_interceptors = metrics_hooks("target", metrics_port)
+    metrics = None
+    if registry is not None:
+        from ddtree_serve.metrics import TargetMetrics
 
-        registry = m.new_registry()
-        metrics = m.TargetMetrics(registry, model_name=Path(cfg.model_dir).name)
-        interceptors.append(m.ServerMetricsInterceptor(registry, service="target"))
-        client_interceptors = m.client_interceptors(registry, service="target")
-    from ddtree_serve.request_context import RequestIdServerInterceptor
-
-    interceptors.append(RequestIdServerInterceptor())
+        metrics = TargetMetrics(registry, model_name=Path(cfg.model_dir).name)
     servicer = TargetServicer(cfg, metrics, client_interceptors)
-    host_ = ServiceHost([SERVICE_NAME], interceptors)
-    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, host_.server)
-    bound = await host_.start(host, port)
-    if metrics_port is not None:
-        from ddtree_serve.metrics import start_metrics_server
-
-        mport = start_metrics_server(metrics_port, registry)
-        log.info("target metrics on :%d", mport)
-    log.info("target service listening on %s:%d (pid %d), loading %s", host, bound, os.getpid(), cfg.model_dir)
-    await servicer.load()
-    await host_.mark_serving()
-    if ready_file:
-        Path(ready_file).write_text(str(bound))
-    await host_.serve_until_signal(on_stop=servicer.close)
+    log.info("target service: loading %s", cfg.model_dir)
+    await run_service("target service", SERVICE_NAME, servicer, target_pb2_grpc.add_TargetServiceServicer_to_server,
+                      interceptors, host, port, start=servicer.load, on_stop=servicer.close, registry=registry,
+                      metrics_port=metrics_port, ready_file=ready_file)

@@ -186,10 +186,12 @@ def test_promql_mean_acceptance_length_equals_client_stats(checkpoints) -> None:
                    1)
             settle('sum(ddtree_target_forward_seconds_count{op="verify"})', stats.steps)
             settle("sum(ddtree_drafter_forward_seconds_count)", stats.steps)
-            # Context features: what the target sent (final once its Verify count is) is what the drafter received.
-            sent = prom.scalar('sum(ddtree_transport_bytes_total{direction="send"})')
-            assert sent and sent > 0
-            settle('sum(ddtree_transport_bytes_total{direction="recv"})', sent)
+            # Context features: what the target sent is what the drafter received. The target counts a push when
+            # it is acknowledged, after its Verify has answered, so wait for the two counters to meet.
+            gap = ('sum(ddtree_transport_bytes_total{direction="send"})'
+                   ' - sum(ddtree_transport_bytes_total{direction="recv"})')
+            assert prom.wait_for(gap, lambda v: v == 0) == 0, gap
+            assert prom.scalar('sum(ddtree_transport_bytes_total{direction="send"})') > 0
     finally:
         stack.stop()
 
