@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not look for the Python stdlib source/docs, fortunes and cached corpora")
     g.add_argument("--prompts", default=None, help="training prompts JSON (instead of building them from the corpora)")
     g.add_argument("--heldout-prompts", default=None, help="held-out prompts JSON for the evaluation")
+    g.add_argument("--exclude-prompts", nargs="*", default=[], metavar="JSON",
+                   help="drop training prompts sharing a 120-character run with any prompt in these files "
+                        "(e.g. bench/heldout_prompts.json)")
     g.add_argument("--num-prompts", type=int, default=20000, help="training prompts to build")
     g.add_argument("--num-heldout", type=int, default=64, help="held-out prompts to build (from held-out documents)")
     g.add_argument("--samples", default=None, help="ready training samples (.pt from an earlier run): skip generation")
@@ -52,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-max-batch-tokens", type=int, default=None, help="cap on batch x (prompt + new) tokens")
     g.add_argument("--gen-time-budget", type=float, default=None,
                    help="seconds of generation for training data; prompts left over are not used")
+    g.add_argument("--gen-engine", choices=("auto", "fast", "hf"), default="auto",
+                   help="fast: our static-cache greedy loop (dense Llama/Qwen-style targets); hf: transformers' "
+                        "generate; auto: fast where supported")
     g.add_argument("--build-prompts-only", action="store_true",
                    help="build the training and held-out prompts into the work dir, then stop")
     g.add_argument("--heldout-out", default=None,
@@ -72,6 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=2000, help="maximum optimiser steps")
     g.add_argument("--time-budget", type=float, default=None,
                    help="training seconds; the LR schedule follows max(step/steps, time/budget)")
+    g.add_argument("--stop-after", type=float, default=None,
+                   help="end this invocation after S seconds of training, checkpointed; a rerun resumes on the "
+                        "same schedule (for machines lent by the call)")
+    g.add_argument("--deadline", type=float, default=None,
+                   help="unix time by which this invocation's training must end (like --stop-after, counted "
+                        "from now, after data generation)")
     g.add_argument("--lr", type=float, default=6e-4)
     g.add_argument("--min-lr-ratio", type=float, default=0.1)
     g.add_argument("--warmup-frac", type=float, default=0.04)
@@ -153,6 +165,7 @@ def _generate_shard(args, target_dir: Path, device: str, dtype: torch.dtype, pro
                     time_budget: float | None, rank: int, world: int, model=None, desc: str = "generate"):
     """This rank's share of greedy continuations -> samples (prompt ids + response)."""
     from drafter_svc.train.data import distill_samples, generate_greedy
+    from drafter_svc.train.fast_generate import generate_greedy_fast, supports_fast_greedy
     from drafter_svc.train.trainer import load_target
 
     tok = _load_tokenizer(target_dir)
@@ -173,17 +186,27 @@ def _generate_shard(args, target_dir: Path, device: str, dtype: torch.dtype, pro
             bar.refresh()
 
     t0 = time.perf_counter()
-    outs = generate_greedy(model, ids, max_new, eos, pad, batch_size=args.gen_batch_size,
-                           max_batch_tokens=args.gen_max_batch_tokens, time_budget_s=time_budget, progress=progress)
+    fast = args.gen_engine == "fast" or (args.gen_engine == "auto" and supports_fast_greedy(model))
+    if args.gen_engine == "fast" and not supports_fast_greedy(model):
+        raise ValueError(f"--gen-engine fast does not support model_type {model.config.model_type!r}")
+    if fast:
+        outs = generate_greedy_fast(model, ids, max_new, eos, pad, max_batch=args.gen_batch_size,
+                                    max_batch_tokens=args.gen_max_batch_tokens or 2_000_000,
+                                    time_budget_s=time_budget, progress=progress)
+    else:
+        outs = generate_greedy(model, ids, max_new, eos, pad, batch_size=args.gen_batch_size,
+                               max_batch_tokens=args.gen_max_batch_tokens, time_budget_s=time_budget,
+                               progress=progress)
     if bar is not None:
         bar.close()
     dt = time.perf_counter() - t0
     samples = distill_samples(ids, outs)
     used = [p for p, o in zip(kept, outs) if o is not None and len(o) >= 2]
     n_new = sum(len(o) for o in outs if o is not None)
-    log.info("rank %d: %d continuations, %d new tokens in %.1fs (%.0f tok/s)", rank, len(samples), n_new, dt,
-             n_new / max(dt, 1e-9))
-    return samples, used, {"seconds": dt, "new_tokens": n_new, "sequences": len(samples)}
+    log.info("rank %d: %d continuations, %d new tokens in %.1fs (%.0f tok/s, %s)", rank, len(samples), n_new, dt,
+             n_new / max(dt, 1e-9), "fast" if fast else "hf")
+    return samples, used, {"seconds": dt, "new_tokens": n_new, "sequences": len(samples),
+                           "engine": "fast" if fast else "hf"}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -218,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             train_prompts = D.load_prompts(args.prompts)
         if args.heldout_prompts:
             heldout_prompts = D.load_prompts(args.heldout_prompts)
-        if train_prompts is None or (heldout_prompts is None and need_heldout):
+        if (train_prompts is None and need_train_data) or (heldout_prompts is None and need_heldout):
             corpora = D.discover_corpora(args.corpus, use_system=not args.no_system_corpora)
             built_train, built_held = D.build_prompts(corpora, args.num_prompts, args.num_heldout, seed=args.seed)
             train_prompts = train_prompts or built_train
@@ -233,6 +256,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 D.save_prompts(work / "prompts_heldout.json", heldout_prompts, {"corpora": corpora.counts()})
         if is_main and args.heldout_out and heldout_prompts:
             D.write_heldout_bench_file(args.heldout_out, heldout_prompts, args.eval_max_new_tokens, str(target_dir))
+    if train_prompts is not None and args.exclude_prompts:
+        excluded = [p for f in args.exclude_prompts for p in D.load_prompts(f)]
+        before = len(train_prompts)
+        train_prompts = D.drop_overlapping(train_prompts, excluded)
+        log.info("dropped %d training prompts overlapping %d excluded prompts", before - len(train_prompts),
+                 len(excluded))
+        if is_main and args.build_prompts_only:
+            D.save_prompts(work / "prompts_train.json.gz", train_prompts, {"excluded": list(args.exclude_prompts)})
     if args.build_prompts_only:
         return {"train_prompts": len(train_prompts or []), "heldout_prompts": len(heldout_prompts or [])}
 
@@ -302,7 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lr=args.lr, min_lr_ratio=args.min_lr_ratio, warmup_frac=args.warmup_frac,
             weight_decay=args.weight_decay, grad_clip=args.grad_clip, gamma=args.gamma,
             num_anchors=args.num_anchors, max_tokens=args.max_tokens, max_batch=args.max_batch,
-            max_len=args.max_len, max_steps=args.steps, time_budget_s=args.time_budget,
+            max_len=args.max_len, max_steps=args.steps, time_budget_s=args.time_budget, stop_after_s=args.stop_after,
             ckpt_dir=str(work / "checkpoints"), ckpt_every=args.ckpt_every, ckpt_every_s=args.ckpt_every_s,
             resume=not args.no_resume, seed=args.seed, ce_chunk=args.ce_chunk,
             grad_checkpointing=args.grad_checkpointing, fsdp=args.fsdp, progress=is_main and not args.no_progress,
@@ -316,6 +347,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         if target_model is None:
             target_model = load_target(target_dir, device, target_dtype)
+        if args.deadline is not None:
+            left = max(0.0, args.deadline - time.time())
+            cfg.stop_after_s = left if cfg.stop_after_s is None else min(cfg.stop_after_s, left)
         res = train(cfg, samples, on_log=on_log, target=target_model)
         metrics["train"] = {k: v for k, v in res.__dict__.items() if k != "loss_history"}
         metrics["train"]["loss_history"] = res.loss_history[:: max(1, len(res.loss_history) // 50)]

@@ -508,6 +508,24 @@ def write_heldout_bench_file(
     Path(path).write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
 
 
+def drop_overlapping(
+    prompts: Sequence[PromptRecord], heldout: Sequence[PromptRecord], span: int = 120
+) -> list[PromptRecord]:
+    """Training prompts sharing no run of 1.5 x span characters with a held-out prompt (held-out text stays unseen).
+
+    Every span-long window of the held-out texts goes in a set; a training prompt's windows are probed at a
+    stride of span // 2, so any common run of span + stride characters or more is found, whatever template
+    wrapped it.
+    """
+    stride = max(1, span // 2)
+    seen = {h.text[i : i + span] for h in heldout for i in range(0, len(h.text) - span + 1)}
+
+    def overlaps(text: str) -> bool:
+        return any(text[i : i + span] in seen for i in range(0, len(text) - span + 1, stride))
+
+    return [p for p in prompts if not overlaps(p.text)]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Token samples
 # ----------------------------------------------------------------------------------------------------------

@@ -128,6 +128,16 @@ def block_inputs_and_labels(
     return noise.reshape(b, -1), labels, valid
 
 
+def valid_label_index(
+    lengths: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Flat indices into [B * N * bs] of the labelled slots (the `valid` of block_inputs_and_labels)."""
+    k = torch.arange(block_size, device=anchors.device)
+    inside = anchors[:, :, None] + k[None, None, :] < lengths[:, None, None]
+    valid = inside & keep[:, :, None] & (k >= 1)[None, None, :]
+    return valid.reshape(-1).nonzero().squeeze(1)
+
+
 def slot_weights(block_size: int, gamma: float | None, device: torch.device | str) -> torch.Tensor:
     """Loss weight per slot: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1 (1 when gamma is None or <= 0)."""
     k = torch.arange(block_size, device=device, dtype=torch.float32)
@@ -216,8 +226,13 @@ class DFlashTrainModule(nn.Module):
         features: torch.Tensor,
         anchors: torch.Tensor,
         keep: torch.Tensor,
+        valid_index: torch.Tensor | None = None,
     ) -> StepStats:
-        """Weighted CE over all anchored blocks of a batch."""
+        """Weighted CE over all anchored blocks of a batch.
+
+        valid_index (flat indices of the labelled slots, see `valid_label_index`) may come precomputed from the
+        host, so that the step never waits on the device to learn how many labels it has.
+        """
         cfg = self.drafter.config
         bs = cfg.block_size
         b, s = input_ids.shape
@@ -227,10 +242,11 @@ class DFlashTrainModule(nn.Module):
         mask = block_attention_mask(anchors, keep, s, bs)
         hidden = self.drafter(noise, features.to(noise.dtype), pos, attention_mask=mask)  # [B, N*bs, H]
         w_slot = slot_weights(bs, self.gamma, hidden.device)
-        flat_valid = valid.reshape(-1)
-        rows = hidden.reshape(-1, hidden.shape[-1])[flat_valid]
-        tgt = labels.reshape(-1)[flat_valid]
-        slot = torch.arange(bs, device=hidden.device).repeat(b * anchors.shape[1])[flat_valid]
+        if valid_index is None:
+            valid_index = valid.reshape(-1).nonzero().squeeze(1)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid_index)
+        tgt = labels.reshape(-1).index_select(0, valid_index)
+        slot = valid_index % bs
         w = w_slot[slot]
         ce, hit = self._ce(rows, tgt)
         wsum = w.sum()
@@ -239,8 +255,7 @@ class DFlashTrainModule(nn.Module):
             hits = hit.float()
             correct_per_slot = torch.zeros(bs, device=hidden.device).index_add_(0, slot, hits)
             n_per_slot = torch.zeros(bs, device=hidden.device).index_add_(0, slot, torch.ones_like(hits))
-        return StepStats(loss, wsum.detach(), hits.sum(), torch.tensor(float(tgt.numel()), device=hidden.device),
-                         correct_per_slot, n_per_slot)
+        return StepStats(loss, wsum.detach(), hits.sum(), n_per_slot.sum(), correct_per_slot, n_per_slot)
 
     def _ce(self, rows: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row CE (float32 softmax) and top-1 hits; optionally in recomputed chunks to bound memory."""
@@ -388,6 +403,7 @@ class TrainConfig:
     max_len: int = 3072
     max_steps: int = 1000
     time_budget_s: float | None = None  # ends the run (and shapes the LR schedule) by wall-clock time
+    stop_after_s: float | None = None  # ends this invocation (checkpointed) without changing the schedule
     ckpt_dir: str | None = None
     ckpt_every: int = 500
     ckpt_every_s: float | None = None
@@ -615,20 +631,28 @@ def train(
     start_step = step
     t_start = time.perf_counter()
     last_ckpt_t = t_start
+    # Running figures stay on the device and are read only at log points: a read is a host sync, and without
+    # one per step the host prepares the next batch while the device still works on this one.
     ema_loss = ema_acc = None
     first_loss = math.nan
-    win_labels = win_ctx = 0
+    win_labels = torch.zeros((), device=device)
+    win_ctx = 0
+    label_sum = torch.zeros((), device=device)
     win_t = time.perf_counter()
-    slot_hits = torch.zeros(dcfg.block_size)
-    slot_counts = torch.zeros(dcfg.block_size)
+    slot_hits = torch.zeros(dcfg.block_size, device=device)
+    slot_counts = torch.zeros(dcfg.block_size, device=device)
     epoch = epoch0
     in_epoch = skip
+    pin = device.type == "cuda"
     while True:
-        elapsed = elapsed_before + (time.perf_counter() - t_start)
+        now = time.perf_counter()
+        elapsed = elapsed_before + (now - t_start)
         progress = step / max(1, cfg.max_steps)
         if cfg.time_budget_s:
             progress = max(progress, elapsed / cfg.time_budget_s)
         stop = step >= cfg.max_steps or progress >= 1.0
+        if cfg.stop_after_s is not None and now - t_start >= cfg.stop_after_s:
+            stop = True
         if world > 1:  # every rank must stop at the same step (time differs slightly between ranks)
             flag = torch.tensor([1.0 if stop else 0.0], device=device if device.type == "cuda" else "cpu")
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -639,11 +663,21 @@ def train(
             g["lr"] = cfg.lr * lr_factor(progress, cfg.warmup_frac, cfg.min_lr_ratio)
 
         epoch, in_epoch, batch_samples = next(batches)
-        batch: Batch = collate(batch_samples, pad_id=0, max_len=cfg.max_len).to(device)
-        anchors, keep = sample_anchors(batch.lengths, batch.loss_start, cfg.num_anchors, gen)
+        host: Batch = collate(batch_samples, pad_id=0, max_len=cfg.max_len)
+        # Anchors and the labelled-slot index are drawn on the host, where their sizes are known for free.
+        anchors, keep = sample_anchors(host.lengths, host.loss_start, cfg.num_anchors, gen)
+        valid_index = valid_label_index(host.lengths, anchors, keep, dcfg.block_size)
+        n_ctx = int(host.lengths.sum()) * world
+        anchors_drawn += int(keep.sum()) * world
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+
+        batch = Batch(put(host.input_ids), put(host.lengths), put(host.loss_start))
+        anchors, keep, valid_index = put(anchors), put(keep), put(valid_index)
         with amp_ctx():
             feats = target_features(target, batch.input_ids, dcfg.target_layer_ids)
-            stats = step_fn(batch.input_ids, batch.lengths, feats, anchors, keep)
+            stats = step_fn(batch.input_ids, batch.lengths, feats, anchors, keep, valid_index)
         optimizer.zero_grad(set_to_none=True)
         stats.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
@@ -651,33 +685,33 @@ def train(
         step += 1
         in_epoch += 1
 
-        loss_v = float(stats.loss.detach())
-        acc_v = float(stats.correct / stats.n_labels.clamp(min=1))
+        loss_t = stats.loss.detach().float()
+        acc_t = stats.correct / stats.n_labels.clamp(min=1)
         if math.isnan(first_loss):
-            first_loss = loss_v
-        ema_loss = loss_v if ema_loss is None else 0.95 * ema_loss + 0.05 * loss_v
-        ema_acc = acc_v if ema_acc is None else 0.95 * ema_acc + 0.05 * acc_v
-        n_lab = int(stats.n_labels.item()) * world
-        n_ctx = int(batch.lengths.sum().item()) * world
-        label_tokens += n_lab
-        anchors_drawn += int(keep.sum().item()) * world
+            first_loss = float(loss_t)
+        ema_loss = loss_t if ema_loss is None else 0.95 * ema_loss + 0.05 * loss_t
+        ema_acc = acc_t if ema_acc is None else 0.95 * ema_acc + 0.05 * acc_t
+        n_lab = stats.n_labels.detach() * world
+        label_sum += n_lab
         context_tokens += n_ctx
         win_labels += n_lab
         win_ctx += n_ctx
-        slot_hits += stats.correct_per_slot.detach().float().cpu()
-        slot_counts += stats.n_per_slot.detach().float().cpu()
+        slot_hits += stats.correct_per_slot.detach().float()
+        slot_counts += stats.n_per_slot.detach().float()
         if step % cfg.log_every == 0 or step == start_step + 1 or step == cfg.max_steps:
             now = time.perf_counter()
             rate = win_ctx / max(1e-9, now - win_t)
-            lrate = win_labels / max(1e-9, now - win_t)
-            win_labels = win_ctx = 0
+            lrate = float(win_labels) / max(1e-9, now - win_t)
+            win_labels.zero_()
+            win_ctx = 0
             win_t = now
-            history.append((step, ema_loss, ema_acc))
+            loss_v, acc_v = float(ema_loss), float(ema_acc)
+            history.append((step, loss_v, acc_v))
             if bar is not None:
-                bar.set_postfix(loss=f"{ema_loss:.3f}", acc=f"{ema_acc:.3f}", tok_s=f"{rate:,.0f}",
+                bar.set_postfix(loss=f"{loss_v:.3f}", acc=f"{acc_v:.3f}", tok_s=f"{rate:,.0f}",
                                 lbl_s=f"{lrate:,.0f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
             if on_log is not None and is_main:
-                on_log({"step": step, "loss": ema_loss, "acc": ema_acc, "raw_loss": loss_v, "tokens_per_s": rate,
+                on_log({"step": step, "loss": loss_v, "acc": acc_v, "raw_loss": float(loss_t), "tokens_per_s": rate,
                         "labels_per_s": lrate, "lr": optimizer.param_groups[0]["lr"], "epoch": epoch,
                         "grad_norm": float(grad_norm), "elapsed_s": elapsed})
         if bar is not None:
@@ -690,11 +724,14 @@ def train(
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             due = bool(flag.item() > 0)
         if due:
+            label_tokens += int(label_sum)
+            label_sum.zero_()
             save_checkpoint(epoch, in_epoch, elapsed_before + (now - t_start))
             last_ckpt_t = now
 
     if bar is not None:
         bar.close()
+    label_tokens += int(label_sum)
     elapsed = elapsed_before + (time.perf_counter() - t_start)
     if step > 0:
         save_checkpoint(epoch, in_epoch, elapsed)
@@ -703,7 +740,7 @@ def train(
         final = DFlashDraftModel(dcfg)
         final.load_state_dict({k: v.float() for k, v in state.items()})
         final.to(_dtype(cfg.save_dtype)).save_pretrained(cfg.out_dir)
-    per_slot = (slot_hits / slot_counts.clamp(min=1)).tolist()
+    per_slot = (slot_hits / slot_counts.clamp(min=1)).cpu().tolist()
     # anchor positions per epoch: every position from loss_start to length - 2
     epochs = anchors_drawn / max(1, sampler.tokens_per_epoch() - len(sampler.samples))
     last = history[-1] if history else (step, math.nan, math.nan)
