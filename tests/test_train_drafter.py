@@ -11,7 +11,7 @@ import torch
 
 from drafter_svc.dflash_model import DFlashDraftModel
 from drafter_svc.train import cli
-from drafter_svc.train.data import Sample, collate, load_samples
+from drafter_svc.train.data import PromptRecord, Sample, collate, drop_overlapping, load_samples
 from drafter_svc.train.trainer import (
     DrafterShape,
     block_attention_mask,
@@ -21,6 +21,7 @@ from drafter_svc.train.trainer import (
     new_drafter_config,
     sample_anchors,
     slot_weights,
+    valid_label_index,
 )
 from tests.fixtures.tiny_models import make_tiny_llama
 
@@ -73,6 +74,29 @@ def test_labels_are_the_tokens_at_each_slots_own_position() -> None:
     assert valid[0, 1].tolist() == [False, True, True, False]  # 9 + 3 = 12 is past the sequence
     w = slot_weights(16, 7.0, "cpu")
     assert w[0] == 0 and w[1] == 1 and torch.isclose(w[8], torch.exp(torch.tensor(-1.0)))
+
+
+def test_host_label_index_matches_the_labels_valid_mask() -> None:
+    """The labelled-slot index drawn on the host is exactly block_inputs_and_labels' valid mask, flattened."""
+    g = torch.Generator().manual_seed(3)
+    lengths, starts = torch.tensor([40, 12, 25]), torch.tensor([10, 8, 20])
+    anchors, keep = sample_anchors(lengths, starts, num_anchors=6, generator=g)
+    x = torch.randint(5, 50, (3, 40), generator=g)
+    _, _, valid = block_inputs_and_labels(x, lengths, anchors, keep, 8, mask_token_id=1)
+    idx = valid_label_index(lengths, anchors, keep, 8)
+    assert torch.equal(idx, valid.reshape(-1).nonzero().squeeze(1))
+    assert idx.numel() > 0
+
+
+def test_training_prompts_that_copy_held_out_text_are_dropped() -> None:
+    """A training prompt quoting 180+ characters of a held-out prompt goes, whatever wraps it; others stay."""
+    held_text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog. " for i in range(12))
+    held = [PromptRecord("h0", "pydoc", "doc-a", "Summarise:\n" + held_text)]
+    copy = PromptRecord("t0", "pydoc", "doc-b", "Explain this passage.\n" + held_text[100:320] + "\nThanks.")
+    short = PromptRecord("t1", "pydoc", "doc-c", "Explain: " + held_text[:60])  # a short common phrase only
+    other = PromptRecord("t2", "pysrc", "doc-d", "Review this code:\n" + "x = 1\n" * 80)
+    kept = drop_overlapping([copy, short, other], held)
+    assert [p.id for p in kept] == ["t1", "t2"]
 
 
 def test_training_layout_equals_the_decode_step(tiny_target: Path) -> None:

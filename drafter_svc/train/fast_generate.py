@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from drafter_svc.dflash_model import apply_rope
+
 FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -31,11 +33,6 @@ def supports_fast_greedy(model: nn.Module) -> bool:
         return False
     inner = getattr(model, "model", None)
     return inner is not None and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class _GreedyBatch:
@@ -68,10 +65,8 @@ class _GreedyBatch:
         v = attn.v_proj(x).view(b, t, self.n_kv, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = self.cos[pos][:, :, None, :], self.sin[pos][:, :, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = self.cos[pos], self.sin[pos]
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """Grouped-query attention without repeating K/V: a group's query heads ride in the query-length axis."""
