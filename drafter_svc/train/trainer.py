@@ -644,6 +644,11 @@ def train(
     epoch = epoch0
     in_epoch = skip
     pin = device.type == "cuda"
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        """Host tensor -> device; pinned and asynchronous on CUDA, so the copy overlaps the running step."""
+        return (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+
     while True:
         now = time.perf_counter()
         elapsed = elapsed_before + (now - t_start)
@@ -669,10 +674,6 @@ def train(
         valid_index = valid_label_index(host.lengths, anchors, keep, dcfg.block_size)
         n_ctx = int(host.lengths.sum()) * world
         anchors_drawn += int(keep.sum()) * world
-
-        def put(t: torch.Tensor) -> torch.Tensor:
-            return (t.pin_memory() if pin else t).to(device, non_blocking=pin)
-
         batch = Batch(put(host.input_ids), put(host.lengths), put(host.loss_start))
         anchors, keep, valid_index = put(anchors), put(keep), put(valid_index)
         with amp_ctx():
