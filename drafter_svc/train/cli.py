@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts", default=None, help="training prompts JSON (instead of building them from the corpora)")
     g.add_argument("--heldout-prompts", default=None, help="held-out prompts JSON for the evaluation")
     g.add_argument("--exclude-prompts", nargs="*", default=[], metavar="JSON",
-                   help="drop training prompts sharing a 120-character run with any prompt in these files "
+                   help="drop training prompts sharing a run of 180+ characters with any prompt in these files "
                         "(e.g. bench/heldout_prompts.json)")
     g.add_argument("--num-prompts", type=int, default=20000, help="training prompts to build")
     g.add_argument("--num-heldout", type=int, default=64, help="held-out prompts to build (from held-out documents)")
