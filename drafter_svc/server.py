@@ -86,6 +86,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def PushFeatures(self, request, context):
         require_ready(self.ready)
         total = 0
+        # Bytes received count every payload that crossed the wire, used or not, so the target's "send" and the
+        # drafter's "recv" counters meet; the response reports only the bytes stored.
+        received = sum(len(rows.data) for rows in request.rows)
         for rows in request.rows:
             if rows.seq_id in self.released:
                 continue  # the sequence finished while its last features were in flight
@@ -102,7 +105,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         async with self.rows_changed:
             self.rows_changed.notify_all()
         if self.metrics is not None:
-            self.metrics.observe_transport_received("inline", total)
+            self.metrics.observe_transport_received("inline", received)
         return drafter_pb2.PushFeaturesResponse(bytes=total)
 
     async def _wait_for_context(self, items: list[DraftItem]) -> None:

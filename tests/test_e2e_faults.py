@@ -6,11 +6,13 @@ import json
 import math
 import subprocess
 import sys
+import urllib.request
 
 import grpc
 import pytest
 
-from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+from ddtree_serve.proto import (drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2,
+                                target_pb2_grpc)
 from tests.conftest import make_request, prompts_for, reference_greedy, run_streams, start_stack
 
 pytestmark = pytest.mark.slow
@@ -19,7 +21,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def stack(checkpoints):
     target, drafter = checkpoints("qwen3")
-    s = start_stack(target, drafter, extra={"target": ["--max-seq-len", "256"], "drafter": ["--max-seq-len", "256"]})
+    s = start_stack(target, drafter, metrics=True,
+                    extra={"target": ["--max-seq-len", "256"], "drafter": ["--max-seq-len", "256"]})
     yield s, target
     s.stop()
 
@@ -98,6 +101,31 @@ def test_malformed_tree_is_invalid_argument_on_the_target(stack):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         asyncio.run(call())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _received_feature_bytes(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ddtree_transport_bytes_total{") and 'direction="recv"' in line)
+
+
+def test_features_arriving_after_release_are_dropped_but_counted_as_received(stack):
+    """A sequence's last push can land after the gateway released it: the rows are not stored, yet the bytes did
+    cross the wire, so the drafter's "recv" counter still meets the target's "send" counter."""
+    s, _ = stack
+    payload = bytes(2 * 8 * 4)  # 2 rows of 8 float32 features
+
+    async def call():
+        async with grpc.aio.insecure_channel(s.address("drafter")) as channel:
+            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+            await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=["finished-1"]), timeout=30)
+            return await stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=8, rows=[drafter_pb2.FeatureRows(
+                seq_id="finished-1", start=0, num_rows=2, dtype="float32", data=payload)]), timeout=30)
+
+    before = _received_feature_bytes(s.metrics_ports["drafter"])
+    reply = asyncio.run(call())
+    assert reply.bytes == 0   # nothing stored for a released sequence
+    assert _received_feature_bytes(s.metrics_ports["drafter"]) - before == len(payload)
 
 
 def test_text_prompt_stop_string_and_model_info(stack):
