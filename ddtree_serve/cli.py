@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from ddtree_serve.config import TRANSPORTS
+
 log = logging.getLogger("ddtree_serve")
 
 
@@ -89,7 +91,8 @@ def cmd_gateway(args) -> None:
     from gateway.server import GatewayConfig, serve
 
     _setup_logging("gateway", args.log_level)
-    cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer)
+    cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
+                        transport=args.transport)
     asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file))
 
 
@@ -177,8 +180,8 @@ def cmd_up(args) -> None:
         if drafter is None:
             drafter = str(default_drafter_dir())
     small_cpu = args.device == "cpu" and (os.cpu_count() or 1) <= 2
-    stack = LocalStack(model=model, drafter=drafter, mode=args.mode, budget=args.budget, device=args.device,
-                       dtype=args.dtype, metrics=args.metrics, threads=1 if small_cpu else None,
+    stack = LocalStack(model=model, drafter=drafter, mode=args.mode, budget=args.budget, transport=args.transport,
+                       device=args.device, dtype=args.dtype, metrics=args.metrics, threads=1 if small_cpu else None,
                        log_dir=args.log_dir or "",
                        ports={k: v for k, v in (("gateway", args.port), ("target", args.target_port),
                                                 ("drafter", args.drafter_port)) if v})
@@ -232,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"])
     p.add_argument("--budget", type=int, default=64, help="DDTree node budget (root excluded)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: fetched from the target)")
+    p.add_argument("--transport", default="inline", choices=TRANSPORTS,
+                   help="how targets send context features to drafters: inline (in the RPC, anywhere), shm (shared "
+                        "memory, same host), cuda-ipc (GPU memory, same GPU or peer-accessible GPUs)")
     _add_common(p, 50050)
     p.set_defaults(func=cmd_gateway)
 
@@ -243,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-port", type=int, default=0)
     p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"])
     p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--transport", default="inline", choices=TRANSPORTS, help="context-feature transport")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--metrics", action="store_true", help="expose Prometheus endpoints on free ports")

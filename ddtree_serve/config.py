@@ -4,6 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# Context-feature transports, target -> drafter (implemented in ddtree_serve/transport/).
+SHARED_BUFFER_TRANSPORTS = ("shm", "cuda-ipc")
+TRANSPORTS = ("inline", *SHARED_BUFFER_TRANSPORTS)
+
 
 @dataclass(frozen=True)
 class SamplingParams:

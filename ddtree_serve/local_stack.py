@@ -28,6 +28,7 @@ class LocalStack:
     drafter: str
     mode: str = "ddtree"
     budget: int = 64
+    transport: str = "inline"
     device: str = "cpu"
     dtype: str = "float32"
     metrics: bool = False
@@ -67,7 +68,8 @@ class LocalStack:
                         *threads, *m("drafter"), *self.extra.get("drafter", [])],
             "gateway": [*py, "gateway", "--target", self.address("target"), "--drafter", self.address("drafter"),
                         "--host", "127.0.0.1", "--port", str(self.ports["gateway"]), "--mode", self.mode,
-                        "--budget", str(self.budget), *m("gateway"), *self.extra.get("gateway", [])],
+                        "--budget", str(self.budget), "--transport", self.transport, *m("gateway"),
+                        *self.extra.get("gateway", [])],
         }
 
     def start(self, timeout_s: float = 600.0) -> "LocalStack":

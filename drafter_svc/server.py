@@ -14,7 +14,7 @@ import torch
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from ddtree_serve.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
                               require_ready, run_service)
-from ddtree_serve.transport import decode_rows
+from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes, rows_view
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.rows_changed = asyncio.Condition()
         self.released: OrderedDict[str, None] = OrderedDict()
         self.broken: dict[str, str] = {}   # seq id -> why its context can no longer be trusted
+        self.opened_buffers = OpenedBuffers()   # the target's staging buffers (shm / cuda-ipc transports)
 
     async def load(self) -> None:
         """Loads drafter + the target's embedding and LM head on the model thread."""
@@ -65,6 +66,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def close(self) -> None:
         self.model_thread.shutdown()
+        self.opened_buffers.close()
 
     def _cache(self) -> common_pb2.CacheUsage:
         usage = self.runner.cache_usage()
@@ -85,28 +87,49 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     @grpc_errors
     async def PushFeatures(self, request, context):
         require_ready(self.ready)
-        total = 0
-        # Bytes received count every payload that crossed the wire, used or not, so the target's "send" and the
-        # drafter's "recv" counters meet; the response reports only the bytes stored.
-        received = sum(len(rows.data) for rows in request.rows)
+        shared = request.shared if request.HasField("shared") else None
+        transport = shared.kind if shared is not None else "inline"
+        if shared is not None:
+            try:
+                buffer = await self.model_thread.run(self.opened_buffers.get, shared)
+            except ValueError as exc:
+                # Every sequence of this push lost rows: they go autoregressive instead of waiting for features.
+                for rows in request.rows:
+                    if rows.seq_id not in self.released:
+                        self.broken.setdefault(rows.seq_id, f"context features lost: {exc}")
+                await self._notify_rows_changed()
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        stored = received = 0
         for rows in request.rows:
+            # Bytes received count every payload that crossed over, stored or dropped, so the target's "send"
+            # and the drafter's "recv" counters meet.
+            received += payload_bytes(rows, request.feature_dim)
             if rows.seq_id in self.released:
                 continue  # the sequence finished while its last features were in flight
             try:
-                data = decode_rows(rows.dtype, rows.data, rows.num_rows, request.feature_dim)
+                if shared is not None:
+                    data = rows_view(buffer, rows.shared_offset, rows.num_rows, request.feature_dim, rows.dtype)
+                else:
+                    data = decode_rows(rows.dtype, rows.data, rows.num_rows, request.feature_dim)
                 await self.model_thread.run(self.runner.add_context, rows.seq_id, rows.start, data)
             except (ValueError, KeyError, RuntimeError) as exc:
                 # one bad sequence must not hold up the rows of the others in the same push
                 log.warning("features of sequence %s rejected: %s", rows.seq_id, exc)
                 self.broken[rows.seq_id] = f"context features rejected: {exc}"
             else:
-                total += len(rows.data)
+                stored += data.numel() * data.element_size()
                 self.rows_held[rows.seq_id] = rows.start + rows.num_rows
+        if shared is not None:
+            # The answer lets the target overwrite its buffer: the reads must be finished, not just queued.
+            await self.model_thread.run(self.runner.synchronize, buffer.device)
+        await self._notify_rows_changed()
+        if self.metrics is not None:
+            self.metrics.observe_transport_received(transport, received)
+        return drafter_pb2.PushFeaturesResponse(bytes=stored)
+
+    async def _notify_rows_changed(self) -> None:
         async with self.rows_changed:
             self.rows_changed.notify_all()
-        if self.metrics is not None:
-            self.metrics.observe_transport_received("inline", received)
-        return drafter_pb2.PushFeaturesResponse(bytes=total)
 
     async def _wait_for_context(self, items: list[DraftItem]) -> None:
         def have_all() -> bool:

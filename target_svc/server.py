@@ -14,7 +14,7 @@ from ddtree_serve.config import SamplingParams
 from ddtree_serve.proto import common_pb2, target_pb2, target_pb2_grpc
 from ddtree_serve.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
                               require_ready, run_service)
-from ddtree_serve.transport import FeatureRows, FeatureSender, make_sender
+from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         transport = request.transport or "inline"
         if not request.drafter_address:
             raise ValueError("drafter_address is required")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}; available: {', '.join(TRANSPORTS)}")
+        if transport == "cuda-ipc" and torch.device(self.cfg.device).type != "cuda":
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"transport cuda-ipc needs the target on a CUDA device (it runs on {self.cfg.device})")
         ids = list(request.target_layer_ids)
         if any(i < 0 or i >= self.runner.num_layers for i in ids):
             raise ValueError(f"target_layer_ids {ids} out of range for {self.runner.num_layers} layers")

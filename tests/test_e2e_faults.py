@@ -128,6 +128,39 @@ def test_features_arriving_after_release_are_dropped_but_counted_as_received(sta
     assert _received_feature_bytes(s.metrics_ports["drafter"]) - before == len(payload)
 
 
+def test_a_shared_buffer_the_drafter_cannot_open_is_failed_precondition(stack):
+    s, _ = stack
+
+    async def call():
+        async with grpc.aio.insecure_channel(s.address("drafter")) as channel:
+            await drafter_pb2_grpc.DrafterServiceStub(channel).PushFeatures(drafter_pb2.FeatureBatch(
+                feature_dim=8, shared=drafter_pb2.SharedBuffer(kind="shm", buffer_id="b", size_bytes=4096,
+                                                               shm_name="ddtree-not-on-this-host"),
+                rows=[drafter_pb2.FeatureRows(seq_id="elsewhere-1", start=0, num_rows=1, dtype="float32")]),
+                timeout=30)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(call())
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "cannot open shared memory" in info.value.details()
+
+
+@pytest.mark.parametrize("transport, code", [("cuda-ipc", grpc.StatusCode.FAILED_PRECONDITION),
+                                             ("carrier-pigeon", grpc.StatusCode.INVALID_ARGUMENT)])
+def test_a_transport_the_target_cannot_use_is_refused_at_attach(stack, transport, code):
+    s, _ = stack
+
+    async def call():
+        async with grpc.aio.insecure_channel(s.address("target")) as channel:
+            await target_pb2_grpc.TargetServiceStub(channel).AttachDrafter(target_pb2.AttachDrafterRequest(
+                drafter_address=s.address("drafter"), target_layer_ids=[0], transport=transport), timeout=30)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(call())
+    assert info.value.code() == code
+    assert transport in info.value.details()
+
+
 def test_text_prompt_stop_string_and_model_info(stack):
     s, _ = stack
     reply = _generate(s.gateway, gateway_pb2.GenerateRequest(text="hello world", max_tokens=16, ignore_eos=True))

@@ -70,10 +70,11 @@ def test_cuda_bfloat16_runners_generate_valid_tokens(checkpoints, kind):
     assert tokens[:4] == hf_greedy_on("cuda", target, prompt, 4, torch.bfloat16)
 
 
-def test_cuda_services_equal_transformers_greedy(checkpoints):
+@pytest.mark.parametrize("transport", ["inline", "cuda-ipc"])
+def test_cuda_services_equal_transformers_greedy(checkpoints, transport):
     target, drafter = checkpoints("qwen3")
     prompts = prompts_for(target, [5, 13, 8], seed=6)
-    stack = start_stack(target, drafter, device="cuda")
+    stack = start_stack(target, drafter, device="cuda", transport=transport)
     try:
         results = run_streams(stack.gateway, [make_request(p, 40, mode) for p, mode in
                                               zip(prompts, ["ddtree", "dflash", "ar"])])
@@ -81,3 +82,32 @@ def test_cuda_services_equal_transformers_greedy(checkpoints):
         stack.stop()
     for prompt, result in zip(prompts, results):
         assert result["token_ids"] == hf_greedy_on("cuda", target, prompt, 40)
+        assert result["stats"].steps > 0
+
+
+def test_cuda_ipc_buffer_opened_in_another_process_reads_what_was_staged(tmp_path):
+    """The drafter side of cuda-ipc, in a second process: it sees the rows the target staged on the GPU."""
+    import subprocess
+    import sys
+
+    from ddtree_serve.transport import FeatureRows
+    from ddtree_serve.transport.shared_buffer import StagingBuffer, plan_pieces
+
+    rows = FeatureRows("s", 0, torch.arange(12, dtype=torch.bfloat16, device="cuda").reshape(3, 4))
+    staging = StagingBuffer("cuda-ipc", 4096, torch.device("cuda"))
+    [[piece]] = plan_pieces([3], 8, 4096)
+    staging.write(piece, rows)
+    torch.cuda.synchronize()
+    (tmp_path / "desc.bin").write_bytes(staging.descriptor.SerializeToString())
+    script = (
+        "import sys, torch\n"
+        "from ddtree_serve.proto import drafter_pb2\n"
+        "from ddtree_serve.transport import OpenedBuffers, rows_view\n"
+        "desc = drafter_pb2.SharedBuffer.FromString(open(sys.argv[1], 'rb').read())\n"
+        "buf = OpenedBuffers().get(desc)\n"
+        "print(rows_view(buf, 0, 3, 4, 'bfloat16').float().sum().item())\n")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "desc.bin")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip()) == sum(range(12))
+    staging.close()

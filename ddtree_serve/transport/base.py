@@ -51,6 +51,13 @@ def decode_rows(dtype: str, raw: bytes, num_rows: int, feature_dim: int) -> torc
     return bits.view(torch_dtype).reshape(num_rows, feature_dim)
 
 
+def payload_bytes(rows, feature_dim: int) -> int:
+    """Bytes a FeatureRows message moves: its inline data, or the rows it points to in a shared buffer."""
+    if rows.data or rows.dtype not in _WIRE_DTYPES:
+        return len(rows.data)
+    return max(rows.num_rows, 0) * max(feature_dim, 0) * torch.empty((), dtype=_WIRE_DTYPES[rows.dtype]).element_size()
+
+
 class FeatureSender(abc.ABC):
     """Target side of a transport. `submit` never blocks the verify path; rows of one sequence stay in order."""
 

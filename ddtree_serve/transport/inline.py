@@ -1,75 +1,19 @@
 """Inline transport: feature bytes ride inside a PushFeatures RPC to the drafter (works everywhere, CPU too)."""
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import grpc
-
-from ddtree_serve.proto import drafter_pb2, drafter_pb2_grpc
-from ddtree_serve.rpc import CHANNEL_OPTIONS
-from ddtree_serve.transport.base import FeatureRows, FeatureSender, encode_rows
-
-log = logging.getLogger(__name__)
+from ddtree_serve.proto import drafter_pb2
+from ddtree_serve.transport.base import FeatureRows, encode_rows
+from ddtree_serve.transport.push import PushSender
 
 
 @dataclass
-class TransportStats:
-    """Running totals a metrics exporter can read."""
+class InlineFeatureSender(PushSender):
+    """Serializes the rows into the message."""
 
-    bytes_sent: int = 0
-    batches_sent: int = 0
-    seconds: float = 0.0
-    failures: int = 0
-    last_error: str = ""
-
-
-@dataclass
-class InlineFeatureSender(FeatureSender):
-    """One long-lived channel and one sender task, so pushes reach the drafter in submission order."""
-
-    drafter_address: str
-    timeout_s: float = 30.0
     name: str = "inline"
-    stats: TransportStats = field(default_factory=TransportStats)
-    interceptors: list = field(default_factory=list)
-    on_sent: Callable[[int, float], None] | None = None   # (bytes, seconds) of each delivered push
-
-    def __post_init__(self) -> None:
-        self._channel: grpc.aio.Channel | None = None
-        self._queue: asyncio.Queue[list[FeatureRows] | None] | None = None
-        self._task: asyncio.Task | None = None
-
-    def _ensure_started(self) -> None:
-        if self._task is None:
-            self._channel = grpc.aio.insecure_channel(self.drafter_address, options=CHANNEL_OPTIONS,
-                                                      interceptors=self.interceptors)
-            self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
-            self._queue = asyncio.Queue()
-            self._task = asyncio.create_task(self._run())
-
-    def submit(self, rows: list[FeatureRows]) -> None:
-        if not rows:
-            return
-        self._ensure_started()
-        self._queue.put_nowait(rows)
-
-    async def _run(self) -> None:
-        while True:
-            rows = await self._queue.get()
-            try:
-                if rows is None:
-                    return
-                await self._send(rows)
-            except Exception as exc:  # noqa: BLE001 - a failed push must not kill the sender
-                self.stats.failures += 1
-                self.stats.last_error = str(exc)
-                log.error("feature push to %s failed: %s", self.drafter_address, exc)
-            finally:
-                self._queue.task_done()
 
     async def _send(self, rows: list[FeatureRows]) -> None:
         t0 = time.perf_counter()
@@ -80,20 +24,4 @@ class InlineFeatureSender(FeatureSender):
                                                 data=raw))
         batch = drafter_pb2.FeatureBatch(rows=msgs, feature_dim=int(rows[0].data.shape[1]))
         await self._stub.PushFeatures(batch, timeout=self.timeout_s)
-        nbytes, seconds = sum(len(m.data) for m in msgs), time.perf_counter() - t0
-        self.stats.bytes_sent += nbytes
-        self.stats.batches_sent += 1
-        self.stats.seconds += seconds
-        if self.on_sent is not None:
-            self.on_sent(nbytes, seconds)
-
-    async def flush(self) -> None:
-        if self._queue is not None:
-            await self._queue.join()
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._queue.put_nowait(None)
-            await self._task
-            await self._channel.close()
-            self._task = None
+        self._delivered(sum(len(m.data) for m in msgs), time.perf_counter() - t0)

@@ -1,0 +1,101 @@
+"""The sender loop every transport shares: pushes go out as PushFeatures RPCs, in submission order, one at a time."""
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from ddtree_serve.proto import drafter_pb2_grpc
+from ddtree_serve.rpc import CHANNEL_OPTIONS
+from ddtree_serve.transport.base import FeatureRows, FeatureSender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransportStats:
+    """Running totals a metrics exporter can read."""
+
+    bytes_sent: int = 0
+    batches_sent: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class PushSender(FeatureSender):
+    """One long-lived channel and one sender task, so pushes reach the drafter in submission order."""
+
+    drafter_address: str
+    timeout_s: float = 30.0
+    stats: TransportStats = field(default_factory=TransportStats)
+    interceptors: list = field(default_factory=list)
+    on_sent: Callable[[int, float], None] | None = None   # (bytes, seconds) of each delivered push
+
+    def __post_init__(self) -> None:
+        self._channel: grpc.aio.Channel | None = None
+        self._queue: asyncio.Queue[list[FeatureRows] | None] | None = None
+        self._task: asyncio.Task | None = None
+
+    def _ensure_started(self) -> None:
+        if self._task is None:
+            self._channel = grpc.aio.insecure_channel(self.drafter_address, options=CHANNEL_OPTIONS,
+                                                      interceptors=self.interceptors)
+            self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
+            self._queue = asyncio.Queue()
+            self._task = asyncio.create_task(self._run())
+
+    def submit(self, rows: list[FeatureRows]) -> None:
+        if not rows:
+            return
+        self._ensure_started()
+        self._queue.put_nowait(self._prepare(rows))
+
+    def _prepare(self, rows: list[FeatureRows]) -> list[FeatureRows]:
+        """Runs at submit time, on the caller's thread (a transport may mark the rows' readiness here)."""
+        return rows
+
+    async def _run(self) -> None:
+        while True:
+            rows = await self._queue.get()
+            try:
+                if rows is None:
+                    return
+                await self._send(rows)
+            except Exception as exc:  # noqa: BLE001 - a failed push must not kill the sender
+                self.stats.failures += 1
+                self.stats.last_error = str(exc)
+                log.error("%s feature push to %s failed: %s", self.name, self.drafter_address, exc)
+            finally:
+                self._queue.task_done()
+
+    @abc.abstractmethod
+    async def _send(self, rows: list[FeatureRows]) -> None:
+        """Delivers one submission (awaits the drafter's answer)."""
+
+    def _delivered(self, nbytes: int, seconds: float) -> None:
+        self.stats.bytes_sent += nbytes
+        self.stats.batches_sent += 1
+        self.stats.seconds += seconds
+        if self.on_sent is not None:
+            self.on_sent(nbytes, seconds)
+
+    async def flush(self) -> None:
+        if self._queue is not None:
+            await self._queue.join()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._queue.put_nowait(None)
+            await self._task
+            await self._channel.close()
+            self._task = None
+        self._release()
+
+    def _release(self) -> None:
+        """Frees what the transport holds besides the channel."""

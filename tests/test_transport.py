@@ -1,0 +1,137 @@
+"""Feature transports without a server: the shared-buffer layout, views, and the shm buffer's round trip."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddtree_serve.proto import drafter_pb2
+from ddtree_serve.transport import FeatureRows, OpenedBuffers, decode_rows, encode_rows, payload_bytes, rows_view
+from ddtree_serve.transport.shared_buffer import ROW_ALIGN, StagingBuffer, plan_pieces
+
+
+def covered_rows(pushes) -> dict[int, list[tuple[int, int]]]:
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for push in pushes:
+        for p in push:
+            spans.setdefault(p.index, []).append((p.row_begin, p.row_end))
+    return spans
+
+
+def test_small_runs_share_one_push_at_aligned_offsets() -> None:
+    [push] = plan_pieces([3, 1, 5], row_bytes=100, capacity=4096)
+    assert [(p.index, p.row_begin, p.row_end) for p in push] == [(0, 0, 3), (1, 0, 1), (2, 0, 5)]
+    assert [p.offset for p in push] == [0, 2 * ROW_ALIGN, 3 * ROW_ALIGN]
+
+
+def test_pieces_of_one_push_never_overlap_or_overflow() -> None:
+    row_bytes, capacity = 96, 1000
+    for push in plan_pieces([7, 2, 11, 1, 4], row_bytes, capacity):
+        ends = sorted((p.offset, p.offset + (p.row_end - p.row_begin) * row_bytes) for p in push)
+        assert ends[-1][1] <= capacity
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
+        assert all(p.offset % ROW_ALIGN == 0 for p in push)
+
+
+def test_a_run_longer_than_the_buffer_spans_several_pushes_in_order() -> None:
+    pushes = plan_pieces([25], row_bytes=64, capacity=640)
+    assert len(pushes) == 3
+    assert covered_rows(pushes) == {0: [(0, 10), (10, 20), (20, 25)]}
+
+
+def test_a_row_larger_than_the_buffer_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot hold one"):
+        plan_pieces([1], row_bytes=2048, capacity=1024)
+
+
+def test_rows_view_reads_rows_and_refuses_out_of_bounds() -> None:
+    buf = torch.zeros(1024, dtype=torch.uint8)
+    rows = torch.randn(3, 8)
+    buf[256:256 + rows.numel() * 4] = rows.view(torch.uint8).flatten()
+    assert torch.equal(rows_view(buf, 256, 3, 8, "float32"), rows)
+    with pytest.raises(ValueError, match="outside"):
+        rows_view(buf, 1000, 3, 8, "float32")
+    with pytest.raises(ValueError, match="outside"):
+        rows_view(buf, -4, 1, 8, "float32")
+    with pytest.raises(ValueError, match="dtype"):
+        rows_view(buf, 0, 1, 8, "int8")
+
+
+def test_inline_encoding_round_trips_bfloat16_bits() -> None:
+    data = torch.randn(4, 6).to(torch.bfloat16)
+    dtype, raw = encode_rows(data)
+    assert dtype == "bfloat16" and len(raw) == data.numel() * 2
+    assert torch.equal(decode_rows(dtype, raw, 4, 6), data)
+
+
+def test_payload_bytes_counts_inline_data_and_shared_rows() -> None:
+    assert payload_bytes(drafter_pb2.FeatureRows(num_rows=2, dtype="float32", data=bytes(64)), 8) == 64
+    assert payload_bytes(drafter_pb2.FeatureRows(num_rows=2, dtype="bfloat16", shared_offset=512), 8) == 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shm_staging_buffer_is_read_back_through_its_descriptor(dtype) -> None:
+    staging = StagingBuffer("shm", 8192, torch.device("cpu"))
+    opened = OpenedBuffers()
+    try:
+        rows = [FeatureRows("a", 0, torch.randn(5, 16).to(dtype)), FeatureRows("b", 7, torch.randn(2, 16).to(dtype))]
+        [push] = plan_pieces([r.num_rows for r in rows], 16 * rows[0].data.element_size(), staging.size_bytes)
+        for piece in push:
+            staging.write(piece, rows[piece.index])
+        buffer = opened.get(drafter_pb2.SharedBuffer.FromString(staging.descriptor.SerializeToString()))
+        name = "float32" if dtype == torch.float32 else "bfloat16"
+        for piece in push:
+            assert torch.equal(rows_view(buffer, piece.offset, rows[piece.index].num_rows, 16, name),
+                               rows[piece.index].data)
+        assert opened.get(staging.descriptor) is buffer   # opened once per buffer id
+    finally:
+        opened.close()
+        staging.close()
+
+
+def test_shm_buffer_is_visible_to_another_process() -> None:
+    staging = StagingBuffer("shm", 4096, torch.device("cpu"))
+    try:
+        [[piece]] = plan_pieces([2], 16, 4096)
+        staging.write(piece, FeatureRows("a", 0, torch.tensor([[1.0, 2, 3, 4], [5, 6, 7, 8]])))
+        script = ("import sys\n"
+                  "from ddtree_serve.proto import drafter_pb2\n"
+                  "from ddtree_serve.transport import OpenedBuffers, rows_view\n"
+                  "desc = drafter_pb2.SharedBuffer.FromString(sys.stdin.buffer.read())\n"
+                  "print(rows_view(OpenedBuffers().get(desc), 0, 2, 4, 'float32').sum().item())\n")
+        out = subprocess.run([sys.executable, "-c", script], input=staging.descriptor.SerializeToString(),
+                             capture_output=True, timeout=120)
+        assert out.returncode == 0, out.stderr.decode()
+        assert float(out.stdout) == 36.0
+        # the reader exiting must not unlink the target's buffer
+        assert OpenedBuffers().get(staging.descriptor).numel() == 4096
+    finally:
+        staging.close()
+
+
+def test_opening_a_missing_shm_buffer_is_a_clear_error() -> None:
+    desc = drafter_pb2.SharedBuffer(kind="shm", buffer_id="x", size_bytes=4096, shm_name="ddtree-no-such-buffer")
+    with pytest.raises(ValueError, match="cannot open shared memory"):
+        OpenedBuffers().get(desc)
+    with pytest.raises(ValueError, match="unknown shared-buffer kind"):
+        OpenedBuffers().get(drafter_pb2.SharedBuffer(kind="rdma", buffer_id="y", size_bytes=8))
+
+
+def test_opened_buffers_keep_only_the_most_recent() -> None:
+    stagings = [StagingBuffer("shm", 1024, torch.device("cpu")) for _ in range(3)]
+    opened = OpenedBuffers(capacity=2)
+    try:
+        for s in stagings:
+            opened.get(s.descriptor)
+        assert list(opened._open) == [s.descriptor.buffer_id for s in stagings[1:]]
+    finally:
+        opened.close()
+        for s in stagings:
+            s.close()
+
+
+def test_cuda_ipc_staging_needs_a_cuda_device() -> None:
+    with pytest.raises(ValueError, match="CUDA device"):
+        StagingBuffer("cuda-ipc", 1024, torch.device("cpu"))
