@@ -107,13 +107,13 @@ class DrafterRunner:
     # Context
     # ------------------------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def synchronize(self, *devices: torch.device) -> None:
         """Waits until the work queued on this runner's device (and on `devices`) is done (no-op on CPU)."""
         for device in {torch.device(self.device), *map(torch.device, devices)}:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
+    @torch.inference_mode()
     def add_context(self, seq_id: str, start: int, features: torch.Tensor) -> None:
         """Appends feature rows [n, F] for positions start .. start + n - 1; start must equal the rows held."""
         if features.dim() != 2 or features.shape[1] != self.feature_dim:
