@@ -53,7 +53,8 @@ def cmd_target(args) -> None:
     _setup_logging("target", args.log_level)
     _set_threads(args.threads)
     cfg = TargetServerConfig(model_dir=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                             max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes)
+                             max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes,
+                             prefill_chunk=args.prefill_chunk)
     asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file))
 
 
@@ -218,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, 50051)
     _add_model_args(p)
     p.add_argument("--max-tree-nodes", type=int, default=257, help="largest verify block (root + budget)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt positions per prefill forward (0: whole prompts at once); bounds prefill memory")
     p.set_defaults(func=cmd_target)
 
     p = sub.add_parser("drafter", help="run the drafter service")

@@ -24,6 +24,7 @@ class TargetConfig:
     max_batch: int = 8
     max_seq_len: int = 2048
     max_tree_nodes: int = 257
+    prefill_chunk: int = 512   # prompt positions per forward (0: whole prompts at once); bounds prefill memory
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class TargetRunner:
     """Holds the target model and its cache; every call is a batch over sequences keyed by seq id."""
 
     def __init__(self, cfg: TargetConfig):
+        if cfg.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {cfg.prefill_chunk}")
         self.cfg = cfg
         self.target = load_target(cfg.model_dir, cfg.device, cfg.dtype)
         # Positions past the model's trained range are not served.
@@ -217,34 +220,49 @@ class TargetRunner:
     # -- internals -----------------------------------------------------------------------------------------------
 
     def _prefill(self, items: list[PrefillItem], slots: list[int]) -> list[PrefillOutput]:
-        bsz = len(items)
         lens = [len(it.prompt_ids) for it in items]
         tmax = max(lens)
-        ids = torch.zeros(bsz, tmax, dtype=torch.long)
-        for b, it in enumerate(items):
-            ids[b, : lens[b]] = torch.tensor(it.prompt_ids, dtype=torch.long)
-        len_t = torch.tensor(lens)
-        valid = torch.arange(tmax)[None, :] < len_t[:, None]
-        parents = (torch.arange(tmax) - 1).expand(bsz, tmax).contiguous()
+        chunk = self.cfg.prefill_chunk or tmax
         dev = self.device
         feature_layers = self.feature_layers if any(it.want_features for it in items) else ()
-        logits, features = self.model.forward_block(
-            ids.to(dev, non_blocking=True), parents.to(dev, non_blocking=True), valid.to(dev, non_blocking=True),
-            torch.zeros(bsz, dtype=torch.long, device=dev), torch.tensor(slots).to(dev, non_blocking=True),
-            key_len=tmax, feature_layers=feature_layers, chain=True,
-            logits_at=(len_t - 1).to(dev, non_blocking=True),
-        )
+        last_logits: list[Tensor | None] = [None] * len(items)
+        feature_parts: list[list[Tensor]] = [[] for _ in items]
+        # Chunk by chunk: each forward attends to the chunks already cached and commits the linear-attention
+        # states, so the result is that of one forward over the whole prompts; only memory is bounded.
+        for c0 in range(0, tmax, chunk):
+            active = [b for b in range(len(items)) if lens[b] > c0]
+            sizes = [min(chunk, lens[b] - c0) for b in active]
+            width = max(sizes)
+            ids = torch.zeros(len(active), width, dtype=torch.long)
+            for row, b in enumerate(active):
+                ids[row, : sizes[row]] = torch.tensor(items[b].prompt_ids[c0 : c0 + sizes[row]], dtype=torch.long)
+            size_t = torch.tensor(sizes)
+            valid = torch.arange(width)[None, :] < size_t[:, None]
+            parents = (torch.arange(width) - 1).expand(len(active), width).contiguous()
+            logits, features = self.model.forward_block(
+                ids.to(dev, non_blocking=True), parents.to(dev, non_blocking=True), valid.to(dev, non_blocking=True),
+                torch.full((len(active),), c0, dtype=torch.long, device=dev),
+                torch.tensor([slots[b] for b in active]).to(dev, non_blocking=True),
+                key_len=c0 + width, feature_layers=feature_layers, chain=True,
+                logits_at=(size_t - 1).to(dev, non_blocking=True),
+            )
+            for row, b in enumerate(active):
+                if c0 + sizes[row] == lens[b]:
+                    last_logits[b] = logits[row]
+                if features is not None and items[b].want_features:
+                    feature_parts[b].append(features[row, : sizes[row]])
         seqs = []
         for it, slot in zip(items, slots):
             seq = _Sequence(slot, it.sampling, make_generator(it.sampling.seed, dev), pending_token=-1)
             self.seqs[it.seq_id] = seq
             seqs.append(seq)
-        first = self._choose(logits, seqs, [1] * bsz)[:, 0].tolist()
+        first = self._choose(torch.stack(last_logits), seqs, [1] * len(items))[:, 0].tolist()
         outputs = []
         for b, (it, seq) in enumerate(zip(items, seqs)):
             seq.pending_token = first[b]
             self.model.cache.ctx_len[seq.slot] = lens[b]
-            feats = features[b, : lens[b]] if features is not None and it.want_features else None
+            parts = feature_parts[b]
+            feats = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
             outputs.append(PrefillOutput(it.seq_id, first[b], lens[b], feats))
         return outputs
 

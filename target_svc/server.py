@@ -43,6 +43,7 @@ class TargetServerConfig:
     max_batch: int = 8
     max_seq_len: int = 2048
     max_tree_nodes: int = 257
+    prefill_chunk: int = 512
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -64,7 +65,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         dtype = getattr(torch, self.cfg.dtype)
         runner_cfg = TargetConfig(model_dir=self.cfg.model_dir, device=self.cfg.device, dtype=dtype,
                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
-                                  max_tree_nodes=self.cfg.max_tree_nodes)
+                                  max_tree_nodes=self.cfg.max_tree_nodes, prefill_chunk=self.cfg.prefill_chunk)
         t0 = time.perf_counter()
         self.runner = await self.model_thread.run(TargetRunner, runner_cfg)
         if self.metrics is not None:

@@ -147,6 +147,32 @@ def test_batched_random_tree_verify_equals_hf_greedy_and_plain_decoding(arch, ch
         torch.testing.assert_close(torch.cat(features[sid]), torch.cat(plain_features), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch", sorted(MAKERS))
+@pytest.mark.parametrize("chunk", [4, 7])
+def test_chunked_prefill_equals_one_forward_over_the_whole_prompts(arch, chunk, checkpoints, references):
+    prompts = {f"s{i}": _prompt(n, seed=40 + i) for i, n in enumerate((3, 7, 18, 29))}
+    items = [PrefillItem(sid, p, SamplingParams(), want_features=True) for sid, p in prompts.items()]
+    whole, chunked = _runner(checkpoints[arch], prefill_chunk=0), _runner(checkpoints[arch], prefill_chunk=chunk)
+    for r in (whole, chunked):
+        r.set_feature_layers([1, 0])
+    firsts = {}
+    for a, b in zip(whole.prefill(items), chunked.prefill(items)):
+        assert (b.next_token, b.context_len) == (a.next_token, a.context_len)
+        torch.testing.assert_close(b.features, a.features, atol=1e-4, rtol=0)
+        n, ours, theirs = a.context_len, chunked.model.cache, whole.model.cache
+        sa, sb = theirs.slot(a.seq_id), ours.slot(a.seq_id)
+        torch.testing.assert_close(ours.k[:, sb, :n], theirs.k[:, sa, :n], atol=1e-4, rtol=0)
+        for mine, other in zip(ours.linear, theirs.linear):
+            torch.testing.assert_close(mine.rec[sb], other.rec[sa], atol=1e-4, rtol=0)
+            torch.testing.assert_close(mine.conv[sb], other.conv[sa], atol=1e-4, rtol=0)
+        firsts[b.seq_id] = b.next_token
+    # and decoding continues exactly as transformers' generate()
+    tokens = [firsts["s3"]]
+    while len(tokens) < 9:
+        tokens.append(chunked.verify([_root_only("s3", tokens[-1])])[0].next_token)
+    assert tokens == _hf_greedy(references[arch], prompts["s3"], 9)
+
+
 def test_seeded_sampling_is_reproducible_and_follows_the_seed(checkpoints):
     runner = _runner(checkpoints["qwen3"])
     prompt = _prompt(8, seed=3)
