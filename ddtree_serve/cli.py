@@ -89,11 +89,12 @@ def _read_pairs(args):
 
 
 def cmd_gateway(args) -> None:
+    from gateway.engine import EngineConfig
     from gateway.server import GatewayConfig, serve
 
     _setup_logging("gateway", args.log_level)
     cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
-                        transport=args.transport)
+                        transport=args.transport, engine=EngineConfig(max_prefill_tokens=args.max_prefill_tokens))
     asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file))
 
 
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"])
     p.add_argument("--budget", type=int, default=64, help="DDTree node budget (root excluded)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: fetched from the target)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="prompt tokens prefilled per step (0: no limit); longer prompts are prefilled in chunks over "
+                        "several steps while the running batch keeps decoding")
     p.add_argument("--transport", default="inline", choices=TRANSPORTS,
                    help="how targets send context features to drafters: inline (in the RPC, anywhere), shm (shared "
                         "memory, same host), cuda-ipc (GPU memory, same GPU or peer-accessible GPUs)")

@@ -24,6 +24,9 @@ class EngineConfig:
 
     rpc_timeout_s: float = 120.0
     max_top_k: int = 1024
+    # Prompt tokens prefilled per step, over all sequences (0: no limit). A long prompt is prefilled in chunks
+    # over several steps, so the running batch keeps decoding meanwhile (vLLM's chunked prefill).
+    max_prefill_tokens: int = 2048
 
 
 def sampling_to_proto(seq: Sequence) -> common_pb2.SamplingParams:
@@ -34,7 +37,8 @@ def sampling_to_proto(seq: Sequence) -> common_pb2.SamplingParams:
 
 
 class PairEngine:
-    """Drives one pair. One Prefill RPC for the newcomers and one Draft + one Verify RPC per step for the batch."""
+    """Drives one pair. Per step: one Prefill RPC for prompt chunks of newcomers, one Draft + one Verify RPC for the
+    decoding batch."""
 
     def __init__(self, pair: BackendPair, queue: PairQueue, cfg: EngineConfig, metrics=None):
         self.pair = pair
@@ -74,10 +78,12 @@ class PairEngine:
     async def step(self) -> None:
         """One engine step for this pair's whole running batch."""
         await self._drop_cancelled()
-        admitted = self.queue.admit()
-        if admitted:
-            await self._prefill(admitted)
-        batch = [s for s in self.queue.running if s.status == Status.RUNNING and not s.finish_reason]
+        self.queue.admit()
+        live = [s for s in self.queue.running if s.status == Status.RUNNING and not s.finish_reason]
+        prefilling = [s for s in live if not s.prefill_done]
+        if prefilling:
+            await self._prefill(prefilling)
+        batch = [s for s in live if s.status == Status.RUNNING and not s.finish_reason and s.prefill_done]
         if batch:
             await self._decode(batch)
         finished = [s for s in self.queue.running if s.status == Status.FINISHED or s.finish_reason]
@@ -94,23 +100,38 @@ class PairEngine:
             await self._release(cancelled)
 
     async def _prefill(self, seqs: list[Sequence]) -> None:
-        now = time.perf_counter()
+        """One Prefill RPC: the next prompt chunk of each sequence, oldest first, within max_prefill_tokens."""
+        budget = self.cfg.max_prefill_tokens or sum(len(s.prompt_ids) for s in seqs)
+        chunks: list[tuple[Sequence, int]] = []
         for s in seqs:
-            s.scheduled_at = now
+            n = min(len(s.prompt_ids) - s.prefilled, budget)
+            if n <= 0:
+                break
+            chunks.append((s, n))
+            budget -= n
+        now = time.perf_counter()
+        for s, _ in chunks:
+            s.scheduled_at = s.scheduled_at or now
         request = target_pb2.PrefillRequest(items=[
-            target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids, sampling=sampling_to_proto(s),
-                                   push_features=s.speculative) for s in seqs])
+            target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids[s.prefilled:s.prefilled + n],
+                                   sampling=sampling_to_proto(s), push_features=s.speculative, start=s.prefilled,
+                                   more=s.prefilled + n < len(s.prompt_ids)) for s, n in chunks])
         try:
             response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            log.error("prefill of %d sequences failed: %s %s", len(seqs), exc.code().name, exc.details())
-            await self._fail(seqs, exc.code(), f"target prefill failed: {exc.details()}")
+            failed = [s for s, _ in chunks]
+            log.error("prefill of %d sequences failed: %s %s", len(failed), exc.code().name, exc.details())
+            await self._fail(failed, exc.code(), f"target prefill failed: {exc.details()}")
             return
         by_id = {r.seq_id: r for r in response.results}
         now = time.perf_counter()
-        for s in seqs:
+        for s, n in chunks:
             r = by_id[s.seq_id]
-            s.context_len, s.bonus = r.context_len, r.next_token
+            s.prefilled += n
+            s.context_len = r.context_len
+            if not s.prefill_done:
+                continue
+            s.bonus = r.next_token
             s.first_token_at = s.last_token_at = now
             kept = s.append([r.next_token])
             s.emit(kept)

@@ -62,6 +62,7 @@ class Sequence:
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
+    prefilled: int = 0             # prompt tokens the target holds (prompts are prefilled in chunks across steps)
     context_len: int = 0
     bonus: int = -1
     drafting: bool = True          # false after the drafter failed for this sequence: AR from then on
@@ -77,6 +78,10 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.max_tokens - len(self.output_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled == len(self.prompt_ids)
 
     @property
     def speculative(self) -> bool:

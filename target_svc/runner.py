@@ -29,22 +29,24 @@ class TargetConfig:
 
 @dataclass(frozen=True)
 class PrefillItem:
-    """One prompt to admit."""
+    """A prompt to admit, or one chunk of it: prompt_ids sit at positions start.. of the sequence."""
 
     seq_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = SamplingParams()
     want_features: bool = False
+    start: int = 0        # > 0: continues a sequence whose first `start` prompt tokens are prefilled
+    more: bool = False    # more chunks follow: no first token is sampled yet
 
 
 @dataclass
 class PrefillOutput:
-    """The first token (pending, not yet in the cache) and the prompt's features."""
+    """The first token (pending, not yet in the cache; -1 while chunks remain) and the chunk's features."""
 
     seq_id: str
     next_token: int
     context_len: int
-    features: Tensor | None  # [P, F]
+    features: Tensor | None  # [chunk length, F], rows context_len - chunk length ..
 
 
 @dataclass(frozen=True)
@@ -141,19 +143,23 @@ class TargetRunner:
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
-        """Admits prompts (any lengths, one batched forward) and samples each one's first token."""
+        """Admits prompts or continues chunked ones (any lengths, batched) and samples each finished one's first
+        token. If the forward fails, the batch's sequences are released."""
         if not items:
             return []
-        self._check_new_batch(items)
-        slots: list[int] = []
+        self._check_prefill_batch(items)
         try:
             for it in items:
-                slots.append(self.model.cache.add_sequence(it.seq_id))
-            return self._prefill(items, slots)
+                if it.start == 0:
+                    slot = self.model.cache.add_sequence(it.seq_id)
+                    self.seqs[it.seq_id] = _Sequence(slot, it.sampling, make_generator(it.sampling.seed, self.device),
+                                                     pending_token=-1)
+            return self._prefill(items)
         except BaseException:
-            for it in items[: len(slots)]:
-                self.model.cache.release(it.seq_id)
-                self.seqs.pop(it.seq_id, None)
+            # A half-run forward leaves caches and linear-attention states of these sequences unusable.
+            for it in items:
+                if self.seqs.pop(it.seq_id, None) is not None:
+                    self.model.cache.release(it.seq_id)
             raise
 
     @torch.inference_mode()
@@ -219,19 +225,21 @@ class TargetRunner:
 
     # -- internals -----------------------------------------------------------------------------------------------
 
-    def _prefill(self, items: list[PrefillItem], slots: list[int]) -> list[PrefillOutput]:
+    def _prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
         lens = [len(it.prompt_ids) for it in items]
+        seqs = [self.seqs[it.seq_id] for it in items]
         tmax = max(lens)
         chunk = self.cfg.prefill_chunk or tmax
         dev = self.device
         feature_layers = self.feature_layers if any(it.want_features for it in items) else ()
         last_logits: list[Tensor | None] = [None] * len(items)
         feature_parts: list[list[Tensor]] = [[] for _ in items]
-        # Chunk by chunk: each forward attends to the chunks already cached and commits the linear-attention
+        # Chunk by chunk: each forward attends to the positions already cached and commits the linear-attention
         # states, so the result is that of one forward over the whole prompts; only memory is bounded.
         for c0 in range(0, tmax, chunk):
             active = [b for b in range(len(items)) if lens[b] > c0]
             sizes = [min(chunk, lens[b] - c0) for b in active]
+            ctx = [items[b].start + c0 for b in active]
             width = max(sizes)
             ids = torch.zeros(len(active), width, dtype=torch.long)
             for row, b in enumerate(active):
@@ -241,29 +249,30 @@ class TargetRunner:
             parents = (torch.arange(width) - 1).expand(len(active), width).contiguous()
             logits, features = self.model.forward_block(
                 ids.to(dev, non_blocking=True), parents.to(dev, non_blocking=True), valid.to(dev, non_blocking=True),
-                torch.full((len(active),), c0, dtype=torch.long, device=dev),
-                torch.tensor([slots[b] for b in active]).to(dev, non_blocking=True),
-                key_len=c0 + width, feature_layers=feature_layers, chain=True,
+                torch.tensor(ctx).to(dev, non_blocking=True),
+                torch.tensor([seqs[b].slot for b in active]).to(dev, non_blocking=True),
+                key_len=max(c + n for c, n in zip(ctx, sizes)), feature_layers=feature_layers, chain=True,
                 logits_at=(size_t - 1).to(dev, non_blocking=True),
             )
             for row, b in enumerate(active):
-                if c0 + sizes[row] == lens[b]:
+                if c0 + sizes[row] == lens[b] and not items[b].more:
                     last_logits[b] = logits[row]
                 if features is not None and items[b].want_features:
                     feature_parts[b].append(features[row, : sizes[row]])
-        seqs = []
-        for it, slot in zip(items, slots):
-            seq = _Sequence(slot, it.sampling, make_generator(it.sampling.seed, dev), pending_token=-1)
-            self.seqs[it.seq_id] = seq
-            seqs.append(seq)
-        first = self._choose(torch.stack(last_logits), seqs, [1] * len(items))[:, 0].tolist()
+        finishing = [b for b in range(len(items)) if not items[b].more]
+        first = {}
+        if finishing:
+            chosen = self._choose(torch.stack([last_logits[b] for b in finishing]), [seqs[b] for b in finishing],
+                                  [1] * len(finishing))[:, 0].tolist()
+            first = dict(zip(finishing, chosen))
         outputs = []
         for b, (it, seq) in enumerate(zip(items, seqs)):
-            seq.pending_token = first[b]
-            self.model.cache.ctx_len[seq.slot] = lens[b]
+            context_len = it.start + lens[b]
+            self.model.cache.ctx_len[seq.slot] = context_len
+            seq.pending_token = first.get(b, -1)
             parts = feature_parts[b]
             feats = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
-            outputs.append(PrefillOutput(it.seq_id, first[b], lens[b], feats))
+            outputs.append(PrefillOutput(it.seq_id, seq.pending_token, context_len, feats))
         return outputs
 
     def _choose(self, logits: Tensor, seqs: list[_Sequence], sizes: list[int]) -> Tensor:
@@ -274,17 +283,27 @@ class TargetRunner:
                 choices[b, : sizes[b]] = choose_tokens(logits[b, : sizes[b]], seq.sampling, seq.generator)
         return choices
 
-    def _check_new_batch(self, items: list[PrefillItem]) -> None:
-        """All prompts valid and a slot for each, or nothing happens."""
+    def _check_prefill_batch(self, items: list[PrefillItem]) -> None:
+        """All prompts valid and a slot for each new one, or nothing happens."""
         ids = [it.seq_id for it in items]
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate seq_id in one prefill batch")
         for it in items:
-            if it.seq_id in self.seqs:
+            if it.start < 0:
+                raise ValueError(f"sequence {it.seq_id!r}: prefill start must be >= 0, got {it.start}")
+            if it.start == 0 and it.seq_id in self.seqs:
                 raise ValueError(f"sequence {it.seq_id!r} already exists")
+            if it.start > 0:
+                seq = self.seqs.get(it.seq_id)
+                if seq is None:
+                    raise KeyError(f"sequence {it.seq_id!r} has no prefilled chunk to continue")
+                held = self.model.cache.ctx_len[seq.slot]
+                if seq.pending_token != -1 or held != it.start:
+                    state = "its prompt is complete" if seq.pending_token != -1 else f"it holds {held} positions"
+                    raise ValueError(f"sequence {it.seq_id!r}: a chunk at position {it.start}, but {state}")
             it.sampling.validate()
-            n = len(it.prompt_ids)
-            if n == 0:
+            n = it.start + len(it.prompt_ids)
+            if len(it.prompt_ids) == 0:
                 raise ValueError(f"sequence {it.seq_id!r}: empty prompt")
             if n > self.max_seq_len - 1:
                 raise ValueError(
@@ -294,9 +313,10 @@ class TargetRunner:
             if lo < 0 or hi >= self.vocab_size:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"sequence {it.seq_id!r}: token ids must lie in [0, {self.vocab_size}), got {bad}")
+        new = sum(it.start == 0 for it in items)
         free = len(self.model.cache.free_slots)
-        if len(items) > free:
-            raise RuntimeError(f"capacity: {len(items)} new sequences but {free} of {self.cfg.max_batch} slots free")
+        if new > free:
+            raise RuntimeError(f"capacity: {new} new sequences but {free} of {self.cfg.max_batch} slots free")
 
     def _check_trees(self, items: list[VerifyItem]) -> list[_Tree]:
         """Validates every tree on the host (vectorised, no device work) before anything runs."""
@@ -308,6 +328,8 @@ class TargetRunner:
             if it.seq_id not in self.seqs:
                 raise KeyError(f"unknown sequence id {it.seq_id!r}")
             seq = self.seqs[it.seq_id]
+            if seq.pending_token == -1:
+                raise ValueError(f"sequence {it.seq_id!r}: its prompt is still being prefilled")
             tokens = torch.as_tensor(it.tokens).reshape(-1).to("cpu", torch.long)
             parents = torch.as_tensor(it.parents).reshape(-1).to("cpu", torch.long)
             t = tokens.numel()

@@ -145,15 +145,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not request.items:
             raise ValueError("empty prefill batch")
         items = [PrefillItem(seq_id=it.seq_id, prompt_ids=list(it.prompt_ids), sampling=sampling_from_proto(it.sampling),
-                             want_features=it.push_features) for it in request.items]
+                             want_features=it.push_features, start=it.start, more=it.more) for it in request.items]
         if any(it.want_features for it in items) and self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
         t1 = time.perf_counter_ns()
         outputs = await self.model_thread.run(self.runner.prefill, items)
         t2 = time.perf_counter_ns()
         self.feature_seqs.update(it.seq_id for it in items if it.want_features)
-        nbytes = self._push([FeatureRows(o.seq_id, 0, o.features) for o in outputs
-                             if o.features is not None and o.seq_id in self.feature_seqs])
+        nbytes = self._push([FeatureRows(o.seq_id, o.context_len - o.features.shape[0], o.features)
+                             for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if self.metrics is not None:
             self.metrics.observe_forward("prefill", len(items), (t2 - t1) / 1e9)
         self._observe_cache()

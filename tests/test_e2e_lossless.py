@@ -61,12 +61,14 @@ def _transport_bytes(metrics_port: int) -> dict[tuple[str, str], float]:
 
 def test_shared_memory_transport_is_lossless_and_moves_every_byte(checkpoints):
     """Context features through a shared-memory staging buffer (the CPU twin of cuda-ipc), prompts prefilled in
-    chunks: same tokens."""
+    chunks across steps and within a forward: same tokens."""
     target, drafter = checkpoints("qwen3_5")
     batch = MIXED_BATCH[:5]
     prompts = prompts_for(target, [n for n, *_ in batch], seed=12)
-    # Small prefill chunks too: prompts of 5-30 tokens go through 1-4 chunked forwards.
-    stack = start_stack(target, drafter, transport="shm", metrics=True, extra={"target": ["--prefill-chunk", "8"]})
+    # Chunked prefill too: the gateway prefills at most 12 prompt tokens per step (prompts of 3-30 tokens take 1-3
+    # steps while the others decode) and the target runs them in forwards of 8 positions.
+    stack = start_stack(target, drafter, transport="shm", metrics=True,
+                        extra={"target": ["--prefill-chunk", "8"], "gateway": ["--max-prefill-tokens", "12"]})
     try:
         results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, batch)])
         sent, received = (_transport_bytes(stack.metrics_ports[name]) for name in ("target", "drafter"))

@@ -173,6 +173,46 @@ def test_chunked_prefill_equals_one_forward_over_the_whole_prompts(arch, chunk, 
     assert tokens == _hf_greedy(references[arch], prompts["s3"], 9)
 
 
+@pytest.mark.parametrize("arch", sorted(MAKERS))
+def test_a_prompt_prefilled_over_several_calls_equals_one_call(arch, checkpoints, references):
+    """Chunks sent in separate calls (start/more), batched with other sequences' chunks, give the same state."""
+    long_prompt, short_prompt = _prompt(23, seed=50), _prompt(6, seed=51)
+    runner = _runner(checkpoints[arch])
+    runner.set_feature_layers([0])
+    sp = SamplingParams()
+    a = runner.prefill([PrefillItem("long", long_prompt[:10], sp, True, more=True)])
+    assert (a[0].next_token, a[0].context_len, a[0].features.shape[0]) == (-1, 10, 10)
+    with pytest.raises(ValueError, match="still being prefilled"):
+        runner.verify([_root_only("long", 5)])
+    b = runner.prefill([PrefillItem("long", long_prompt[10:20], sp, True, start=10, more=True),
+                        PrefillItem("short", short_prompt, sp, True)])
+    c = runner.prefill([PrefillItem("long", long_prompt[20:], sp, True, start=20)])
+    whole = _runner(checkpoints[arch])
+    whole.set_feature_layers([0])
+    ref = whole.prefill([PrefillItem("long", long_prompt, sp, True), PrefillItem("short", short_prompt, sp, True)])
+    assert c[0].next_token == ref[0].next_token and c[0].context_len == 23
+    assert b[1].next_token == ref[1].next_token
+    torch.testing.assert_close(torch.cat([a[0].features, b[0].features, c[0].features]), ref[0].features,
+                               atol=1e-4, rtol=0)
+    tokens = [c[0].next_token]
+    while len(tokens) < 8:
+        tokens.append(runner.verify([_root_only("long", tokens[-1])])[0].next_token)
+    assert tokens == _hf_greedy(references[arch], long_prompt, 8)
+
+
+def test_a_chunk_that_does_not_continue_its_sequence_is_refused(checkpoints):
+    runner = _runner(checkpoints["qwen3"])
+    sp = SamplingParams()
+    with pytest.raises(KeyError, match="no prefilled chunk"):
+        runner.prefill([PrefillItem("ghost", [5, 6], sp, start=4)])
+    runner.prefill([PrefillItem("s", [5, 6, 7], sp, more=True)])
+    with pytest.raises(ValueError, match="holds 3 positions"):
+        runner.prefill([PrefillItem("s", [8], sp, start=2)])
+    runner.prefill([PrefillItem("s", [8], sp, start=3)])
+    with pytest.raises(ValueError, match="prompt is complete"):
+        runner.prefill([PrefillItem("s", [9], sp, start=4)])
+
+
 def test_seeded_sampling_is_reproducible_and_follows_the_seed(checkpoints):
     runner = _runner(checkpoints["qwen3"])
     prompt = _prompt(8, seed=3)
