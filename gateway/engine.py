@@ -101,14 +101,7 @@ class PairEngine:
 
     async def _prefill(self, seqs: list[Sequence]) -> None:
         """One Prefill RPC: the next prompt chunk of each sequence, oldest first, within max_prefill_tokens."""
-        budget = self.cfg.max_prefill_tokens or sum(len(s.prompt_ids) for s in seqs)
-        chunks: list[tuple[Sequence, int]] = []
-        for s in seqs:
-            n = min(len(s.prompt_ids) - s.prefilled, budget)
-            if n <= 0:
-                break
-            chunks.append((s, n))
-            budget -= n
+        chunks = plan_prefill_chunks(seqs, self.cfg.max_prefill_tokens)
         now = time.perf_counter()
         for s, _ in chunks:
             s.scheduled_at = s.scheduled_at or now

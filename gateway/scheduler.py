@@ -54,6 +54,20 @@ class PairQueue:
         return admitted
 
 
+def plan_prefill_chunks(prefilling: list[Sequence], max_tokens: int) -> list[tuple[Sequence, int]]:
+    """The next prompt chunk of each sequence still prefilling, oldest first, at most max_tokens in all (0: whole
+    prompts): (sequence, chunk length) pairs; the first sequence always gets a chunk."""
+    budget = max_tokens or sum(len(s.prompt_ids) - s.prefilled for s in prefilling)
+    chunks = []
+    for s in prefilling:
+        n = min(len(s.prompt_ids) - s.prefilled, budget)
+        if n <= 0:
+            break
+        chunks.append((s, n))
+        budget -= n
+    return chunks
+
+
 class Scheduler:
     """Assigns each new request to the least-loaded pair; each pair's engine admits from its own queue."""
 

@@ -1,0 +1,50 @@
+"""Admission and prefill planning in the gateway (no server): FCFS within the pair's limits, chunked prompts."""
+from __future__ import annotations
+
+from ddtree_serve.config import SamplingParams
+from gateway.scheduler import AdmissionLimits, PairQueue, plan_prefill_chunks
+from gateway.sequence import Sequence, Status
+
+
+def seq(prompt_len: int, max_tokens: int = 8, prefilled: int = 0) -> Sequence:
+    s = Sequence(request_id="r", prompt_ids=list(range(prompt_len)), max_tokens=max_tokens, sampling=SamplingParams(),
+                 mode="ddtree", budget=0, stop_token_ids=frozenset(), detokenizer=None)
+    s.prefilled = prefilled
+    return s
+
+
+def test_prefill_chunks_go_oldest_first_within_the_token_budget() -> None:
+    a, b, c = seq(4), seq(12), seq(5)
+    assert [(x, n) for x, n in plan_prefill_chunks([a, b, c], 10)] == [(a, 4), (b, 6)]
+
+
+def test_a_partly_prefilled_prompt_continues_before_newer_ones() -> None:
+    b, c = seq(12, prefilled=6), seq(5)
+    assert plan_prefill_chunks([b, c], 10) == [(b, 6), (c, 4)]
+
+
+def test_a_prompt_longer_than_the_budget_takes_a_budget_per_step() -> None:
+    long = seq(25)
+    steps = []
+    while not long.prefill_done:
+        [(s, n)] = plan_prefill_chunks([long], 8)
+        steps.append(n)
+        long.prefilled += n
+    assert steps == [8, 8, 8, 1]
+
+
+def test_no_budget_means_whole_prompts() -> None:
+    a, b = seq(300), seq(7, prefilled=2)
+    assert plan_prefill_chunks([a, b], 0) == [(a, 300), (b, 5)]
+
+
+def test_admission_is_fcfs_within_slots_and_reserved_tokens() -> None:
+    queue = PairQueue(AdmissionLimits(max_running=3, max_reserved_tokens=40))
+    first, second, big, small = seq(10, 10), seq(5, 5), seq(20, 10), seq(1, 1)
+    queue.waiting.extend([first, second, big, small])
+    # 20 + 10 reserved; `big` needs 30 more: it waits, and `small` may not overtake it
+    assert queue.admit() == [first, second]
+    assert [s.status for s in (first, second, big, small)] == [Status.RUNNING, Status.RUNNING, Status.WAITING,
+                                                                 Status.WAITING]
+    queue.running.remove(first)
+    assert queue.admit() == [big]
