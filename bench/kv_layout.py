@@ -87,7 +87,7 @@ def main() -> None:
         hardware += f" ({torch.cuda.get_device_name()})"
     command = "python -m bench.kv_layout " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "model")
-    lines = [f"# KV layout: verify cost of padded mixed-length batches", "",
+    lines = ["# KV layout: verify cost of padded mixed-length batches", "",
              f"- command: `{command}`", f"- date: {datetime.date.today()}", f"- hardware: {hardware}",
              f"- model: {Path(model).name}; {args.nodes} draft nodes per sequence", "",
              "| batch | median verify (ms) |", "|---|---|"]

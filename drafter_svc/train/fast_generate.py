@@ -119,7 +119,6 @@ class _GreedyBatch:
 
     def decode(self, tokens: Tensor, pad: Tensor, col: int) -> Tensor:
         """One step for every row: token [B] sits at cache column col; returns the next tokens [B]."""
-        b = tokens.shape[0]
         pos = (col - pad)[:, None]
         keys = torch.arange(col + 1, device=self.device)
         mask = (keys[None, :] >= pad[:, None])[:, None, None, :]  # [B, 1, 1, col+1]
