@@ -32,6 +32,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"unsupported feature dtype {dtype}")
 
 
+def wire_dtype(name: str) -> tuple[torch.dtype, int]:
+    """(torch dtype, bytes per element) of a wire dtype name; ValueError for an unknown one."""
+    if name not in _WIRE_DTYPES:
+        raise ValueError(f"unknown feature dtype {name!r}")
+    dtype = _WIRE_DTYPES[name]
+    return dtype, torch.empty((), dtype=dtype).element_size()
+
+
 def encode_rows(data: torch.Tensor) -> tuple[str, bytes]:
     """Tensor [n, F] -> (dtype name, raw row-major bytes); bf16 travels as its 16-bit pattern."""
     data = data.detach().contiguous().cpu()
@@ -41,10 +49,7 @@ def encode_rows(data: torch.Tensor) -> tuple[str, bytes]:
 
 def decode_rows(dtype: str, raw: bytes, num_rows: int, feature_dim: int) -> torch.Tensor:
     """Inverse of encode_rows; validates the byte count."""
-    if dtype not in _WIRE_DTYPES:
-        raise ValueError(f"unknown feature dtype {dtype!r}")
-    torch_dtype = _WIRE_DTYPES[dtype]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    torch_dtype, itemsize = wire_dtype(dtype)
     if len(raw) != num_rows * feature_dim * itemsize:
         raise ValueError(f"feature payload has {len(raw)} bytes, expected {num_rows}x{feature_dim}x{itemsize}")
     bits = torch.from_numpy(np.frombuffer(bytearray(raw), dtype=np.int16 if itemsize == 2 else np.float32))
@@ -55,7 +60,7 @@ def payload_bytes(rows, feature_dim: int) -> int:
     """Bytes a FeatureRows message moves: its inline data, or the rows it points to in a shared buffer."""
     if rows.data or rows.dtype not in _WIRE_DTYPES:
         return len(rows.data)
-    return max(rows.num_rows, 0) * max(feature_dim, 0) * torch.empty((), dtype=_WIRE_DTYPES[rows.dtype]).element_size()
+    return max(rows.num_rows, 0) * max(feature_dim, 0) * wire_dtype(rows.dtype)[1]
 
 
 class FeatureSender(abc.ABC):

@@ -19,7 +19,7 @@ import torch
 
 from ddtree_serve.config import SHARED_BUFFER_TRANSPORTS
 from ddtree_serve.proto import drafter_pb2
-from ddtree_serve.transport.base import _WIRE_DTYPES, FeatureRows, dtype_name
+from ddtree_serve.transport.base import FeatureRows, dtype_name, wire_dtype
 
 SHARED_KINDS = SHARED_BUFFER_TRANSPORTS
 ROW_ALIGN = 256                # byte alignment of every run of rows (any dtype view is aligned)
@@ -66,10 +66,7 @@ def plan_pieces(row_counts: list[int], row_bytes: int, capacity: int) -> list[li
 
 def rows_view(buffer: torch.Tensor, offset: int, num_rows: int, feature_dim: int, dtype: str) -> torch.Tensor:
     """The [num_rows, feature_dim] rows stored at `offset` of a uint8 buffer (a view, validated)."""
-    if dtype not in _WIRE_DTYPES:
-        raise ValueError(f"unknown feature dtype {dtype!r}")
-    torch_dtype = _WIRE_DTYPES[dtype]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    torch_dtype, itemsize = wire_dtype(dtype)
     nbytes = num_rows * feature_dim * itemsize
     if num_rows < 0 or offset < 0 or offset % itemsize or offset + nbytes > buffer.numel():
         raise ValueError(f"rows at byte {offset} ({num_rows}x{feature_dim} {dtype}) fall outside the "
