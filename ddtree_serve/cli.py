@@ -45,6 +45,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch", type=int, default=8, help="sequences held at once (cache slots)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context limit per sequence (prompt + output)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs (by default decode/verify/draft steps replay captured graphs on "
+                        "CUDA)")
 
 
 def cmd_target(args) -> None:
@@ -54,7 +57,7 @@ def cmd_target(args) -> None:
     _set_threads(args.threads)
     cfg = TargetServerConfig(model_dir=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                              max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes,
-                             prefill_chunk=args.prefill_chunk)
+                             prefill_chunk=args.prefill_chunk, enforce_eager=args.enforce_eager)
     asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file))
 
 
@@ -64,7 +67,8 @@ def cmd_drafter(args) -> None:
     _setup_logging("drafter", args.log_level)
     _set_threads(args.threads)
     cfg = DrafterServerConfig(drafter_dir=args.drafter, target_model_dir=args.target_model, device=args.device,
-                              dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+                              dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                              enforce_eager=args.enforce_eager)
     asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file))
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree_serve.cuda_graphs import GraphCache, pick_bucket, power_of_two_buckets
 from drafter_svc.dflash_model import ContextKV, DFlashDraftModel, load_target_embeddings
 
 
@@ -28,6 +29,23 @@ class DrafterConfig:
     dtype: torch.dtype = torch.float32
     max_batch: int = 8
     max_seq_len: int = 2048
+    enforce_eager: bool = False  # True: never capture CUDA graphs (used on CUDA otherwise)
+
+
+class DraftGraphs:
+    """Draft forwards captured per (batch, context-length bucket, depth, k)."""
+
+    def __init__(self, max_batch: int, max_seq_len: int) -> None:
+        self.batch_buckets = power_of_two_buckets(max_batch)
+        self.key_buckets = power_of_two_buckets(max_seq_len, start=256)
+        self.cache = GraphCache("drafter block forward")
+
+    def shape_for(self, batch: int, key_len: int) -> tuple[int, int] | None:
+        """(batch bucket, context bucket), or None when larger than every bucket."""
+        try:
+            return pick_bucket(self.batch_buckets, batch), pick_bucket(self.key_buckets, key_len)
+        except ValueError:
+            return None
 
 
 @dataclass
@@ -60,7 +78,8 @@ class DrafterRunner:
         if not 0 <= mc.mask_token_id < self.embed_weight.shape[0]:
             raise ValueError(f"mask_token_id {mc.mask_token_id} is outside the target vocabulary")
         self.vocab_size = int(self.lm_head_weight.shape[0])
-        shape = (cfg.max_batch, mc.num_key_value_heads, cfg.max_seq_len, mc.head_dim)
+        # One slot more than max_batch: the scratch slot, where padding rows of a bucketed batch read nothing.
+        shape = (cfg.max_batch + 1, mc.num_key_value_heads, cfg.max_seq_len, mc.head_dim)
         # One K and one V tensor per layer, slot-major so that a batch of consecutive slots is a view.
         self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(mc.num_hidden_layers)]
         self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(mc.num_hidden_layers)]
@@ -68,6 +87,9 @@ class DrafterRunner:
         self._len: dict[str, int] = {}
         self._free = list(range(cfg.max_batch))
         self._lock = threading.Lock()
+        self.graphs: DraftGraphs | None = None
+        if not cfg.enforce_eager and self.device.type == "cuda":
+            self.graphs = DraftGraphs(cfg.max_batch, cfg.max_seq_len)
 
     # ------------------------------------------------------------------------------------------------------------
     # Properties
@@ -187,35 +209,51 @@ class DrafterRunner:
                     )
                 if not 0 <= it.bonus_token < self.embed_weight.shape[0]:
                     raise ValueError(f"bonus token {it.bonus_token} is outside the vocabulary")
-            slots = [self._slot[it.seq_id] for it in items]
-            lens = [it.context_len for it in items]
-            past, mask = self._gather(slots, lens, bs)
-            dev = self.device
-            ctx_len = torch.tensor(lens, device=dev)
-            ids = torch.full((len(items), bs), self.mask_token_id, dtype=torch.long, device=dev)
-            ids[:, 0] = torch.tensor([it.bonus_token for it in items], device=dev)
-            noise = self.model.embed(ids, self.embed_weight)
-            positions = ctx_len[:, None] + torch.arange(bs, device=dev)
-            h = self.model(noise, None, positions, attention_mask=mask, past=past)
-            logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            values, indices = torch.topk(logprobs, k, dim=-1, sorted=True)
-            return values, indices
+            rows = [(it.bonus_token, it.context_len, self._slot[it.seq_id]) for it in items]
+            lmax = max(it.context_len for it in items)
+            shape = self.graphs.shape_for(len(items), lmax) if self.graphs is not None else None
+            if shape is None:
+                packed = self._pack(rows, len(items)).to(self.device, non_blocking=True)
+                values, indices = self._draft_forward(packed, lmax, depth, k)
+            else:
+                batch, keys = shape
+                packed = self._pack(rows, batch).to(self.device, non_blocking=True)
+                fn = self.graphs.cache.get(
+                    (batch, keys, depth, k), lambda p: self._draft_forward(p, keys, depth, k),
+                    lambda: [self._pack([], batch).to(self.device)],
+                )
+                values, indices = fn(packed)
+            n = len(items)
+            # Copies: a graph's outputs are overwritten by its next replay.
+            return values[:n].clone(), indices[:n].clone()
 
-    def _gather(self, slots: list[int], lens: list[int], bs: int) -> tuple[ContextKV, torch.Tensor]:
-        """Context K/V of the batch padded to the longest context, and the [B, 1, bs, Lmax + bs] key mask."""
-        lmax = max(lens)
+    def _pack(self, rows: list[tuple[int, int, int]], batch: int) -> torch.Tensor:
+        """[batch, 3] (bonus token, context length, slot); padding rows draft from the empty scratch slot."""
+        packed = torch.zeros(batch, 3, dtype=torch.long)
+        packed[:, 0] = self.mask_token_id
+        packed[:, 2] = self.cfg.max_batch  # the scratch slot
+        if rows:
+            packed[: len(rows)] = torch.tensor(rows, dtype=torch.long)
+        return packed.pin_memory() if self.device.type == "cuda" else packed
+
+    def _draft_forward(self, packed: torch.Tensor, key_len: int, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device part of a draft: block forward over the packed rows, log-softmax and top-k (no host sync)."""
+        bs = self.block_size
         dev = self.device
-        if slots == list(range(slots[0], slots[0] + len(slots))):
-            sel = slice(slots[0], slots[0] + len(slots))  # consecutive slots: views, no copy
-            keys = [kc[sel, :, :lmax] for kc in self.k_cache]
-            values = [vc[sel, :, :lmax] for vc in self.v_cache]
-        else:
-            idx = torch.tensor(slots, device=dev)
-            keys = [kc[idx, :, :lmax] for kc in self.k_cache]
-            values = [vc[idx, :, :lmax] for vc in self.v_cache]
-        key_pos = torch.arange(lmax, device=dev).expand(len(slots), lmax)
-        valid = key_pos < torch.tensor(lens, device=dev)[:, None]  # padding rows of shorter contexts
-        mask = torch.cat([valid, torch.ones(len(slots), bs, dtype=torch.bool, device=dev)], dim=1)
-        mask = mask[:, None, None, :].expand(len(slots), 1, bs, lmax + bs)
-        return ContextKV(keys, values, key_pos), mask
+        bonus, ctx_len, slots = packed[:, 0], packed[:, 1], packed[:, 2]
+        b = packed.shape[0]
+        keys = [kc[slots, :, :key_len] for kc in self.k_cache]
+        values = [vc[slots, :, :key_len] for vc in self.v_cache]
+        key_pos = torch.arange(key_len, device=dev).expand(b, key_len)
+        valid = key_pos < ctx_len[:, None]  # padding rows of shorter contexts
+        mask = torch.cat([valid, torch.ones(b, bs, dtype=torch.bool, device=dev)], dim=1)
+        mask = mask[:, None, None, :].expand(b, 1, bs, key_len + bs)
+        ids = torch.full((b, bs), self.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = bonus
+        noise = self.model.embed(ids, self.embed_weight)
+        positions = ctx_len[:, None] + torch.arange(bs, device=dev)
+        h = self.model(noise, None, positions, attention_mask=mask, past=ContextKV(keys, values, key_pos))
+        # Only the positions the trees can use go through the head and the softmax.
+        logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return torch.topk(logprobs, k, dim=-1, sorted=True)

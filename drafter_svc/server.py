@@ -35,6 +35,7 @@ class DrafterServerConfig:
     max_batch: int = 8
     max_seq_len: int = 2048
     feature_wait_s: float = 30.0
+    enforce_eager: bool = False
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
@@ -56,7 +57,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         """Loads drafter + the target's embedding and LM head on the model thread."""
         runner_cfg = DrafterConfig(drafter_dir=self.cfg.drafter_dir, target_model_dir=self.cfg.target_model_dir,
                                    device=self.cfg.device, dtype=getattr(torch, self.cfg.dtype),
-                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len)
+                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
+                                   enforce_eager=self.cfg.enforce_eager)
         t0 = time.perf_counter()
         self.runner = await self.model_thread.run(DrafterRunner, runner_cfg)
         if self.metrics is not None:

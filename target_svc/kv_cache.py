@@ -11,7 +11,11 @@ from target_svc.gated_deltanet import LinearAttnState, LinearAttnStateShape, all
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """Sizes of the cache; capacity rows per slot = max_seq_len + max_tree_nodes (a verify block fits past ctx)."""
+    """Sizes of the cache; capacity rows per slot = max_seq_len + max_tree_nodes (a verify block fits past ctx).
+
+    The tensors hold one slot more than max_batch: the scratch slot, never handed out, where the padding rows of
+    a bucketed (graph-captured) batch write their K/V and states.
+    """
 
     max_batch: int
     max_seq_len: int
@@ -28,10 +32,15 @@ class CacheSpec:
         """Rows per slot: committed context plus one verify block written past it."""
         return self.max_seq_len + self.max_tree_nodes
 
+    @property
+    def scratch_slot(self) -> int:
+        """The slot that padding rows use; no sequence ever holds it."""
+        return self.max_batch
+
 
 @dataclass
 class KVCache:
-    """K/V `[n_full_layers, max_batch, capacity, n_kv, head_dim]` plus per-linear-layer states; slots by seq id."""
+    """K/V `[n_full_layers, max_batch + 1, capacity, n_kv, head_dim]` plus per-linear-layer states; slots by seq id."""
 
     spec: CacheSpec
     k: Tensor
@@ -44,12 +53,13 @@ class KVCache:
     @classmethod
     def allocate(cls, spec: CacheSpec) -> "KVCache":
         """Zeroed cache with every slot free."""
-        shape = (spec.num_full_layers, spec.max_batch, spec.capacity, spec.num_kv_heads, spec.head_dim)
+        slots = spec.max_batch + 1  # + the scratch slot
+        shape = (spec.num_full_layers, slots, spec.capacity, spec.num_kv_heads, spec.head_dim)
         return cls(
             spec=spec,
             k=torch.zeros(shape, device=spec.device, dtype=spec.dtype),
             v=torch.zeros(shape, device=spec.device, dtype=spec.dtype),
-            linear=[allocate_linear_attn_state(s, spec.max_batch, spec.device, spec.dtype) for s in spec.linear_shapes],
+            linear=[allocate_linear_attn_state(s, slots, spec.device, spec.dtype) for s in spec.linear_shapes],
             ctx_len=[0] * spec.max_batch,
             # Popped from the end: slot 0 is handed out first.
             free_slots=list(range(spec.max_batch - 1, -1, -1)),

@@ -5,8 +5,6 @@ state handling are ours, so that decode/verify can be captured later (static sha
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,15 +20,6 @@ from target_svc.gated_deltanet import (
 )
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
-
-
-@dataclass
-class PendingBlock:
-    """A verified tree not yet committed: its K/V sit past ctx_len, its GDN traces wait for the accepted path."""
-
-    slots: Tensor  # [B]
-    ctx_lens: Tensor  # [B]
-    traces: list[GdnTreeTrace]  # one per linear-attention layer, in layer order
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -73,7 +62,9 @@ class TargetModel:
         )
         self.cache = KVCache.allocate(spec)
         self.cos, self.sin = self._rope_tables(spec.capacity)
-        self.pending: PendingBlock | None = None
+        # GDN traces of the verified block not yet committed (one per linear-attention layer), None when no block
+        # is pending; dense models' blocks carry an empty list. The K/V of a pending block sit past ctx_len.
+        self.pending_traces: list[GdnTreeTrace] | None = None
 
     def _rope_tables(self, n_positions: int) -> tuple[Tensor, Tensor]:
         """cos/sin [n_positions, rotary_dim] in the model dtype, computed by HF's own rotary module."""
@@ -123,7 +114,11 @@ class TargetModel:
         positions = ctx_lens[:, None] + depth
         cos, sin = self.cos[positions], self.sin[positions]  # [B, Tmax, rotary_dim]
         rows = ctx_lens[:, None] + torch.arange(tmax, device=self.device)
-        mask = tree_attention_mask(ctx_lens, parents, sizes, key_len)[:, None]  # [B, 1, Tmax, key_len]
+        mask = tree_attention_mask(ctx_lens, parents, sizes, key_len)  # [B, Tmax, key_len]
+        # GQA without copying K/V per query head: the rep query heads of one KV head are stacked along the query
+        # axis ([B, n_kv, rep * Tmax, D] against [B, n_kv, key_len, D]), so the mask repeats per stacked head.
+        rep = t.num_heads // t.num_kv_heads
+        mask = mask[:, None, None].expand(bsz, 1, rep, tmax, key_len).reshape(bsz, 1, rep * tmax, key_len)
 
         wanted = set(feature_layers)
         feature_set: dict[int, Tensor] = {}
@@ -148,7 +143,7 @@ class TargetModel:
             h = h.gather(1, logits_at[:, None, None].expand(bsz, 1, h.shape[-1]))
         logits = t.lm_head(h).float()
         features = torch.cat([feature_set[i] for i in feature_layers], dim=-1) if feature_layers else None
-        self.pending = None if chain else PendingBlock(slots=slots, ctx_lens=ctx_lens, traces=traces)
+        self.pending_traces = None if chain else traces
         return logits, features
 
     def _attention(
@@ -184,11 +179,12 @@ class TargetModel:
         self.cache.write_kv(cache_layer, slots, rows, k, v)
         keys, values = self.cache.read_kv(cache_layer, slots, key_len)
         rep = nh // nkv
-        # GQA: query head h reads kv head h // rep, as HF's repeat_kv.
-        keys = keys.transpose(1, 2).repeat_interleave(rep, dim=1)
-        values = values.transpose(1, 2).repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=attn.scaling)
-        out = out.transpose(1, 2).reshape(bsz, tmax, nh * hd)
+        # GQA: query head h reads kv head h // rep, as HF's repeat_kv; heads kv*rep .. kv*rep + rep - 1 are stacked
+        # on the query axis of kv head kv (mask prepared alike in forward_block).
+        q = q.view(bsz, tmax, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(bsz, nkv, rep * tmax, hd)
+        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                             scale=attn.scaling)
+        out = out.view(bsz, nkv, rep, tmax, hd).permute(0, 3, 1, 2, 4).reshape(bsz, tmax, nh * hd)
         if gated:
             out = out * torch.sigmoid(gate)
         return attn.o_proj(out)
@@ -222,18 +218,18 @@ class TargetModel:
     # ------------------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def commit_block(self, path: Tensor, path_len: Tensor) -> None:
+    def commit_block(self, path: Tensor, path_len: Tensor, slots: Tensor, ctx_lens: Tensor) -> None:
         """Commits the pending block's accepted nodes path[b, :path_len[b]] (root first, -1 padded)."""
         # K/V rows ctx + path[b, j] move to ctx + j; linear-attention states become those after the last accepted
         # node, replayed from the committed state along the path (one step per column: pass path narrowed to
-        # the deepest possible path). The caller advances ctx_len.
-        pending = self.pending
-        if pending is None:
+        # the deepest possible path). The caller advances ctx_len. slots/ctx_lens are the verified block's.
+        traces = self.pending_traces
+        if traces is None and self.linear_index:
             raise RuntimeError("no pending tree block to commit")
-        self.pending = None
-        src, dst = compaction_indices_batch(path, path_len, pending.ctx_lens)
-        self.cache.move_rows(pending.slots, src, dst)
-        for state, trace in zip(self.cache.linear, pending.traces):
-            conv, rec = gdn_commit_path(trace, path, path_len, state.conv[pending.slots], state.rec[pending.slots])
-            state.conv[pending.slots] = conv
-            state.rec[pending.slots] = rec
+        self.pending_traces = None
+        src, dst = compaction_indices_batch(path, path_len, ctx_lens)
+        self.cache.move_rows(slots, src, dst)
+        for state, trace in zip(self.cache.linear, traces or []):
+            conv, rec = gdn_commit_path(trace, path, path_len, state.conv[slots], state.rec[slots])
+            state.conv[slots] = conv
+            state.rec[slots] = rec

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree_serve.acceptance import accept_batch
 from ddtree_serve.config import SamplingParams
 from ddtree_serve.sampling import choose_tokens, make_generator
 from ddtree_serve.tree_mask import depths_from_parents
 from target_svc.loader import load_target
 from target_svc.model import TargetModel
+from target_svc.verify import VerifyBatch, VerifyGraphs, VerifyShape, verify_commit, verify_forward
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class TargetConfig:
     max_seq_len: int = 2048
     max_tree_nodes: int = 257
     prefill_chunk: int = 512   # prompt positions per forward (0: whole prompts at once); bounds prefill memory
+    enforce_eager: bool = False  # True: never capture CUDA graphs (they are used on CUDA where the model allows)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,9 @@ class TargetRunner:
         # Positions past the model's trained range are not served.
         self.max_seq_len = min(cfg.max_seq_len, self.target.max_position_embeddings)
         self.model = TargetModel(self.target, cfg.max_batch, self.max_seq_len, cfg.max_tree_nodes)
+        self.graphs: VerifyGraphs | None = None
+        if not cfg.enforce_eager and VerifyGraphs.supports(self.model):
+            self.graphs = VerifyGraphs(self.model, cfg.max_batch, cfg.max_tree_nodes, self.model.cache.spec.capacity)
         self.device = self.target.device
         self.feature_layers: tuple[int, ...] = ()
         self.seqs: dict[str, _Sequence] = {}
@@ -168,37 +172,33 @@ class TargetRunner:
         if not items:
             return []
         trees = self._check_trees(items)
-        bsz = len(trees)
         sizes = [len(tr.tokens) for tr in trees]
-        tmax = max(sizes)
-        ids = torch.zeros(bsz, tmax, dtype=torch.long)
-        parents = torch.full((bsz, tmax), -1, dtype=torch.long)
-        for b, tr in enumerate(trees):
-            ids[b, : sizes[b]] = tr.tokens
-            parents[b, : sizes[b]] = tr.parents
         ctx_host = [self.model.cache.ctx_len[tr.seq.slot] for tr in trees]
-        size_t = torch.tensor(sizes)
-        valid = torch.arange(tmax)[None, :] < size_t[:, None]
-        dev = self.device
-        ids_d, parents_d, valid_d = (x.to(dev, non_blocking=True) for x in (ids, parents, valid))
-        ctx_d = torch.tensor(ctx_host).to(dev, non_blocking=True)
-        slots_d = torch.tensor([tr.seq.slot for tr in trees]).to(dev, non_blocking=True)
-
-        logits, features = self.model.forward_block(
-            ids_d, parents_d, valid_d, ctx_d, slots_d,
-            key_len=max(c + n for c, n in zip(ctx_host, sizes)), feature_layers=self.feature_layers,
-        )
-        choices = self._choose(logits, [tr.seq for tr in trees], sizes)
-        walk = accept_batch(ids_d, parents_d, choices, size_t.to(dev, non_blocking=True))
-        # Accepted paths are at most max_depth + 1 long: narrowing keeps the GDN replay short.
-        width = max(tr.max_depth for tr in trees) + 1
-        path, n_acc = walk.accepted_nodes[:, :width], walk.num_accepted
-        self.model.commit_block(path, n_acc)
-        rows = None
-        if features is not None:
-            rows = features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[-1]))
-        # The one device->host copy of the step.
-        packed = torch.cat([n_acc[:, None], walk.next_tokens[:, None], path], dim=1).tolist()
+        key_len = max(c + n for c, n in zip(ctx_host, sizes))
+        shape = self.graphs.shape_for(len(trees), max(sizes), key_len) if self.graphs is not None else None
+        graphed = shape is not None
+        if shape is None:
+            shape = VerifyShape(len(trees), max(sizes), key_len)
+        batch = VerifyBatch.pack([(tr.tokens, tr.parents) for tr in trees], ctx_host, [tr.seq.slot for tr in trees],
+                                 shape, self.model.cache.spec.scratch_slot)
+        packed_dev = batch.packed.to(self.device, non_blocking=True)  # the one host->device copy of the step
+        if graphed:
+            logits, choices, features = self.graphs.forward(batch, packed_dev, self.feature_layers)
+        else:
+            logits, choices, features = verify_forward(self.model, packed_dev, shape.nodes, shape.key_len,
+                                                       self.feature_layers)
+        seqs = [tr.seq for tr in trees]
+        if not all(seq.sampling.greedy for seq in seqs):
+            choices = self._sample_rows(logits, choices, seqs, sizes)
+        if graphed:
+            result, rows = self.graphs.commit(batch, packed_dev, choices, features)
+        else:
+            # Accepted paths are at most max_depth + 1 long: narrowing keeps the GDN replay short.
+            width = max(tr.max_depth for tr in trees) + 1
+            result, rows = verify_commit(self.model, packed_dev, shape.nodes, choices, features, width)
+        if graphed and rows is not None:
+            rows = rows.clone()  # the graph's buffer is overwritten by the next step; the pushes may be later
+        packed = result.tolist()  # the one device->host copy of the step
 
         outputs = []
         for b, (it, tr) in enumerate(zip(items, trees)):
@@ -277,7 +277,12 @@ class TargetRunner:
 
     def _choose(self, logits: Tensor, seqs: list[_Sequence], sizes: list[int]) -> Tensor:
         """LongTensor[B, Tmax]: the target's choice per node; greedy rows in one argmax, sampled rows per sequence."""
-        choices = logits.argmax(dim=-1)
+        return self._sample_rows(logits, logits.argmax(dim=-1), seqs, sizes)
+
+    @staticmethod
+    def _sample_rows(logits: Tensor, greedy: Tensor, seqs: list[_Sequence], sizes: list[int]) -> Tensor:
+        """The greedy choices with each sampling sequence's rows replaced by samples from its generator."""
+        choices = greedy.clone()
         for b, seq in enumerate(seqs):
             if not seq.sampling.greedy:
                 choices[b, : sizes[b]] = choose_tokens(logits[b, : sizes[b]], seq.sampling, seq.generator)

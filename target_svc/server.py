@@ -44,6 +44,7 @@ class TargetServerConfig:
     max_seq_len: int = 2048
     max_tree_nodes: int = 257
     prefill_chunk: int = 512
+    enforce_eager: bool = False
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -65,7 +66,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         dtype = getattr(torch, self.cfg.dtype)
         runner_cfg = TargetConfig(model_dir=self.cfg.model_dir, device=self.cfg.device, dtype=dtype,
                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
-                                  max_tree_nodes=self.cfg.max_tree_nodes, prefill_chunk=self.cfg.prefill_chunk)
+                                  max_tree_nodes=self.cfg.max_tree_nodes, prefill_chunk=self.cfg.prefill_chunk,
+                                  enforce_eager=self.cfg.enforce_eager)
         t0 = time.perf_counter()
         self.runner = await self.model_thread.run(TargetRunner, runner_cfg)
         if self.metrics is not None:

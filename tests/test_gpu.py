@@ -25,12 +25,17 @@ def hf_greedy_on(device: str, model_dir, prompt: list[int], n: int, dtype=torch.
     return out[0, len(prompt):].tolist()
 
 
-def speculative_greedy(target_dir, drafter_dir, prompt: list[int], n: int, dtype: torch.dtype) -> tuple[list[int], int]:
-    """Runners on cuda: prefill, then DDTree steps (budget 32) until n tokens; returns tokens and accepted drafts."""
+def speculative_greedy(target_dir, drafter_dir, prompt: list[int], n: int, dtype: torch.dtype,
+                       enforce_eager: bool = False, runners: list | None = None) -> tuple[list[int], int]:
+    """Runners on cuda: prefill, then DDTree steps (budget 32) until n tokens; returns tokens and accepted drafts.
+    The runners are appended to `runners` when given (to inspect their graphs)."""
     target = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cuda", dtype=dtype, max_batch=2,
-                                       max_seq_len=256, max_tree_nodes=65))
+                                       max_seq_len=256, max_tree_nodes=65, enforce_eager=enforce_eager))
     drafter = DrafterRunner(DrafterConfig(drafter_dir=str(drafter_dir), target_model_dir=str(target_dir),
-                                          device="cuda", dtype=dtype, max_batch=2, max_seq_len=256))
+                                          device="cuda", dtype=dtype, max_batch=2, max_seq_len=256,
+                                          enforce_eager=enforce_eager))
+    if runners is not None:
+        runners += [target, drafter]
     target.set_feature_layers(drafter.target_layer_ids)
     (out,) = target.prefill([PrefillItem("a", prompt, SamplingParams(), True)])
     drafter.add_context("a", 0, out.features)
@@ -68,6 +73,45 @@ def test_cuda_bfloat16_runners_generate_valid_tokens(checkpoints, kind):
     assert len(tokens) == 32 and all(0 <= t < vocab for t in tokens)
     # bf16 kernels differ from transformers' own, so exact equality is not expected; the first tokens agree
     assert tokens[:4] == hf_greedy_on("cuda", target, prompt, 4, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
+    """Graph-captured verify and draft (padded to buckets) give the eager path's greedy tokens exactly."""
+    target, drafter = checkpoints("qwen3")
+    for prompt in prompts_for(target, [9, 30], seed=8):
+        runners = []
+        graphed, accepted_g = speculative_greedy(target, drafter, prompt, 48, dtype, runners=runners)
+        eager, accepted_e = speculative_greedy(target, drafter, prompt, 48, dtype, enforce_eager=True)
+        assert graphed == eager and accepted_g == accepted_e
+        target_runner, drafter_runner = runners
+        assert target_runner.graphs.forwards.graphs and target_runner.graphs.commits.graphs
+        assert drafter_runner.graphs.cache.graphs
+
+
+def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):
+    """Three sequences (bucket 4) through the captured forward: logits within bf16 rounding of eager."""
+    from target_svc.verify import VerifyBatch, VerifyShape, verify_forward
+
+    target, _ = checkpoints("qwen3")
+    runner = TargetRunner(TargetConfig(model_dir=str(target), device="cuda", dtype=torch.bfloat16, max_batch=4,
+                                       max_seq_len=256, max_tree_nodes=65))
+    prompts = prompts_for(target, [5, 17, 40], seed=9)
+    outs = runner.prefill([PrefillItem(f"s{i}", p, SamplingParams()) for i, p in enumerate(prompts)])
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3, 3])
+    trees = [(torch.tensor([o.next_token, 11, 12, 13, 14, 15, 16]), parents) for o in outs]
+    ctx = [o.context_len for o in outs]
+    slots = [runner.seqs[f"s{i}"].slot for i in range(3)]
+    scratch = runner.model.cache.spec.scratch_slot
+    exact = VerifyBatch.pack(trees, ctx, slots, VerifyShape(3, 7, max(ctx) + 7), scratch)
+    want = verify_forward(runner.model, exact.packed.cuda(), 7, max(ctx) + 7, ())[0]
+    shape = runner.graphs.shape_for(3, 7, max(ctx) + 7)
+    assert (shape.batch, shape.nodes) == (4, 8)
+    bucketed = VerifyBatch.pack(trees, ctx, slots, shape, scratch)
+    got = runner.graphs.forward(bucketed, bucketed.packed.cuda(), ())[0][:3, :7]
+    # bf16: padded shapes may pick other GEMM tilings; stated tolerance 2% of the largest logit
+    assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
 
 
 @pytest.mark.parametrize("transport", ["inline", "cuda-ipc"])

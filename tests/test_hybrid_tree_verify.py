@@ -101,7 +101,7 @@ def test_every_tree_node_equals_step_by_step_decoding_then_commit_continues_it(h
     path = torch.full((2, len(PATH_A)), -1, dtype=torch.long)
     for b, p in enumerate(paths):
         path[b, : len(p)] = torch.tensor(p)
-    model.commit_block(path, torch.tensor([len(p) for p in paths]))
+    model.commit_block(path, torch.tensor([len(p) for p in paths]), slots, ctx)
     committed = [[tokens[b][i] for i in p] for b, p in enumerate(paths)]
 
     next_tree = [-1, 0, 0, 1]

@@ -1,0 +1,258 @@
+"""What one engine step costs at real shapes, eager against CUDA-graph replay, next to the weight-read floor.
+
+In one process on one device, with random-weight checkpoints built on the spot (bench/shapes.py):
+
+- floors: bytes of the target's weights over the measured copy bandwidth, and the time of one 1-token GEMV over
+  every weight matrix (captured, so launch gaps do not count) -- a decode step can be no faster than either;
+- target: a whole `TargetRunner.verify` call (host work included: validation, packing, the walk, the commit,
+  the device->host copy) for trees of 1 (`ar`), 16 (a DFlash chain) and 65 nodes (a DDTree budget 64), per
+  batch size, eager and graphed; and the forward alone (device time);
+- drafter: a whole `DrafterRunner.draft` call at top-K 64 (tree mode) and top-K 1 (chain mode);
+- agreement: graphed and eager forwards on the same batch (max |logit diff| / max |logit|, greedy agreement).
+
+    python -m bench.step_cost --shape qwen3-8b --batches 1,8,32
+    python -m bench.step_cost --shape tiny --device cpu --batches 1,2      # checks the tool on a CPU
+
+Writes bench/results/step-cost-<shape>-<hardware>.{md,json} (or --out-dir).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench import common
+from bench.shapes import SHAPES, build_drafter, build_target
+from ddtree_serve.config import SamplingParams
+from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
+from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
+from target_svc.verify import VerifyBatch, VerifyShape, verify_forward
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-8b", choices=SHAPES)
+    p.add_argument("--layers", type=int, default=None, help="cut the target to this many layers")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--nodes", default="1,16,65", help="tree sizes (1 = autoregressive, 16 = chain, 65 = budget 64)")
+    p.add_argument("--context", type=int, default=512, help="prompt length of every sequence")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median reported)")
+    p.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temporary dir)")
+    p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    return p.parse_args(argv)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, steps: int, device: torch.device, warmup: int = 3) -> float:
+    """Median wall time of fn() in ms, synchronised around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 10, device)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def gemv_floor_ms(runner: TargetRunner, device: torch.device) -> float:
+    """One token through every weight matrix of the target (layers + LM head), captured when on CUDA."""
+    mats = [m.weight for layer in runner.target.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    mats.append(runner.target.lm_head.weight)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], device=device, dtype=w.dtype) for w in mats}
+
+    def all_gemv():
+        for w in mats:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    if device.type != "cuda":
+        return median_ms(all_gemv, 5, device)
+    all_gemv()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        all_gemv()
+    return median_ms(graph.replay, 20, device)
+
+
+def random_tree(nodes: int, root: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree of `nodes` nodes shaped like a DDTree (parents among the few previous nodes), distinct tokens."""
+    parents = [-1] + [int(torch.randint(max(0, i - 4), i, (1,), generator=gen)) for i in range(1, nodes)]
+    if nodes == 16:  # the chain
+        parents = [-1] + list(range(15))
+    tokens = torch.randperm(vocab - 2, generator=gen)[:nodes] + 2
+    tokens[0] = root
+    return tokens, torch.tensor(parents)
+
+
+def target_costs(runner: TargetRunner, batches: list[int], nodes_list: list[int], context: int, steps: int,
+                 device: torch.device) -> tuple[list[dict], list[dict]]:
+    """Verify-call and forward times per (batch, nodes, eager|graph), and graph/eager agreement rows."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = runner.vocab_size
+    rows, agreement = [], []
+    graphs = runner.graphs
+    for batch in batches:
+        ids = [f"b{batch}-{i}" for i in range(batch)]
+        runner.prefill([PrefillItem(s, torch.randint(2, vocab, (context,), generator=gen).tolist(), SamplingParams())
+                        for s in ids])
+        for nodes in nodes_list:
+            def step():
+                items = []
+                for s in ids:
+                    tokens, parents = random_tree(nodes, runner.seqs[s].pending_token, vocab, gen)
+                    items.append(VerifyItem(s, tokens, parents))
+                runner.verify(items)
+
+            row = {"batch": batch, "nodes": nodes}
+            for mode in ("eager", "graph"):
+                if mode == "graph" and graphs is None:
+                    continue
+                runner.graphs = graphs if mode == "graph" else None
+                row[f"verify_{mode}_ms"] = median_ms(step, steps, device)
+            runner.graphs = graphs
+            fwd, agree = forward_costs(runner, ids, nodes, gen, steps, device)
+            row.update(fwd)
+            if agree:
+                agreement.append({"batch": batch, "nodes": nodes, **agree})
+            rows.append(row)
+            print(row, flush=True)
+        for s in ids:
+            runner.release(s)
+    return rows, agreement
+
+
+def forward_costs(runner: TargetRunner, ids: list[str], nodes: int, gen: torch.Generator, steps: int,
+                  device: torch.device) -> tuple[dict, dict]:
+    """Device time of the forward alone, eager vs replay, and how closely their outputs agree."""
+    model, scratch = runner.model, runner.model.cache.spec.scratch_slot
+    trees = [random_tree(nodes, runner.seqs[s].pending_token, runner.vocab_size, gen) for s in ids]
+    ctx = [model.cache.ctx_len[runner.seqs[s].slot] for s in ids]
+    slots = [runner.seqs[s].slot for s in ids]
+    key_len = max(ctx) + nodes
+    exact = VerifyBatch.pack(trees, ctx, slots, VerifyShape(len(ids), nodes, key_len), scratch)
+    packed = exact.packed.to(device)
+    out = {"forward_eager_ms": median_ms(
+        lambda: verify_forward(model, packed, nodes, key_len, runner.feature_layers), steps, device)}
+    eager_logits = verify_forward(model, packed, nodes, key_len, runner.feature_layers)[0].clone()
+    model.pending_traces = None
+    if runner.graphs is None:
+        return out, {}
+    shape = runner.graphs.shape_for(len(ids), nodes, key_len)
+    bucketed = VerifyBatch.pack(trees, ctx, slots, shape, scratch)
+    packed_b = bucketed.packed.to(device)
+    out["forward_graph_ms"] = median_ms(lambda: runner.graphs.forward(bucketed, packed_b, runner.feature_layers),
+                                        steps, device)
+    graph_logits = runner.graphs.forward(bucketed, packed_b, runner.feature_layers)[0][: len(ids), :nodes]
+    model.pending_traces = None
+    scale = eager_logits.abs().max().item()
+    agree = {
+        "max_abs_logit_diff_over_max_logit": (graph_logits - eager_logits).abs().max().item() / scale,
+        "greedy_agreement": (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item(),
+    }
+    return out, agree
+
+
+def drafter_costs(drafter: DrafterRunner, batches: list[int], context: int, steps: int,
+                  device: torch.device) -> list[dict]:
+    """Draft-call times per batch: tree mode (top-64) and chain mode (top-1), eager and graphed."""
+    rows = []
+    graphs = drafter.graphs
+    for batch in batches:
+        ids = [f"d{batch}-{i}" for i in range(batch)]
+        for s in ids:
+            drafter.add_context(s, 0, torch.randn(context, drafter.feature_dim, device=device, dtype=drafter.dtype))
+        items = [DraftItem(s, 5, context) for s in ids]
+        for top_k, mode in ((64, "tree"), (1, "chain")):
+            row = {"batch": batch, "mode": mode, "top_k": top_k}
+            for run in ("eager", "graph"):
+                if run == "graph" and graphs is None:
+                    continue
+                drafter.graphs = graphs if run == "graph" else None
+                row[f"draft_{run}_ms"] = median_ms(lambda: drafter.draft(items, top_k, 15), steps, device)
+            drafter.graphs = graphs
+            rows.append(row)
+            print(row, flush=True)
+        for s in ids:
+            drafter.release(s)
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    batches = [int(x) for x in args.batches.split(",")]
+    nodes_list = [int(x) for x in args.nodes.split(",")]
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="ddtree-step-cost-"))
+    t0 = time.perf_counter()
+    target_dir = build_target(args.shape, work / "target", args.layers, device=args.device, dtype=dtype)
+    drafter_dir = build_drafter(target_dir, work / "drafter", device=args.device, dtype=dtype)
+    build_s = time.perf_counter() - t0
+    max_batch = max(batches)
+    runner = TargetRunner(TargetConfig(str(target_dir), device=args.device, dtype=dtype, max_batch=max_batch,
+                                       max_seq_len=2048, max_tree_nodes=max(nodes_list)))
+    drafter = DrafterRunner(DrafterConfig(str(drafter_dir), str(target_dir), device=args.device, dtype=dtype,
+                                          max_batch=max_batch, max_seq_len=2048))
+    runner.set_feature_layers(drafter.target_layer_ids)
+    weights = sum(p.numel() * p.element_size() for layer in runner.target.layers for p in layer.parameters())
+    weights += runner.target.lm_head.weight.numel() * runner.target.lm_head.weight.element_size()
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    floors = {"weight_bytes": weights, "copy_bandwidth_gb_s": bandwidth / 1e9,
+              "weight_read_floor_ms": weights / bandwidth * 1e3, "gemv_floor_ms": gemv_floor_ms(runner, device)}
+    print(floors, flush=True)
+    target_rows, agreement = target_costs(runner, batches, nodes_list, args.context, args.steps, device)
+    drafter_rows = drafter_costs(drafter, batches, args.context, args.steps, device)
+    hw = common.hardware(args.device, args.dtype, None)
+    data = {"command": common.command_line("bench.step_cost"), "date": common.now_utc(), "hardware": hw,
+            "shape": args.shape, "layers": runner.num_layers, "context": args.context, "build_s": build_s,
+            "floors": floors, "target": target_rows, "agreement": agreement, "drafter": drafter_rows,
+            "graph_capture_s": {"target": (runner.graphs.forwards.capture_seconds + runner.graphs.commits.capture_seconds)
+                                if runner.graphs else 0.0,
+                                "drafter": drafter.graphs.cache.capture_seconds if drafter.graphs else 0.0}}
+    md = [f"# Step cost: {args.shape} ({runner.num_layers} layers), {hw.get('gpu', hw['cpu_model'])}, {args.dtype}",
+          "", f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
+          f"Random weights at the real shape; every sequence holds a {args.context}-token prompt.", "",
+          f"Floors: weights {weights / 1e9:.2f} GB, copy bandwidth {floors['copy_bandwidth_gb_s']:.0f} GB/s -> "
+          f"weight-read floor {floors['weight_read_floor_ms']:.2f} ms; one-token GEMV over every matrix "
+          f"(captured) {floors['gemv_floor_ms']:.2f} ms.", "",
+          "## Target: one `TargetRunner.verify` call (host work included) and the forward alone (ms, median)", "",
+          common.md_table(["batch", "nodes", "verify eager", "verify graph", "forward eager", "forward graph"],
+                          [[r["batch"], r["nodes"], r.get("verify_eager_ms"), r.get("verify_graph_ms"),
+                            r.get("forward_eager_ms"), r.get("forward_graph_ms")] for r in target_rows]),
+          "", "## Drafter: one `DrafterRunner.draft` call, depth 15 (ms, median)", "",
+          common.md_table(["batch", "mode", "top-K", "eager", "graph"],
+                          [[r["batch"], r["mode"], r["top_k"], r.get("draft_eager_ms"), r.get("draft_graph_ms")]
+                           for r in drafter_rows]),
+          "", "## Graph vs eager forward on the same batch", "",
+          common.md_table(["batch", "nodes", "max |diff| / max |logit|", "greedy agreement"],
+                          [[a["batch"], a["nodes"], a["max_abs_logit_diff_over_max_logit"], a["greedy_agreement"]]
+                           for a in agreement])]
+    stem = f"step-cost-{args.shape}-{common.hardware_tag(hw)}"
+    paths = common.write_outputs(args.out_dir, stem, data, "\n".join(md) + "\n")
+    print("\n".join(md))
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()

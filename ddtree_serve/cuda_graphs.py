@@ -1,0 +1,94 @@
+"""CUDA-graph plumbing shared by the model services: shape buckets and functions captured over static buffers.
+
+A step of a model service is hundreds of small kernels; launched one by one from Python they cost far more than
+the GPU work itself. A captured graph replays them all with one launch. Graphs need fixed shapes, so inputs are
+padded to a bucket (the smallest bucket size >= the real size) and each bucket gets its own graph, captured on
+first use. All graphs of one service share a memory pool: only one replays at a time, so their scratch memory
+can overlap; a graph's outputs stay valid until the next replay of any graph of the pool.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+def pick_bucket(buckets: Sequence[int], size: int) -> int:
+    """Smallest bucket >= size; ValueError when size exceeds the largest."""
+    for b in buckets:
+        if b >= size:
+            return b
+    raise ValueError(f"size {size} exceeds the largest bucket {buckets[-1]}")
+
+
+def power_of_two_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
+    """start, 2*start, 4*start, ... below limit, then limit itself (so every size up to limit has a bucket)."""
+    if limit < 1:
+        raise ValueError(f"bucket limit must be >= 1, got {limit}")
+    out, b = [], max(1, start)
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit)
+    return tuple(out)
+
+
+@dataclass
+class CapturedFunction:
+    """`fn(*static_inputs) -> outputs` recorded once; calling it copies new inputs in and replays."""
+
+    graph: torch.cuda.CUDAGraph
+    static_inputs: tuple[Tensor, ...]
+    outputs: object  # whatever fn returned: tensors (or tuples of them) living in the graph's pool
+
+    @classmethod
+    def capture(cls, fn: Callable[..., object], example_inputs: Sequence[Tensor], pool, warmup: int = 2) -> "CapturedFunction":
+        """Runs fn `warmup` times on a side stream (lazy inits, autotuning), then records it."""
+        static = tuple(x.clone() for x in example_inputs)
+        stream = torch.cuda.Stream(device=static[0].device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn(*static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn(*static)
+        return cls(graph, static, outputs)
+
+    def __call__(self, *inputs: Tensor) -> object:
+        """Copies inputs into the static buffers (same shapes) and replays; returns the static outputs."""
+        for dst, src in zip(self.static_inputs, inputs):
+            dst.copy_(src, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+class GraphCache:
+    """Captured functions keyed by bucket, captured lazily, sharing one memory pool."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pool = None  # made at the first capture, so that a CPU process can hold a GraphCache
+        self.graphs: dict[Hashable, CapturedFunction] = {}
+        self.capture_seconds = 0.0
+
+    def get(self, key: Hashable, fn: Callable[..., object], example_inputs: Callable[[], Sequence[Tensor]]) -> CapturedFunction:
+        """The graph for key, capturing fn over example_inputs() the first time."""
+        captured = self.graphs.get(key)
+        if captured is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            t0 = time.perf_counter()
+            captured = CapturedFunction.capture(fn, example_inputs(), self.pool)
+            elapsed = time.perf_counter() - t0
+            self.capture_seconds += elapsed
+            self.graphs[key] = captured
+            log.info("%s: captured graph %s in %.2f s (%d graphs)", self.name, key, elapsed, len(self.graphs))
+        return captured

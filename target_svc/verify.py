@@ -1,0 +1,153 @@
+"""Tree verification on the device: one forward over a padded batch of trees, the acceptance walk, the commit.
+
+A verify step is two device functions over one packed integer tensor (`VerifyBatch.packed`: ids, parents, tree
+sizes, context lengths and slots of every row), so that a step needs one host->device copy and one
+device->host copy:
+
+- `verify_forward`: the target forward over the trees -> fp32 logits, the greedy choice per node, features;
+- `verify_commit`: the acceptance walk against the target's choices, the commit of the accepted path (K/V
+  compaction, linear-attention states) and the packed result (accepted count, bonus token, path).
+
+Sampled sequences replace their rows of the greedy choices between the two. On CUDA, for models whose layers are
+all softmax attention, both functions are captured as CUDA graphs per shape bucket (`VerifyGraphs`); the eager
+path runs the very same functions, so the two agree by construction (tests/test_gpu.py checks it on the device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ddtree_serve.acceptance import accept_batch
+from ddtree_serve.cuda_graphs import GraphCache, pick_bucket, power_of_two_buckets
+from target_svc.model import TargetModel
+
+
+@dataclass(frozen=True)
+class VerifyShape:
+    """Padded batch shape of one step: rows, nodes per row, cache rows attended (key length)."""
+
+    batch: int
+    nodes: int
+    key_len: int
+
+
+@dataclass
+class VerifyBatch:
+    """Padded trees on the host, packed as [B, 2T + 3]: ids | parents | size | ctx_len | slot."""
+
+    packed: Tensor
+    shape: VerifyShape
+    num_real: int  # rows past this are padding (size-1 trees in the scratch slot)
+
+    @classmethod
+    def pack(cls, trees: list[tuple[Tensor, Tensor]], ctx_lens: list[int], slots: list[int], shape: VerifyShape,
+             scratch_slot: int) -> "VerifyBatch":
+        """trees[b] = (tokens[T_b], parents[T_b]); rows and nodes padded up to `shape`."""
+        b, t = shape.batch, shape.nodes
+        packed = torch.zeros(b, 2 * t + 3, dtype=torch.long)
+        packed[:, t : 2 * t] = -1
+        packed[:, 2 * t] = 1  # padding rows are one-node trees (a walk needs a root)
+        packed[:, 2 * t + 2] = scratch_slot
+        for row, (tokens, parents) in enumerate(trees):
+            n = tokens.numel()
+            packed[row, :n] = tokens
+            packed[row, t : t + n] = parents
+            packed[row, 2 * t] = n
+            packed[row, 2 * t + 1] = ctx_lens[row]
+            packed[row, 2 * t + 2] = slots[row]
+        return cls(packed.pin_memory() if torch.cuda.is_available() else packed, shape, len(trees))
+
+
+def unpack(packed: Tensor, nodes: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(ids, parents, sizes, ctx_lens, slots) views of a packed batch."""
+    t = nodes
+    return packed[:, :t], packed[:, t : 2 * t], packed[:, 2 * t], packed[:, 2 * t + 1], packed[:, 2 * t + 2]
+
+
+def verify_forward(model: TargetModel, packed: Tensor, nodes: int, key_len: int,
+                   feature_layers: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Forward over the packed trees -> (logits [B, T, V] fp32, greedy choices [B, T], features [B, T, F] | None)."""
+    ids, parents, sizes, ctx_lens, slots = unpack(packed, nodes)
+    valid = torch.arange(nodes, device=packed.device)[None, :] < sizes[:, None]
+    logits, features = model.forward_block(ids, parents, valid, ctx_lens, slots, key_len=key_len,
+                                           feature_layers=feature_layers)
+    return logits, logits.argmax(dim=-1), features
+
+
+def verify_commit(model: TargetModel, packed: Tensor, nodes: int, choices: Tensor, features: Tensor | None,
+                  path_width: int) -> tuple[Tensor, Tensor | None]:
+    """Walk + commit of the pending block -> (packed [B, 2 + W]: accepted count | bonus | path, rows [B, W, F])."""
+    # path_width >= the deepest tree's depth + 1: accepted paths are at most that long, and the linear-attention
+    # replay walks that many columns.
+    ids, parents, sizes, ctx_lens, slots = unpack(packed, nodes)
+    walk = accept_batch(ids, parents, choices, sizes)
+    path, n_acc = walk.accepted_nodes[:, :path_width], walk.num_accepted
+    model.commit_block(path, n_acc, slots, ctx_lens)
+    rows = None
+    if features is not None:
+        rows = features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[-1]))
+    return torch.cat([n_acc[:, None], walk.next_tokens[:, None], path], dim=1), rows
+
+
+class VerifyGraphs:
+    """verify_forward / verify_commit captured per (batch, nodes, key length) bucket, writing shared buffers."""
+
+    def __init__(self, model: TargetModel, max_batch: int, max_nodes: int, capacity: int) -> None:
+        self.model = model
+        self.batch_buckets = power_of_two_buckets(max_batch)
+        # Powers of two and one more (a budget-B tree has B + 1 nodes; a 15-deep chain plus its root has 16).
+        nodes = {n for b in power_of_two_buckets(max_nodes) for n in (b, b + 1)}
+        self.node_buckets = tuple(sorted(n for n in nodes if n <= max_nodes) or [max_nodes])
+        self.key_buckets = power_of_two_buckets(capacity, start=256)
+        self.forwards = GraphCache("target verify forward")
+        self.commits = GraphCache("target verify commit")
+        self._feature_layers: tuple[int, ...] | None = None
+
+    @staticmethod
+    def supports(model: TargetModel) -> bool:
+        """Graphs need CUDA and, for now, a model without linear-attention layers (their tree path syncs)."""
+        return model.device.type == "cuda" and not model.linear_index
+
+    def shape_for(self, batch: int, nodes: int, key_len: int) -> VerifyShape | None:
+        """The bucket covering a step, or None when it is larger than every bucket (the step then runs eagerly)."""
+        try:
+            return VerifyShape(pick_bucket(self.batch_buckets, batch), pick_bucket(self.node_buckets, nodes),
+                               pick_bucket(self.key_buckets, key_len))
+        except ValueError:
+            return None
+
+    def _reset_if_layers_changed(self, feature_layers: tuple[int, ...]) -> None:
+        # Feature layers are baked into a captured forward; a new drafter with other layers needs new graphs.
+        if feature_layers != self._feature_layers:
+            self.forwards.graphs.clear()
+            self.commits.graphs.clear()
+            self._feature_layers = feature_layers
+
+    def forward(self, batch: VerifyBatch, packed_dev: Tensor, feature_layers: tuple[int, ...]):
+        """Replays (capturing on first use) the forward of batch's bucket."""
+        self._reset_if_layers_changed(feature_layers)
+        s = batch.shape
+        fn = self.forwards.get(
+            s, lambda p: verify_forward(self.model, p, s.nodes, s.key_len, feature_layers),
+            lambda: [self._example(s)],
+        )
+        return fn(packed_dev)
+
+    def commit(self, batch: VerifyBatch, packed_dev: Tensor, choices: Tensor, features: Tensor | None):
+        """Replays (capturing on first use) the walk + commit of batch's bucket."""
+        s = batch.shape
+        has_features = features is not None
+        fn = self.commits.get(
+            (s, has_features),
+            lambda p, c, *f: verify_commit(self.model, p, s.nodes, c, f[0] if f else None, s.nodes),
+            lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device),
+                     *([torch.zeros_like(features)] if has_features else [])],
+        )
+        return fn(packed_dev, choices, *([features] if has_features else []))
+
+    def _example(self, s: VerifyShape) -> Tensor:
+        """A packed batch of one-node trees in the scratch slot: capturing it writes nowhere that matters."""
+        scratch = self.model.cache.spec.scratch_slot
+        return VerifyBatch.pack([], [], [], s, scratch).packed.to(self.model.device)

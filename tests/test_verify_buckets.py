@@ -1,0 +1,102 @@
+"""Shape buckets for captured steps: bucket choice, and padded verify batches that change nothing (CPU).
+
+On CUDA, verify steps run as graphs captured per bucket, so every batch is padded: extra rows are one-node trees
+in the scratch slot, extra nodes are isolated padding. These tests run the very functions the graphs capture,
+on the CPU, and check that padding changes no real row's result, cache row or state.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree_serve.config import SamplingParams
+from ddtree_serve.cuda_graphs import pick_bucket, power_of_two_buckets
+from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
+from target_svc.verify import VerifyBatch, VerifyShape, unpack, verify_commit, verify_forward
+from tests.fixtures import make_tiny_qwen3, make_tiny_qwen3_5
+
+TREE = [-1, 0, 0, 1, 1, 2, 3]  # node i's parent
+PATH = [(0, 1), (1, 3), (3, 6)]  # (parent, child) edges of the path the draft plants
+
+
+def test_power_of_two_buckets_end_at_the_limit():
+    assert power_of_two_buckets(8) == (1, 2, 4, 8)
+    assert power_of_two_buckets(6) == (1, 2, 4, 6)
+    assert power_of_two_buckets(2305, start=256) == (256, 512, 1024, 2048, 2305)
+
+
+def test_pick_bucket_takes_the_smallest_that_fits_and_refuses_oversize():
+    buckets = (1, 2, 4, 8)
+    assert [pick_bucket(buckets, n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    with pytest.raises(ValueError, match="exceeds"):
+        pick_bucket(buckets, 9)
+
+
+def test_pack_pads_rows_into_the_scratch_slot_as_one_node_trees():
+    tokens, parents = torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0])
+    batch = VerifyBatch.pack([(tokens, parents)], [11], [2], VerifyShape(batch=2, nodes=4, key_len=64),
+                             scratch_slot=9)
+    ids, par, sizes, ctx, slots = unpack(batch.packed, 4)
+    assert ids.tolist() == [[5, 6, 7, 0], [0, 0, 0, 0]]
+    assert par.tolist() == [[-1, 0, 0, -1], [-1, -1, -1, -1]]
+    assert sizes.tolist() == [3, 1] and ctx.tolist() == [11, 0] and slots.tolist() == [2, 9]
+    assert batch.num_real == 1
+
+
+def _prefilled(model_dir, prompts):
+    runner = TargetRunner(TargetConfig(model_dir=str(model_dir), max_batch=4, max_seq_len=128, max_tree_nodes=16))
+    outs = runner.prefill([PrefillItem(f"s{i}", p, SamplingParams()) for i, p in enumerate(prompts)])
+    return runner, [o.next_token for o in outs]
+
+
+def _trees(runner, roots, tokens):
+    ctx = [runner.model.cache.ctx_len[runner.seqs[f"s{b}"].slot] for b in range(len(roots))]
+    slots = [runner.seqs[f"s{b}"].slot for b in range(len(roots))]
+    return [(torch.tensor([roots[b]] + tokens[b]), torch.tensor(TREE)) for b in range(len(roots))], ctx, slots
+
+
+def _accepting_draft(runner, roots, tokens):
+    """Draft tokens rewritten so the path 0 -> 1 -> 3 -> 6 follows the target's greedy choices (4 accepted)."""
+    tokens = [list(t) for t in tokens]
+    for parent, child in PATH:
+        trees, ctx, slots = _trees(runner, roots, tokens)
+        shape = VerifyShape(len(roots), len(TREE), max(ctx) + len(TREE))
+        batch = VerifyBatch.pack(trees, ctx, slots, shape, runner.model.cache.spec.scratch_slot)
+        _, greedy, _ = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, ())
+        for b in range(len(roots)):
+            tokens[b][child - 1] = int(greedy[b, parent])
+    runner.model.pending_traces = None
+    return tokens
+
+
+def _step(runner, roots, shape, tokens):
+    """One verify step of TREE per sequence through verify_forward + verify_commit at `shape`."""
+    n = len(roots)
+    trees, ctx, slots = _trees(runner, roots, tokens)
+    batch = VerifyBatch.pack(trees, ctx, slots, shape, runner.model.cache.spec.scratch_slot)
+    logits, greedy, features = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
+    result, rows = verify_commit(runner.model, batch.packed, shape.nodes, greedy, features, shape.nodes)
+    for b in range(n):
+        runner.model.cache.ctx_len[slots[b]] += int(result[b, 0])
+    return logits[:n, : len(TREE)], result[:n], rows[:n]
+
+
+@pytest.mark.parametrize("maker", [make_tiny_qwen3, make_tiny_qwen3_5], ids=["dense", "hybrid"])
+def test_padding_rows_nodes_and_keys_changes_no_real_result(tmp_path, maker):
+    model_dir = maker(tmp_path / "m", seed=3)
+    prompts = [list(range(10, 10 + n)) for n in (7, 12)]
+    exact_runner, roots = _prefilled(model_dir, prompts)
+    padded_runner, _ = _prefilled(model_dir, prompts)
+    padded = VerifyShape(batch=4, nodes=16, key_len=64)
+    for _ in range(3):  # each step commits, so later steps read what padding may have disturbed
+        draft = _accepting_draft(exact_runner, roots, [[40 + i for i in range(len(TREE) - 1)]] * 2)
+        ctx = max(exact_runner.model.cache.ctx_len[exact_runner.seqs[f"s{b}"].slot] for b in range(2))
+        want = _step(exact_runner, roots, VerifyShape(batch=2, nodes=len(TREE), key_len=ctx + len(TREE)), draft)
+        got = _step(padded_runner, roots, padded, draft)
+        assert want[1][:, 0].tolist() == [4, 4]  # the walk accepted the planted path
+        torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)
+        assert got[1][:, :6].tolist() == want[1][:, :6].tolist()  # counts, bonus tokens, accepted paths
+        torch.testing.assert_close(got[2][:, :4], want[2][:, :4], atol=1e-4, rtol=0)
+        roots = want[1][:, 1].tolist()
+    for want_state, got_state in zip(exact_runner.model.cache.linear, padded_runner.model.cache.linear):
+        torch.testing.assert_close(got_state.rec[:2], want_state.rec[:2], atol=1e-4, rtol=0)
