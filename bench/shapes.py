@@ -57,7 +57,9 @@ def word_tokenizer(vocab_size: int, out_dir: Path) -> None:
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t1").save_pretrained(str(out_dir))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t1")
+    hf.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # text words all map to t0
+    hf.save_pretrained(str(out_dir))
 
 
 def build_target(shape: str, out_dir: str | Path, layers: int | None = None, device: str = "cuda",
@@ -118,3 +120,25 @@ def build_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int =
     model.save_pretrained(out_dir)
     return out_dir
 
+
+
+def main(argv=None) -> None:
+    """`python -m bench.shapes --shape S --out DIR`: writes DIR/target and DIR/drafter."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.shapes", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-8b", choices=SHAPES)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    target = build_target(args.shape, Path(args.out) / "target", args.layers, args.device, dtype)
+    build_drafter(target, Path(args.out) / "drafter", device=args.device, dtype=dtype)
+    print(f"wrote {args.out}/target and {args.out}/drafter")
+
+
+if __name__ == "__main__":
+    main()

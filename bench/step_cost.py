@@ -198,6 +198,7 @@ def drafter_costs(drafter: DrafterRunner, batches: list[int], context: int, step
     return rows
 
 
+@torch.inference_mode()
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)

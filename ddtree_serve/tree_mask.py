@@ -81,9 +81,8 @@ def ancestor_mask_batch(parents: Tensor, sizes: Tensor | Sequence[int] | None = 
     sz = None if sizes is None else as_index_tensor(sizes, b, device)
     ptr = _pointers(parents.long(), sz)
     # row T is the sentinel: sees nothing, so OR-ing it in is a no-op
-    mask = torch.zeros(b, t + 1, t + 1, dtype=torch.bool, device=device)
-    rows = torch.arange(t + 1, device=device)
-    mask[:, rows, rows] = True
+    # (eye, not an indexed assignment of True: that copies a CPU scalar, which a CUDA graph capture refuses)
+    mask = torch.eye(t + 1, dtype=torch.bool, device=device).expand(b, t + 1, t + 1).clone()
     mask.scatter_(2, ptr[:, :, None], True)
     mask[:, t, :] = False
     # invariant: after k steps mask[i] holds the ancestors at distance <= 2**k and ptr[i] the 2**k-th one

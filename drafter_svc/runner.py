@@ -234,7 +234,7 @@ class DrafterRunner:
         packed[:, 2] = self.cfg.max_batch  # the scratch slot
         if rows:
             packed[: len(rows)] = torch.tensor(rows, dtype=torch.long)
-        return packed.pin_memory() if self.device.type == "cuda" else packed
+        return packed
 
     def _draft_forward(self, packed: torch.Tensor, key_len: int, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device part of a draft: block forward over the packed rows, log-softmax and top-k (no host sync)."""

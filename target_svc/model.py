@@ -18,14 +18,9 @@ from target_svc.gated_deltanet import (
     gdn_commit_path,
     gdn_tree_forward_lean,
 )
+from target_svc.dense_layers import DenseKernels, DenseLayerWeights, fusable, fuse_weights, rotate_half
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    """(x1, x2) -> (-x2, x1) over the last dim, the HF/NeoX rotary layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -33,15 +28,18 @@ def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rot = cos.shape[-1]
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     if rot == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 class TargetModel:
     """The target decoder bound to one KVCache; forward_block verifies padded trees or prefills chains."""
 
-    def __init__(self, target: LoadedTarget, max_batch: int, max_seq_len: int, max_tree_nodes: int):
+    def __init__(self, target: LoadedTarget, max_batch: int, max_seq_len: int, max_tree_nodes: int,
+                 fused: bool | None = None):
+        # fused: run dense layers through target_svc/dense_layers.py (fused projections; compiled kernels on CUDA).
+        # None = on CUDA only; the CPU keeps HF's own modules as the reference path.
         self.target = target
         self.device = target.device
         self.dtype = target.dtype
@@ -62,6 +60,13 @@ class TargetModel:
         )
         self.cache = KVCache.allocate(spec)
         self.cos, self.sin = self._rope_tables(spec.capacity)
+        if fused is None:
+            fused = self.device.type == "cuda"
+        self.dense: list[DenseLayerWeights] | None = None
+        self.kernels: DenseKernels | None = None
+        if fused and not self.linear_index and self.cos.shape[-1] == target.head_dim and fusable(target.layers):
+            self.dense = fuse_weights(target.layers)
+            self.kernels = DenseKernels.make(compiled=self.device.type == "cuda")
         # GDN traces of the verified block not yet committed (one per linear-attention layer), None when no block
         # is pending; dense models' blocks carry an empty list. The K/V of a pending block sit past ctx_len.
         self.pending_traces: list[GdnTreeTrace] | None = None
@@ -124,19 +129,23 @@ class TargetModel:
         feature_set: dict[int, Tensor] = {}
         traces: list[GdnTreeTrace] = []
         h = t.embed_tokens(input_ids)
-        for i, layer in enumerate(t.layers):
-            x = layer.input_layernorm(h)
-            if t.layer_types[i] == FULL_ATTENTION:
-                mixed = self._attention(layer.self_attn, self.full_index[i], x, cos, sin, mask, slots, rows, key_len)
-            else:
-                mixed = self._linear_attention(
-                    layer.linear_attn, self.linear_index[i], x, parents, valid, sizes, slots, chain, traces
-                )
-            h = h + mixed
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if i in wanted:
-                feature_set[i] = h
-        h = t.norm(h)
+        if self.dense is not None:
+            h = self._dense_layers(h, cos, sin, mask, slots, rows, key_len, wanted, feature_set)
+        else:
+            for i, layer in enumerate(t.layers):
+                x = layer.input_layernorm(h)
+                if t.layer_types[i] == FULL_ATTENTION:
+                    mixed = self._attention(layer.self_attn, self.full_index[i], x, cos, sin, mask, slots, rows,
+                                            key_len)
+                else:
+                    mixed = self._linear_attention(
+                        layer.linear_attn, self.linear_index[i], x, parents, valid, sizes, slots, chain, traces
+                    )
+                h = h + mixed
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                if i in wanted:
+                    feature_set[i] = h
+            h = t.norm(h)
         # HF's hidden_states[-1] is taken after the final norm; features follow HF's tuple exactly.
         feature_set[t.num_layers - 1] = h
         if logits_at is not None:
@@ -145,6 +154,51 @@ class TargetModel:
         features = torch.cat([feature_set[i] for i in feature_layers], dim=-1) if feature_layers else None
         self.pending_traces = None if chain else traces
         return logits, features
+
+    def _dense_layers(self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, rows: Tensor,
+                      key_len: int, wanted: set[int], feature_set: dict[int, Tensor]) -> Tensor:
+        """All layers of a dense model through the fused path -> the final-normed hidden states."""
+        t, k = self.target, self.kernels
+        layers = t.layers
+        norm0 = layers[0].input_layernorm
+        x = k.rms_norm(h, norm0.weight, norm0.variance_epsilon)
+        for i, layer in enumerate(layers):
+            attn, w = layer.self_attn, self.dense[i]
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            bsz, tmax, _ = x.shape
+            nh, nkv, hd = t.num_heads, t.num_kv_heads, t.head_dim
+            q, key, value = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q, key = q.view(bsz, tmax, nh, hd), key.view(bsz, tmax, nkv, hd)
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            q, key = k.qk_norm_rope(q, key, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                                    1e-6 if qn is None else qn.variance_epsilon, cos, sin)
+            out = self._attend(attn, self.full_index[i], q, key, value.view(bsz, tmax, nkv, hd), mask, slots, rows,
+                               key_len)
+            post = layer.post_attention_layernorm
+            h, x = k.add_rms_norm(h, attn.o_proj(out), post.weight, post.variance_epsilon)
+            mlp = layer.mlp.down_proj(k.silu_mul(F.linear(x, w.gate_up)))
+            # The next layer's input norm, or after the last layer the model's final norm (HF's last hidden state).
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else t.norm
+            h, x = k.add_rms_norm(h, mlp, nxt.weight, nxt.variance_epsilon)
+            if i in wanted:
+                feature_set[i] = h
+        return x
+
+    def _attend(self, attn: nn.Module, cache_layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                slots: Tensor, rows: Tensor, key_len: int) -> Tensor:
+        """Writes the block's k/v [B, T, n_kv, D] to the cache, attends q [B, T, n_h, D] -> [B, T, n_h * D]."""
+        t = self.target
+        bsz, tmax = q.shape[:2]
+        nh, nkv, hd = t.num_heads, t.num_kv_heads, t.head_dim
+        self.cache.write_kv(cache_layer, slots, rows, k, v)
+        keys, values = self.cache.read_kv(cache_layer, slots, key_len)
+        rep = nh // nkv
+        # GQA: query head h reads kv head h // rep, as HF's repeat_kv; heads kv*rep .. kv*rep + rep - 1 are stacked
+        # on the query axis of kv head kv (mask prepared alike in forward_block).
+        q = q.view(bsz, tmax, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(bsz, nkv, rep * tmax, hd)
+        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                             scale=attn.scaling)
+        return out.view(bsz, nkv, rep, tmax, hd).permute(0, 3, 1, 2, 4).reshape(bsz, tmax, nh * hd)
 
     def _attention(
         self,
@@ -175,16 +229,7 @@ class TargetModel:
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-
-        self.cache.write_kv(cache_layer, slots, rows, k, v)
-        keys, values = self.cache.read_kv(cache_layer, slots, key_len)
-        rep = nh // nkv
-        # GQA: query head h reads kv head h // rep, as HF's repeat_kv; heads kv*rep .. kv*rep + rep - 1 are stacked
-        # on the query axis of kv head kv (mask prepared alike in forward_block).
-        q = q.view(bsz, tmax, nkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(bsz, nkv, rep * tmax, hd)
-        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-                                             scale=attn.scaling)
-        out = out.view(bsz, nkv, rep, tmax, hd).permute(0, 3, 1, 2, 4).reshape(bsz, tmax, nh * hd)
+        out = self._attend(attn, cache_layer, q, k, v, mask, slots, rows, key_len)
         if gated:
             out = out * torch.sigmoid(gate)
         return attn.o_proj(out)

@@ -57,7 +57,8 @@ class VerifyBatch:
             packed[row, 2 * t] = n
             packed[row, 2 * t + 1] = ctx_lens[row]
             packed[row, 2 * t + 2] = slots[row]
-        return cls(packed.pin_memory() if torch.cuda.is_available() else packed, shape, len(trees))
+        # Pageable on purpose: pinning per step costs more than the copy of a few hundred integers.
+        return cls(packed, shape, len(trees))
 
 
 def unpack(packed: Tensor, nodes: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

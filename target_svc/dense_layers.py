@@ -1,0 +1,135 @@
+"""The dense decoder layer (Llama, Qwen2, Qwen3) in few kernels: fused projections, compiled elementwise ops.
+
+Inside a captured graph a decode step is bound by its kernels, not by Python: HF's RMSNorm alone is six kernels,
+RoPE a dozen. Here each layer runs one GEMM for q/k/v, one for gate/up, and one kernel each for "residual add +
+RMSNorm", "q/k norm + RoPE" and "SiLU * up", compiled by torch.compile (Triton) on CUDA. The functions below are
+the plain PyTorch definitions, written in HF's order of operations and casts (so that a compiled kernel rounds
+where HF rounds: `emulate_precision_casts`); on the CPU they run as they are.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+# The norm and MLP classes whose forward the functions below reproduce exactly.
+FUSABLE_NORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's RMSNorm: normalised in float32, cast back, then scaled."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(residual + delta, rms_norm(residual + delta)): the residual stream and the next sublayer's input."""
+    h = residual + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dim, the HF/NeoX rotary layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float, cos: Tensor,
+                 sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-head q/k RMSNorm (Qwen3; skipped when the weights are None), then full-width RoPE; [B, T, H, D]."""
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """SiLU(gate) * up over the fused [gate | up] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass
+class DenseKernels:
+    """The elementwise functions a dense layer calls: compiled on CUDA, plain elsewhere."""
+
+    rms_norm: Callable[..., Tensor]
+    add_rms_norm: Callable[..., tuple[Tensor, Tensor]]
+    qk_norm_rope: Callable[..., tuple[Tensor, Tensor]]
+    silu_mul: Callable[..., Tensor]
+
+    @classmethod
+    def make(cls, compiled: bool) -> "DenseKernels":
+        """compiled=True: each function through torch.compile (one Triton kernel each, shapes dynamic)."""
+        fns = (rms_norm, add_rms_norm, qk_norm_rope, silu_mul)
+        if compiled:
+            import torch._dynamo
+            import torch._inductor.config
+
+            # Round where the eager code rounds (bf16 casts), so compiled and eager agree to the last bit or two.
+            torch._inductor.config.emulate_precision_casts = True
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            fns = tuple(torch.compile(f, dynamic=True, fullgraph=True) for f in fns)
+        return cls(*fns)
+
+
+@dataclass
+class DenseLayerWeights:
+    """One layer's fused projection weights (the HF modules' weights become views into them)."""
+
+    qkv: Tensor  # [(nh + 2 * nkv) * hd, H]: q rows, then k, then v
+    qkv_bias: Tensor | None
+    gate_up: Tensor  # [2 * I, H]: gate rows, then up
+
+
+def fusable(layers: nn.ModuleList) -> bool:
+    """True when every layer is a plain dense Llama/Qwen2/Qwen3 layer (the functions above are exact for it)."""
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not hasattr(mlp, "gate_proj"):
+            return False
+        if type(layer.input_layernorm).__name__ not in FUSABLE_NORMS:
+            return False
+        if getattr(mlp, "act_fn", None).__class__.__name__ not in ("SiLUActivation", "SiLU"):
+            return False
+        biases = [attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None]
+        if len(set(biases)) != 1 or attn.o_proj.bias is not None or mlp.gate_proj.bias is not None:
+            return False
+        if attn.q_proj.weight.shape[0] != attn.o_proj.weight.shape[1]:  # gated attention (Qwen3.5) is not dense
+            return False
+    return True
+
+
+def fuse_weights(layers: nn.ModuleList) -> list[DenseLayerWeights]:
+    """Concatenates q/k/v and gate/up weights per layer, re-pointing the modules at views (no extra memory)."""
+    out = []
+    with torch.no_grad():
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+            qkv = torch.cat([p.weight for p in projs])
+            bias = torch.cat([p.bias for p in projs]) if attn.q_proj.bias is not None else None
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            _repoint(projs, qkv, bias)
+            _repoint((mlp.gate_proj, mlp.up_proj), gate_up, None)
+            out.append(DenseLayerWeights(qkv, bias, gate_up))
+    return out
+
+
+def _repoint(linears: tuple[nn.Linear, ...], fused: Tensor, fused_bias: Tensor | None) -> None:
+    """Makes each Linear's weight (and bias) a row-slice view of the fused tensor, freeing its own copy."""
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[row : row + n], requires_grad=False)
+        if fused_bias is not None:
+            lin.bias = nn.Parameter(fused_bias[row : row + n], requires_grad=False)
+        row += n
