@@ -321,7 +321,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default next to its help."""
+    """Shows each option's default next to its help, unless the help states it or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def _int_in(lo: int, hi: int | None = None, what: str = ""):
@@ -376,8 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="ddtree-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    def add(name: str, help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_, formatter_class=_Help)
+    def add(name: str, help_: str, formatter=_Help) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=formatter)
         p.set_defaults(parser=p)
         return p
 
@@ -402,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="HOST:PORT of its drafter service")
     p.add_argument("--drafter-for-target", help="the drafter's address as the target reaches it (default: --drafter)")
     p.add_argument("--pairs", help="YAML list of {target, drafter} pairs to spread sequences over")
-    p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"], help="default decoding mode")
+    p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"], help="decoding mode of requests that name none")
     p.add_argument("--budget", type=_int_in(0), default=0,
                    help="DDTree node budget, root excluded (0: by the target's device, 16 on CPU, 64 on GPU)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: fetched from the target)")
@@ -430,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require this Bearer key on /v1/* (default: $DDTREE_API_KEY; none: open)")
     p.add_argument("--target-port", type=_int_in(0, 65535), default=0, help="target port (0: a free one)")
     p.add_argument("--drafter-port", type=_int_in(0, 65535), default=0, help="drafter port (0: a free one)")
-    p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"], help="default decoding mode")
+    p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"], help="decoding mode of requests that name none")
     p.add_argument("--budget", type=_int_in(0), default=0,
                    help="DDTree node budget (0: by device, 16 on CPU, 64 on GPU)")
     p.add_argument("--transport", default="inline", choices=TRANSPORTS, help="context-feature transport")
@@ -458,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = add("train-drafter", "train a DFlash drafter for a target checkpoint")
+    # its help texts state their defaults themselves
+    p = add("train-drafter", "train a DFlash drafter for a target checkpoint", argparse.HelpFormatter)
     try:
         from drafter_svc.train.cli import add_arguments, run
 
