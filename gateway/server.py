@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import tempfile
 import time
 import uuid
@@ -91,9 +92,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return AutoTokenizer.from_pretrained(self.cfg.tokenizer_dir)
         files = await pair.target.TokenizerFiles(target_pb2.InfoRequest(), timeout=60)
         tmp = Path(tempfile.mkdtemp(prefix="ddtree-tokenizer-"))
-        for name, data in files.files.items():
-            (tmp / Path(name).name).write_bytes(data)
-        return AutoTokenizer.from_pretrained(str(tmp))
+        try:  # the tokenizer is read whole into memory: the folder is not needed afterwards
+            for name, data in files.files.items():
+                (tmp / Path(name).name).write_bytes(data)
+            return AutoTokenizer.from_pretrained(str(tmp))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     async def close(self) -> None:
         for e in self.engines:
