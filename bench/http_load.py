@@ -123,7 +123,7 @@ def main() -> None:
           f"- Software: torch {hw['torch']}, transformers {hw['transformers']}, grpcio {hw['grpcio']}, Python "
           f"{hw['python']}",
           f"- Server: {'started by the script: ' + (args.model or 'SmolLM2-135M-Instruct') if stack else base_url}"
-          f"; default DDTree budget (by device)",
+          f"; default DDTree budget (by device: {'16 on CPU' if args.device == 'cpu' else '64 on GPU'})",
           f"- Work: {len(texts)} prompts from {source}, chat template, greedy, max_tokens {args.max_tokens}, EOS "
           f"honoured, {args.concurrency} requests in flight; `openai` AsyncOpenAI, stream=True with include_usage; "
           "one warm-up request excluded", "",
