@@ -148,8 +148,9 @@ class HttpFront:
             def capture_signals(self):
                 yield
 
+        # Streams still open at shutdown get 5 s (the gRPC side's grace), then are cut.
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", access_log=False,
-                                lifespan="off")
+                                lifespan="off", timeout_graceful_shutdown=5)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(), name="http-front")
         while not self._server.started:
