@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -32,19 +33,21 @@ def _set_threads(n: int | None) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=default_port)
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (off when omitted)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=_int_in(0, 65535), default=default_port, help="gRPC port")
+    p.add_argument("--metrics-port", type=_int_in(0, 65535), default=None,
+                   help="Prometheus endpoint port (off when omitted)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default=os.environ.get("DDTREE_LOG_LEVEL", "INFO"))
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default=os.environ.get("DDTREE_LOG_LEVEL", "INFO"),
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper, help="log level ($DDTREE_LOG_LEVEL)")
+    p.add_argument("--threads", type=_int_in(1), default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-batch", type=int, default=8, help="sequences held at once (cache slots)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="context limit per sequence (prompt + output)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    p.add_argument("--max-batch", type=_int_in(1), default=8, help="sequences held at once (cache slots)")
+    p.add_argument("--max-seq-len", type=_int_in(2), default=2048, help="context limit per sequence (prompt + output)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs (by default decode/verify/draft steps replay captured graphs on "
                         "CUDA)")
@@ -99,50 +102,54 @@ def cmd_gateway(args) -> None:
     _setup_logging("gateway", args.log_level)
     cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
                         transport=args.transport, engine=EngineConfig(max_prefill_tokens=args.max_prefill_tokens))
-    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file))
+    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, http_port=args.http_port,
+                      api_key=args.api_key))
 
 
 # ---- client ---------------------------------------------------------------------------------------------------
 def build_request(prompt: str | None, prompt_ids: str | None, max_tokens: int, temperature: float, seed: int | None,
-                  mode: str | None, budget: int, chat: bool, stop: list[str] | None = None, ignore_eos: bool = False):
-    """Builds a public GenerateRequest from CLI-style arguments."""
-    from ddtree_serve.proto import common_pb2, gateway_pb2
+                  mode: str | None, budget: int, chat: bool, stop: list[str] | None = None, ignore_eos: bool = False,
+                  top_p: float = 1.0, top_k: int = 0):
+    """Builds a public GenerateRequest from CLI-style arguments (prompt_ids: comma-separated)."""
+    from ddtree_serve.client import build_request as build
 
-    modes = {None: gateway_pb2.DECODE_MODE_DEFAULT, "ddtree": gateway_pb2.DECODE_MODE_DDTREE,
-             "dflash": gateway_pb2.DECODE_MODE_DFLASH, "ar": gateway_pb2.DECODE_MODE_AR}
-    req = gateway_pb2.GenerateRequest(
-        max_tokens=max_tokens, mode=modes[mode], budget=budget, stop=stop or [], ignore_eos=ignore_eos,
-        sampling=common_pb2.SamplingParams(temperature=temperature, seed=seed or 0, has_seed=seed is not None))
-    if prompt_ids:
-        req.token_ids.ids.extend(int(x) for x in prompt_ids.split(",") if x.strip())
-    elif chat:
-        req.chat.messages.add(role="user", content=prompt)
-    else:
-        req.text = prompt
-    return req
+    ids = [int(x) for x in prompt_ids.split(",") if x.strip()] if prompt_ids else None
+    return build(prompt, prompt_ids=ids, chat=chat, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                 top_k=top_k, seed=seed, mode=mode, budget=budget, stop=stop, ignore_eos=ignore_eos)
 
 
-async def generate_once(address: str, request, timeout_s: float = 600.0) -> dict:
-    """Streams one generation from a gateway; returns ids, text and stats as a dict."""
-    import grpc
+async def generate_once(address: str, request, timeout_s: float = 600.0, on_text=None) -> dict:
+    """Streams one generation from a gateway (on_text(str) per chunk); returns ids, text and stats as a dict."""
+    from ddtree_serve.client import AsyncClient, Chunk, _collect
 
-    from ddtree_serve.proto import gateway_pb2_grpc
+    chunks: list[Chunk] = []
+    async with AsyncClient(address, timeout_s) as client:
+        async for chunk in client.stream(request=request):
+            chunks.append(chunk)
+            if on_text is not None and chunk.text:
+                on_text(chunk.text)
+    return _collect(chunks).as_dict()
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        ids, text, final = [], [], None
-        async for msg in stub.GenerateStream(request, timeout=timeout_s):
-            ids.extend(msg.token_ids)
-            text.append(msg.text)
-            final = msg
-    s = final.stats
-    stats = {"prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens, "steps": s.steps,
-             "accepted_tokens": s.accepted_tokens, "mean_acceptance_length": round(s.mean_acceptance_length, 4),
-             "draft_tokens": s.draft_tokens, "ttft_seconds": round(s.ttft_seconds, 4),
-             "e2e_seconds": round(s.e2e_seconds, 4), "mode": s.mode, "budget": s.budget,
-             "tokens_per_second": round(s.generated_tokens / s.e2e_seconds, 2) if s.e2e_seconds else 0.0}
-    return {"request_id": final.request_id, "token_ids": ids, "text": "".join(text),
-            "finish_reason": final.finish_reason, "stats": stats}
+
+def _print_text(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def print_stats(result: dict, baseline: dict | None = None) -> None:
+    """The stats line under a streamed answer; with an ar baseline, its speed and the ratio too."""
+    s = result["stats"]
+    mode = s["mode"] + (f" (asked {s['requested_mode']}; the drafter failed)" if s.get("drafter_fallback") else "")
+    budget = f" budget {s['budget']}," if s["mode"] == "ddtree" else ""
+    print(f"\n--- {s['generated_tokens']} tokens in {s['e2e_seconds']:.2f} s ({s['tokens_per_second']} tok/s), "
+          f"mode {mode},{budget} {s['steps']} verify steps, tau (mean acceptance length) "
+          f"{s['mean_acceptance_length']:.2f}, TTFT {s['ttft_seconds'] * 1000:.0f} ms, finish: {result['finish_reason']}")
+    if baseline is not None:
+        b = baseline["stats"]
+        ratio = s["tokens_per_second"] / b["tokens_per_second"] if b["tokens_per_second"] else 0.0
+        same = "same text" if baseline["token_ids"] == result["token_ids"] else "text differs (sampling)"
+        print(f"--- ar baseline: {b['generated_tokens']} tokens at {b['tokens_per_second']} tok/s; {s['mode']} is "
+              f"{ratio:.2f}x ar at tau {s['mean_acceptance_length']:.2f} ({same})")
 
 
 def print_result(result: dict, as_json: bool) -> None:
@@ -151,144 +158,314 @@ def print_result(result: dict, as_json: bool) -> None:
         print(json.dumps(result))
         return
     print(result["text"])
-    s = result["stats"]
-    print(f"\n--- {s['generated_tokens']} tokens in {s['e2e_seconds']:.2f} s ({s['tokens_per_second']} tok/s), "
-          f"mode {s['mode']}, {s['steps']} verify steps, mean acceptance length {s['mean_acceptance_length']:.2f}, "
-          f"TTFT {s['ttft_seconds'] * 1000:.0f} ms, finish: {result['finish_reason']}")
+    print_stats(result)
+
+
+def _up_state_file() -> Path:
+    """Where a running `up` leaves its addresses so that `generate` finds it without --gateway."""
+    from ddtree_serve.default_model import default_cache_dir
+
+    return default_cache_dir() / "up.json"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def find_gateway() -> tuple[str, str]:
+    """(address, where it came from): $DDTREE_GATEWAY, else a running `up`, else 127.0.0.1:50050."""
+    if os.environ.get("DDTREE_GATEWAY"):
+        return os.environ["DDTREE_GATEWAY"], "$DDTREE_GATEWAY"
+    try:
+        state = json.loads(_up_state_file().read_text())
+        if _pid_alive(int(state["pid"])):
+            return state["gateway"], f"the running `ddtree-serve up` (pid {state['pid']})"
+    except (OSError, ValueError, KeyError):
+        pass
+    return "127.0.0.1:50050", "the default address"
 
 
 def cmd_generate(args) -> None:
     import grpc
 
-    if not args.prompt and not args.prompt_ids:
-        raise SystemExit("give a PROMPT or --prompt-ids")
+    if args.prompt is None and not args.prompt_ids:
+        args.parser.error("give a PROMPT or --prompt-ids")
+    if args.prompt is not None and not args.prompt.strip() and not args.prompt_ids:
+        args.parser.error("the prompt is empty")
+    address, source = (args.gateway, "--gateway") if args.gateway else find_gateway()
     req = build_request(args.prompt, args.prompt_ids, args.max_tokens, args.temperature, args.seed, args.mode,
-                        args.budget, args.chat, args.stop, args.ignore_eos)
+                        args.budget, not args.raw, args.stop, args.ignore_eos, args.top_p, args.top_k)
     try:
-        result = asyncio.run(generate_once(args.gateway, req))
+        result = asyncio.run(generate_once(address, req, on_text=None if args.json else _print_text))
     except grpc.aio.AioRpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = ""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            hint = (f" (no gateway at {address}, from {source}: start one with `ddtree-serve up`, or pass "
+                    f"--gateway HOST:PORT)")
+        print(f"\nerror: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         raise SystemExit(1) from None
-    print_result(result, args.json)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_stats(result)
 
 
 # ---- all three locally --------------------------------------------------------------------------------------
+def _check_up_args(args) -> None:
+    """Everything `up` can check before it starts three processes; one-line errors, exit 2."""
+    for flag, path in (("--model", args.model), ("--drafter", args.drafter), ("--log-dir", None)):
+        if path is not None and not Path(path).is_dir():
+            args.parser.error(f"{flag} {path}: no such directory")
+    if args.prompt is not None and not args.prompt.strip():
+        args.parser.error("--prompt is empty")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            args.parser.error(f"--device {args.device}: no CUDA device is available (use --device cpu)")
+    ports = [p for p in (args.port, args.target_port, args.drafter_port, args.http_port) if p]
+    if len(set(ports)) != len(ports):
+        args.parser.error("--port, --target-port, --drafter-port and --http-port must differ")
+
+
 def cmd_up(args) -> None:
     from ddtree_serve.local_stack import LocalStack
 
+    _check_up_args(args)
     model, drafter = args.model, args.drafter
     if model is None or drafter is None:
-        from ddtree_serve.default_model import default_drafter_dir, ensure_default_model
+        from ddtree_serve.default_model import default_drafter_dir, default_model_dir, ensure_default_model, is_converted
 
         if model is None:
-            print("preparing the default model (SmolLM2-135M-Instruct, converted once from the packaged GGUF)...")
+            if not is_converted(default_model_dir()):
+                print(f"preparing the default model: converting SmolLM2-135M-Instruct from the packaged GGUF into "
+                      f"{default_model_dir()} (once, ~540 MB)...", flush=True)
             model = str(ensure_default_model())
         if drafter is None:
             drafter = str(default_drafter_dir())
     small_cpu = args.device == "cpu" and (os.cpu_count() or 1) <= 2
-    stack = LocalStack(model=model, drafter=drafter, mode=args.mode, budget=args.budget, transport=args.transport,
+    ports = {k: v for k, v in (("gateway", args.port), ("target", args.target_port), ("drafter", args.drafter_port),
+                               ("http", args.http_port)) if v}
+    stack = LocalStack(model=model, drafter=drafter, mode=args.mode, budget=args.budget or 0, transport=args.transport,
                        device=args.device, dtype=args.dtype, metrics=args.metrics, threads=1 if small_cpu else None,
-                       log_dir=args.log_dir or "",
-                       ports={k: v for k, v in (("gateway", args.port), ("target", args.target_port),
-                                                ("drafter", args.drafter_port)) if v})
+                       log_dir=args.log_dir or "", ports=ports, http=not args.no_http, api_key=args.api_key)
     print(f"target  {stack.address('target')}\ndrafter {stack.address('drafter')}\ngateway {stack.gateway}")
+    if stack.http:
+        print(f"http    {stack.http_url}  (OpenAI-compatible)")
     if stack.metrics_ports:
         print("metrics " + ", ".join(f"{k} http://127.0.0.1:{v}/metrics" for k, v in stack.metrics_ports.items()))
-    print(f"logs    {stack.log_dir}")
+    print(f"logs    {stack.log_dir}", flush=True)
+    state = _up_state_file()
+    clean = False
     try:
         stack.start()
-        print("ready")
+        print("ready", flush=True)
         if args.prompt:
             req = build_request(args.prompt, None, args.max_tokens, args.temperature, args.seed, None, 0,
-                                chat=not args.no_chat)
-            print(f"\n> {args.prompt}\n")
-            print_result(asyncio.run(generate_once(stack.gateway, req)), args.json)
+                                chat=not args.raw, top_p=args.top_p, top_k=args.top_k)
+            if not args.json:
+                print(f"\n> {args.prompt}\n")
+            result = asyncio.run(generate_once(stack.gateway, req, on_text=None if args.json else _print_text))
+            baseline = None
+            if not args.no_baseline and result["stats"]["mode"] != "ar":
+                req.mode = build_request("", None, 1, 0.0, None, "ar", 0, True).mode
+                baseline = asyncio.run(generate_once(stack.gateway, req))
+            if args.json:
+                if baseline is not None:
+                    result["ar_baseline"] = baseline["stats"]
+                print(json.dumps(result))
+            else:
+                print_stats(result, baseline)
+            clean = True
             return
-        print("Ctrl-C stops all three")
+        state.parent.mkdir(parents=True, exist_ok=True)
+        state.write_text(json.dumps({"gateway": stack.gateway, "http": stack.http_url if stack.http else "",
+                                     "pid": os.getpid()}))
+        print("\nTry it (Ctrl-C here stops all three):")
+        print(f"  ddtree-serve generate --gateway {stack.gateway} \"What is the capital of France?\"")
+        if stack.http:
+            auth = ' -H "Authorization: Bearer $DDTREE_API_KEY"' if args.api_key else ""
+            print(f"  curl {stack.http_url}/chat/completions -H 'Content-Type: application/json'{auth} "
+                  f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], "
+                  f"\"max_tokens\": 64}}'", flush=True)
         while all(stack.alive().values()):
             time.sleep(0.5)
-        print("a service exited; stopping", file=sys.stderr)
+        print(f"a service exited; stopping (logs kept in {stack.log_dir})", file=sys.stderr)
     except KeyboardInterrupt:
-        pass
+        clean = True
+    except Exception as exc:  # noqa: BLE001 - one message, not a traceback; the logs say the rest
+        print(f"error: {exc}\n(logs kept in {stack.log_dir})", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         stack.stop()
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(state.read_text()).get("pid") == os.getpid():
+                state.unlink()
+        if clean:
+            stack.cleanup()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with every usage error as one line (`ddtree-serve up: error: ...`) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default next to its help, unless the help states it or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def _int_in(lo: int, hi: int | None = None, what: str = ""):
+    """argparse type: an integer in [lo, hi] (hi None: unbounded above but within the wire's int32/uint64)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        top = hi if hi is not None else 2**31 - 1
+        if not lo <= value <= top:
+            raise argparse.ArgumentTypeError(f"{value} is out of range [{lo}, {top}]{what}")
+        return value
+    return parse
+
+
+def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
+    """argparse type: a finite float in [lo, hi] ((lo, hi] with lo_open)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        bad = value != value or value in (float("inf"), float("-inf")) or value < lo or (lo_open and value == lo)
+        if bad or (hi is not None and value > hi):
+            interval = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"{text} is out of range {interval}")
+        return value
+    return parse
+
+
+def _token_ids(text: str) -> str:
+    """argparse type: comma-separated non-negative token ids (kept as text; build_request parses them)."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or not all(x.isdigit() for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids, e.g. 1,2,3")
+    return ",".join(parts)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=_int_in(1), default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=_float_in(0.0), default=0.0, help="0: greedy (lossless = same as ar)")
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=_int_in(0), default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, help="sampling seed (reproducible samples)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats), not a stream")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full command-line interface."""
-    parser = argparse.ArgumentParser(prog="ddtree-serve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="ddtree-serve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    p = sub.add_parser("target", help="run the target service")
+    def add(name: str, help_: str, formatter=_Help) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=formatter)
+        p.set_defaults(parser=p)
+        return p
+
+    p = add("target", "run the target service")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     _add_common(p, 50051)
     _add_model_args(p)
-    p.add_argument("--max-tree-nodes", type=int, default=257, help="largest verify block (root + budget)")
-    p.add_argument("--prefill-chunk", type=int, default=512,
+    p.add_argument("--max-tree-nodes", type=_int_in(2), default=257, help="largest verify block (root + budget)")
+    p.add_argument("--prefill-chunk", type=_int_in(0), default=512,
                    help="prompt positions per prefill forward (0: whole prompts at once); bounds prefill memory")
     p.set_defaults(func=cmd_target)
 
-    p = sub.add_parser("drafter", help="run the drafter service")
+    p = add("drafter", "run the drafter service")
     p.add_argument("--drafter", required=True, help="DFlash drafter directory (z-lab format)")
     p.add_argument("--target-model", required=True, help="target checkpoint (for its embedding and LM head)")
     _add_common(p, 50052)
     _add_model_args(p)
     p.set_defaults(func=cmd_drafter)
 
-    p = sub.add_parser("gateway", help="run the public gateway")
+    p = add("gateway", "run the public gateway (gRPC, and with --http-port the OpenAI-compatible HTTP API)")
     p.add_argument("--target", help="HOST:PORT of a target service")
     p.add_argument("--drafter", help="HOST:PORT of its drafter service")
     p.add_argument("--drafter-for-target", help="the drafter's address as the target reaches it (default: --drafter)")
     p.add_argument("--pairs", help="YAML list of {target, drafter} pairs to spread sequences over")
-    p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"])
-    p.add_argument("--budget", type=int, default=64, help="DDTree node budget (root excluded)")
+    p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"], help="decoding mode of requests that name none")
+    p.add_argument("--budget", type=_int_in(0), default=0,
+                   help="DDTree node budget, root excluded (0: by the target's device, 16 on CPU, 64 on GPU)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: fetched from the target)")
-    p.add_argument("--max-prefill-tokens", type=int, default=2048,
+    p.add_argument("--max-prefill-tokens", type=_int_in(0), default=2048,
                    help="prompt tokens prefilled per step (0: no limit); longer prompts are prefilled in chunks over "
                         "several steps while the running batch keeps decoding")
     p.add_argument("--transport", default="inline", choices=TRANSPORTS,
                    help="how targets send context features to drafters: inline (in the RPC, anywhere), shm (shared "
                         "memory, same host), cuda-ipc (GPU memory, same GPU or peer-accessible GPUs)")
+    p.add_argument("--http-port", type=_int_in(0, 65535), default=None,
+                   help="serve the OpenAI-compatible HTTP API (/v1/..., /health, /metrics) on this port")
+    p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DDTREE_API_KEY; none: open)")
     _add_common(p, 50050)
     p.set_defaults(func=cmd_gateway)
 
-    p = sub.add_parser("up", help="run all three locally; answer --prompt and exit, or serve until Ctrl-C")
+    p = add("up", "run all three locally; answer --prompt and exit, or serve until Ctrl-C")
     p.add_argument("--model", help="target checkpoint (default: SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", help="drafter directory (default: the bundled SmolLM2 drafter)")
-    p.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
-    p.add_argument("--target-port", type=int, default=0)
-    p.add_argument("--drafter-port", type=int, default=0)
-    p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"])
-    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--port", type=_int_in(0, 65535), default=0, help="gateway gRPC port (0: a free one)")
+    p.add_argument("--http-port", type=_int_in(0, 65535), default=0,
+                   help="OpenAI-compatible HTTP port (0: a free one)")
+    p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
+    p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY") or None,
+                   help="require this Bearer key on /v1/* (default: $DDTREE_API_KEY; none: open)")
+    p.add_argument("--target-port", type=_int_in(0, 65535), default=0, help="target port (0: a free one)")
+    p.add_argument("--drafter-port", type=_int_in(0, 65535), default=0, help="drafter port (0: a free one)")
+    p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"], help="decoding mode of requests that name none")
+    p.add_argument("--budget", type=_int_in(0), default=0,
+                   help="DDTree node budget (0: by device, 16 on CPU, 64 on GPU)")
     p.add_argument("--transport", default="inline", choices=TRANSPORTS, help="context-feature transport")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="torch device of the target and drafter (cpu, cuda, cuda:1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--metrics", action="store_true", help="expose Prometheus endpoints on free ports")
-    p.add_argument("--log-dir")
+    p.add_argument("--log-dir", help="service logs (default: a temporary folder, removed on a clean exit)")
     p.add_argument("--prompt", help="answer this prompt (as a chat message), print stats, stop")
-    p.add_argument("--no-chat", action="store_true", help="send --prompt as raw text, without the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-chat", dest="raw", action="store_true", help=argparse.SUPPRESS)  # the old spelling of --raw
+    p.add_argument("--no-baseline", action="store_true",
+                   help="with --prompt: skip the second, autoregressive (ar) run that gives the speed-up figure")
+    _sampling_args(p)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("generate", help="send one request to a gateway and print the result")
-    p.add_argument("--gateway", default="127.0.0.1:50050")
-    p.add_argument("prompt", nargs="?")
-    p.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
-    p.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--mode", choices=["ddtree", "dflash", "ar"])
-    p.add_argument("--budget", type=int, default=0)
+    p = add("generate", "send one request to a gateway and stream the answer")
+    p.add_argument("prompt", nargs="?", help="the prompt (sent as a chat message unless --raw)")
+    p.add_argument("--gateway", default=None,
+                   help="HOST:PORT (default: $DDTREE_GATEWAY, else a running `ddtree-serve up`, else 127.0.0.1:50050)")
+    p.add_argument("--prompt-ids", type=_token_ids, help="comma-separated token ids instead of text")
+    p.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the chat template is the default now
+    p.add_argument("--mode", choices=["ddtree", "dflash", "ar"], help="decoding mode (default: the gateway's)")
+    p.add_argument("--budget", type=_int_in(0), default=0, help="DDTree node budget (0: the gateway's)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target checkpoint")
+    # its help texts state their defaults themselves
+    p = add("train-drafter", "train a DFlash drafter for a target checkpoint", argparse.HelpFormatter)
     try:
         from drafter_svc.train.cli import add_arguments, run
 

@@ -30,3 +30,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def default_budget(device: str) -> int:
+    """The DDTree node budget that wins on this device when the user gives none.
+
+    On CPU a verify forward costs roughly in proportion to the tree's nodes, so a small tree wins: SmolLM2-135M on 2
+    Xeon cores, batch 1, ran 15.13 tok/s at budget 16, 13.00 at 64 and 13.17 for ar (bench/results/
+    speed-cpu-intel-xeon-2c.md). On a GPU a 65-node verify is one kernel launch like a 17-node one, so the larger tree's
+    higher acceptance is what counts: tau 4.55 at 64 vs 3.97 at 16 (bench/results/acceptance.md). The GPU choice rests
+    on that acceptance figure and the H200 validation run, not on a measured GPU speed table.
+    """
+    return 16 if str(device).split(":")[0] == "cpu" else 64

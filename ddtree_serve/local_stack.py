@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,13 +37,30 @@ class LocalStack:
     extra: dict[str, list[str]] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     log_dir: str = ""
+    http: bool = False                  # the gateway's OpenAI-compatible HTTP front (ports["http"])
+    api_key: str | None = None          # handed to the gateway in its environment, not its argv (ps shows argv)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("target", "drafter", "gateway"):
+        names = ("target", "drafter", "gateway")
+        for name in names:
             self.ports.setdefault(name, free_port())
-        self.metrics_ports = {name: free_port() for name in self.ports} if self.metrics else {}
+        if self.http or "http" in self.ports:
+            self.http = True
+            self.ports["http"] = self.ports.get("http") or free_port()
+        self.metrics_ports = {name: free_port() for name in names} if self.metrics else {}
+        self.own_log_dir = not self.log_dir
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="ddtree-serve-")
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI-compatible API (with http=True)."""
+        return f"http://127.0.0.1:{self.ports['http']}/v1"
+
+    def cleanup(self) -> None:
+        """Removes the log folder when this stack made it (a temporary one)."""
+        if self.own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     @property
     def gateway(self) -> str:
@@ -69,12 +87,15 @@ class LocalStack:
             "gateway": [*py, "gateway", "--target", self.address("target"), "--drafter", self.address("drafter"),
                         "--host", "127.0.0.1", "--port", str(self.ports["gateway"]), "--mode", self.mode,
                         "--budget", str(self.budget), "--transport", self.transport, *m("gateway"),
+                        *(["--http-port", str(self.ports["http"])] if self.http else []),
                         *self.extra.get("gateway", [])],
         }
 
     def start(self, timeout_s: float = 600.0) -> "LocalStack":
         """Starts the processes and waits until the gateway is SERVING (raises if a process dies first)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.api_key:
+            env["DDTREE_API_KEY"] = self.api_key
         for name, cmd in self.commands().items():
             logf = open(Path(self.log_dir) / f"{name}.log", "w")  # noqa: SIM115 - lives with the process
             self.procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,

@@ -161,6 +161,12 @@ class GatewayMetrics(_ServiceMetrics):
         self.step_seconds = Histogram("ddtree_step_seconds", "Whole speculative step, seconds.", lm,
                                       buckets=STEP_BUCKETS, registry=r)
         self.steps = Counter("ddtree_steps", "Speculative steps run.", lm, registry=r)
+        self.drafter_fallbacks = Counter("ddtree_drafter_fallbacks", "Requests that continued autoregressively "
+                                         "because the drafter failed.", ["model_name"], registry=r)
+
+    def observe_drafter_fallback(self) -> None:
+        """Counts one request that lost its drafter and continued autoregressively."""
+        self.drafter_fallbacks.labels(self.model_name).inc()
 
     def set_queue(self, running: int, waiting: int) -> None:
         """Current running-batch and waiting-queue sizes."""

@@ -149,19 +149,25 @@ class PairEngine:
             log.error("draft failed (%s: %s); %d sequences continue autoregressively", exc.code().name,
                       exc.details(), len(drafting))
             for s in drafting:
-                s.drafting = False
+                self._fall_back(s)
             return {}
         out = {}
         by_id = {s.seq_id: s for s in drafting}
         for r in response.results:
             if r.error:
                 log.warning("sequence %s continues autoregressively: %s", by_id[r.seq_id].request_id, r.error)
-                by_id[r.seq_id].drafting = False
+                self._fall_back(by_id[r.seq_id])
                 continue
             shape = (r.depth, r.k)
             out[r.seq_id] = (torch.tensor(r.logprobs, dtype=torch.float32).reshape(shape),
                              torch.tensor(r.token_ids, dtype=torch.long).reshape(shape))
         return out
+
+    def _fall_back(self, s: Sequence) -> None:
+        """The sequence continues autoregressively; its stats and the fallback counter show it."""
+        s.drafting = False
+        if self.metrics is not None:
+            self.metrics.observe_drafter_fallback()
 
     def _max_depth(self, s: Sequence) -> int:
         """Draft depth this step: the block, the tokens still wanted, and the context limit all bound it."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import tempfile
 import time
 import uuid
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from ddtree_serve.config import SamplingParams
+from ddtree_serve.config import SamplingParams, default_budget
 from ddtree_serve.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
 from ddtree_serve.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
@@ -34,7 +35,7 @@ class GatewayConfig:
 
     pairs: list[PairAddress]
     mode: str = "ddtree"
-    budget: int = 64
+    budget: int = 0               # 0: chosen for the first target's device (ddtree_serve.config.default_budget)
     tokenizer_dir: str | None = None
     max_waiting: int = 4096
     transport: str = "inline"
@@ -70,6 +71,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise RuntimeError("all pairs must serve the same model (vocab sizes differ)")
         self.tokenizer = await self._load_tokenizer(first)
         self.model_name = first.target_info.model_name
+        if self.cfg.budget <= 0:
+            self.cfg.budget = default_budget(first.target_info.device)
+            log.info("default DDTree budget %d for device %s", self.cfg.budget, first.target_info.device)
         if self.metrics_factory is not None:
             self.metrics = self.metrics_factory(self.model_name)
         queues = []
@@ -88,9 +92,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return AutoTokenizer.from_pretrained(self.cfg.tokenizer_dir)
         files = await pair.target.TokenizerFiles(target_pb2.InfoRequest(), timeout=60)
         tmp = Path(tempfile.mkdtemp(prefix="ddtree-tokenizer-"))
-        for name, data in files.files.items():
-            (tmp / Path(name).name).write_bytes(data)
-        return AutoTokenizer.from_pretrained(str(tmp))
+        try:  # the tokenizer is read whole into memory: the folder is not needed afterwards
+            for name, data in files.files.items():
+                (tmp / Path(name).name).write_bytes(data)
+            return AutoTokenizer.from_pretrained(str(tmp))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     async def close(self) -> None:
         for e in self.engines:
@@ -168,7 +175,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             accepted_tokens=seq.stats.accepted_tokens, mean_acceptance_length=seq.stats.mean_acceptance_length,
             draft_tokens=seq.stats.draft_tokens,
             ttft_seconds=(seq.first_token_at - seq.arrival) if seq.first_token_at else 0.0,
-            e2e_seconds=now - seq.arrival, mode=seq.mode, budget=seq.budget)
+            e2e_seconds=now - seq.arrival, mode=seq.mode if seq.drafting else "ar", budget=seq.budget,
+            requested_mode=seq.mode, drafter_fallback=not seq.drafting)
+
+    def stream(self, request):
+        """(Sequence, StreamEvent) pairs of one GenerateRequest; the HTTP front drives the engine through this."""
+        return self._events(request, None)
 
     async def _events(self, request, context):
         require_ready(self.ready)
@@ -247,9 +259,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 
 async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | None = None,
-                ready_file: str | None = None) -> None:
-    """Runs the gateway until SIGTERM: health turns SERVING once every pair is connected."""
-    registry, interceptors, client_interceptors = metrics_hooks("gateway", metrics_port)
+                ready_file: str | None = None, http_port: int | None = None, api_key: str | None = None) -> None:
+    """Runs the gateway until SIGTERM: health turns SERVING once every pair is connected. With http_port, the
+    OpenAI-compatible HTTP front runs in the same event loop, on the same engines."""
+    # The HTTP front serves /metrics too, so it needs a registry even without a separate metrics port.
+    want_registry = metrics_port is not None or http_port is not None
+    registry, interceptors, client_interceptors = metrics_hooks("gateway", metrics_port if metrics_port is not None
+                                                                else (0 if want_registry else None))
     metrics_factory = None
     if registry is not None:
         from ddtree_serve.metrics import GatewayMetrics
@@ -257,6 +273,19 @@ async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | No
         metrics_factory = lambda model_name: GatewayMetrics(registry, model_name=model_name)  # noqa: E731
     servicer = GatewayServicer(cfg, metrics_factory, client_interceptors)
     log.info("gateway: pairs %s", [(p.target, p.drafter) for p in cfg.pairs])
+    start, on_stop = servicer.connect, servicer.close
+    if http_port is not None:
+        from gateway.http_api import HttpFront
+
+        http = HttpFront(servicer, host, http_port, registry=registry, api_key=api_key)
+
+        async def start():  # HTTP first, so /health answers 503 while the pairs connect
+            await http.start()
+            await servicer.connect()
+
+        async def on_stop():
+            await http.stop()
+            await servicer.close()
     await run_service("gateway", SERVICE_NAME, servicer, gateway_pb2_grpc.add_GatewayServicer_to_server,
-                      interceptors, host, port, start=servicer.connect, on_stop=servicer.close, registry=registry,
+                      interceptors, host, port, start=start, on_stop=on_stop, registry=registry,
                       metrics_port=metrics_port, ready_file=ready_file)

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +25,36 @@ def test_up_answers_a_prompt_prints_json_and_stops_all(checkpoints):
     result = json.loads(lines[-1])
     assert 1 <= len(result["token_ids"]) <= 12
     assert result["stats"]["mode"] == "ddtree" and result["stats"]["steps"] >= 1
+    assert result["stats"]["budget"] == 16            # no --budget on CPU: the CPU default
+    assert result["ar_baseline"]["mode"] == "ar"      # the baseline the speed ratio is printed against
+    log_dir = next(line.split(None, 1)[1] for line in lines if line.startswith("logs "))
+    assert not Path(log_dir).exists()                 # the temporary log folder went with the services
     # no service outlives the command
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(target) not in ps
+
+
+def test_up_prints_a_generate_command_that_works_as_copied_and_cleans_up_on_ctrl_c(checkpoints, tmp_path):
+    target, drafter = checkpoints("llama")
+    env = dict(os.environ, DDTREE_SERVE_CACHE=str(tmp_path), PYTHONUNBUFFERED="1")
+    up = subprocess.Popen([sys.executable, "-m", "ddtree_serve.cli", "up", "--model", str(target), "--drafter",
+                           str(drafter)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        printed = []
+        for line in up.stdout:
+            printed.append(line)
+            if line.strip().startswith("ddtree-serve generate"):
+                break
+        command = shlex.split(printed[-1])
+        assert command[:3] == ["ddtree-serve", "generate", "--gateway"], "".join(printed)
+        assert (tmp_path / "up.json").exists()        # so that a plain `generate` finds this `up`
+        out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", *command[1:], "--max-tokens", "8"],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        assert "tau (mean acceptance length)" in out.stdout
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=60)[0]
+    assert up.returncode == 0, rest
+    log_dir = next(line.split(None, 1)[1].strip() for line in printed if line.startswith("logs "))
+    assert not Path(log_dir).exists() and not (tmp_path / "up.json").exists()

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -242,19 +243,26 @@ def test_drafter_dying_mid_stream_falls_back_to_autoregressive_losslessly(checkp
         async def scenario():
             async with grpc.aio.insecure_channel(s.gateway) as channel:
                 stub = gateway_pb2_grpc.GatewayStub(channel)
-                ids = []
+                ids, final = [], None
                 async for msg in stub.GenerateStream(make_request(prompt, 40), timeout=120):
                     ids.extend(msg.token_ids)
+                    final = msg
                     if len(ids) >= 4 and s.alive()["drafter"]:
                         s.kill("drafter")
-                return ids
+                return ids, final.stats
 
-        ids = asyncio.run(scenario())
+        ids, stats = asyncio.run(scenario())
         assert ids == reference_greedy(target, prompt, 40)
         assert s.alive()["gateway"] and s.alive()["target"]
+        # the stats say what happened: asked ddtree, ended autoregressive
+        assert (stats.mode, stats.requested_mode, stats.drafter_fallback) == ("ar", "ddtree", True)
         # a new request still works (autoregressively) with the drafter gone
         again = run_streams(s.gateway, [make_request(prompt, 10)])[0]
         assert again["token_ids"] == reference_greedy(target, prompt, 10)
+        assert again["stats"].mode == "ar" and again["stats"].drafter_fallback
+        # one error line for the outage in the target's log, not one per feature push
+        target_log = (Path(s.log_dir) / "target.log").read_text()
+        assert sum("feature push" in line and "ERROR" in line for line in target_log.splitlines()) <= 1
     finally:
         s.stop()
 

@@ -24,6 +24,7 @@ class TransportStats:
     batches_sent: int = 0
     seconds: float = 0.0
     failures: int = 0
+    consecutive_failures: int = 0
     last_error: str = ""
 
 
@@ -69,8 +70,14 @@ class PushSender(FeatureSender):
                 await self._send(rows)
             except Exception as exc:  # noqa: BLE001 - a failed push must not kill the sender
                 self.stats.failures += 1
+                self.stats.consecutive_failures += 1
                 self.stats.last_error = str(exc)
-                log.error("%s feature push to %s failed: %s", self.name, self.drafter_address, exc)
+                # A dead drafter fails every push of every step: one error line per outage, not one per push.
+                if self.stats.consecutive_failures == 1:
+                    log.error("%s feature push to %s failed: %s (further failures are logged at debug level until "
+                              "a push succeeds)", self.name, self.drafter_address, exc)
+                else:
+                    log.debug("%s feature push to %s failed: %s", self.name, self.drafter_address, exc)
             finally:
                 self._queue.task_done()
 
@@ -79,6 +86,10 @@ class PushSender(FeatureSender):
         """Delivers one submission (awaits the drafter's answer)."""
 
     def _delivered(self, nbytes: int, seconds: float) -> None:
+        if self.stats.consecutive_failures:
+            log.info("%s feature push to %s works again after %d failed pushes", self.name, self.drafter_address,
+                     self.stats.consecutive_failures)
+            self.stats.consecutive_failures = 0
         self.stats.bytes_sent += nbytes
         self.stats.batches_sent += 1
         self.stats.seconds += seconds

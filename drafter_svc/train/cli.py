@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training seconds; the LR schedule follows max(step/steps, time/budget)")
     g.add_argument("--stop-after", type=float, default=None,
                    help="end this invocation after S seconds of training, checkpointed; a rerun resumes on the "
-                        "same schedule (for machines lent by the call)")
+                        "same schedule (for time-limited machines or job slots)")
     g.add_argument("--deadline", type=float, default=None,
                    help="unix time by which this invocation's training must end (like --stop-after, counted "
                         "from now, after data generation)")

@@ -1,0 +1,171 @@
+"""A small Python client of the gateway's gRPC API, blocking (Client) or asyncio (AsyncClient), with streaming.
+
+    from ddtree_serve.client import Client
+
+    with Client("127.0.0.1:50050") as c:
+        for chunk in c.stream("What is the capital of France?", max_tokens=64):
+            print(chunk.text, end="", flush=True)
+        result = c.generate("Name three prime numbers.", max_tokens=32)
+        print(result.text, result.stats["mean_acceptance_length"])
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from ddtree_serve.rpc import CHANNEL_OPTIONS
+
+MODES = {None: gateway_pb2.DECODE_MODE_DEFAULT, "ddtree": gateway_pb2.DECODE_MODE_DDTREE,
+         "dflash": gateway_pb2.DECODE_MODE_DFLASH, "ar": gateway_pb2.DECODE_MODE_AR}
+
+
+@dataclass
+class Chunk:
+    """One streamed message: the new tokens and their text; the last one has finished, finish_reason and stats."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str = ""
+    stats: dict | None = None
+    request_id: str = ""
+
+
+@dataclass
+class Result:
+    """A whole generation."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+    request_id: str = ""
+
+    def as_dict(self) -> dict:
+        """The result as plain JSON-able data."""
+        return {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+                "finish_reason": self.finish_reason, "stats": self.stats}
+
+
+def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+                  messages: list[dict] | None = None, chat: bool = True, max_tokens: int = 128,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                  mode: str | None = None, budget: int = 0, stop: list[str] | None = None,
+                  ignore_eos: bool = False) -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
+    req = gateway_pb2.GenerateRequest(
+        max_tokens=max_tokens, mode=MODES[mode], budget=budget, stop=stop or [], ignore_eos=ignore_eos,
+        sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed or 0,
+                                           has_seed=seed is not None))
+    if prompt_ids is not None:
+        req.token_ids.ids.extend(prompt_ids)
+    elif messages is not None:
+        for m in messages:
+            req.chat.messages.add(role=m["role"], content=m["content"])
+    elif chat:
+        req.chat.messages.add(role="user", content=prompt or "")
+    else:
+        req.text = prompt or ""
+    return req
+
+
+def stats_dict(s: gateway_pb2.GenerationStats) -> dict:
+    """GenerationStats as a dict, with tokens_per_second added."""
+    return {"prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens, "steps": s.steps,
+            "accepted_tokens": s.accepted_tokens, "mean_acceptance_length": round(s.mean_acceptance_length, 4),
+            "draft_tokens": s.draft_tokens, "ttft_seconds": round(s.ttft_seconds, 4),
+            "e2e_seconds": round(s.e2e_seconds, 4), "mode": s.mode, "requested_mode": s.requested_mode,
+            "drafter_fallback": s.drafter_fallback, "budget": s.budget,
+            "tokens_per_second": round(s.generated_tokens / s.e2e_seconds, 2) if s.e2e_seconds else 0.0}
+
+
+def _chunk(msg: gateway_pb2.GenerateResponse) -> Chunk:
+    return Chunk(token_ids=list(msg.token_ids), text=msg.text, finished=msg.finished,
+                 finish_reason=msg.finish_reason, stats=stats_dict(msg.stats) if msg.finished else None,
+                 request_id=msg.request_id)
+
+
+def _collect(chunks) -> Result:
+    ids, text, last = [], [], None
+    for c in chunks:
+        ids.extend(c.token_ids)
+        text.append(c.text)
+        last = c
+    return Result(ids, "".join(text), last.finish_reason, last.stats or {}, last.request_id)
+
+
+def _request(prompt, request, kw) -> gateway_pb2.GenerateRequest:
+    if request is not None:
+        if prompt is not None or kw:
+            raise TypeError("give either a prepared request or a prompt with options, not both")
+        return request
+    return build_request(prompt, **kw)
+
+
+class Client:
+    """Blocking client. Errors are grpc.RpcError with the gateway's status (INVALID_ARGUMENT for bad requests)."""
+
+    def __init__(self, address: str = "127.0.0.1:50050", timeout_s: float = 600.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def stream(self, prompt: str | None = None, *, request=None, **kw) -> Iterator[Chunk]:
+        """Yields chunks as the gateway commits tokens; kw as build_request."""
+        for msg in self._stub.GenerateStream(_request(prompt, request, kw), timeout=self.timeout_s):
+            yield _chunk(msg)
+
+    def generate(self, prompt: str | None = None, *, request=None, **kw) -> Result:
+        """The whole generation (streamed underneath)."""
+        return _collect(self.stream(prompt, request=request, **kw))
+
+    def model_info(self) -> gateway_pb2.ModelInfoResponse:
+        """Model, drafter, defaults and load of the gateway."""
+        return self._stub.ModelInfo(gateway_pb2.ModelInfoRequest(), timeout=30)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client (grpc.aio); the same methods as Client, awaited."""
+
+    def __init__(self, address: str = "127.0.0.1:50050", timeout_s: float = 600.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    async def stream(self, prompt: str | None = None, *, request=None, **kw) -> AsyncIterator[Chunk]:
+        """Yields chunks as the gateway commits tokens; kw as build_request."""
+        async for msg in self._stub.GenerateStream(_request(prompt, request, kw), timeout=self.timeout_s):
+            yield _chunk(msg)
+
+    async def generate(self, prompt: str | None = None, *, request=None, **kw) -> Result:
+        """The whole generation (streamed underneath)."""
+        return _collect([c async for c in self.stream(prompt, request=request, **kw)])
+
+    async def model_info(self) -> gateway_pb2.ModelInfoResponse:
+        """Model, drafter, defaults and load of the gateway."""
+        return await self._stub.ModelInfo(gateway_pb2.ModelInfoRequest(), timeout=30)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

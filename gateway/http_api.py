@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+
+It runs in the gateway's own event loop (uvicorn as a task) and turns each HTTP request into the same
+GenerateRequest the gRPC API takes, so both share validation, the scheduler and the engines.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import grpc
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ddtree_serve.proto import common_pb2, gateway_pb2
+from ddtree_serve.rpc import status_for
+
+log = logging.getLogger(__name__)
+
+MODE_ENUMS = {"ddtree": gateway_pb2.DECODE_MODE_DDTREE, "dflash": gateway_pb2.DECODE_MODE_DFLASH,
+              "ar": gateway_pb2.DECODE_MODE_AR}
+# gRPC status -> (HTTP status, OpenAI error type), as vLLM and OpenAI report them.
+HTTP_FOR_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+OPEN_PATHS = ("/health", "/metrics")  # no API key needed, as in vLLM: probes and scrapers
+
+
+# ---- request schemas (fields OpenAI defines that we honour, plus the ddtree extensions) ---------------------------
+class _Common(BaseModel):
+    # Unknown fields (user, metadata, ...) are accepted and ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = 1
+    logprobs: Any = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    # ddtree-serve extensions (pass them in the openai client's extra_body)
+    top_k: int | None = None
+    mode: Literal["ddtree", "dflash", "ar"] | None = None
+    budget: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: Any = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def body(self) -> dict:
+        """The JSON body OpenAI clients parse."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def api_error_for(exc: BaseException) -> ApiError:
+    """Maps the gateway's exceptions (validation ValueErrors, RequestErrors, downstream gRPC errors) to ApiError."""
+    if isinstance(exc, ApiError):
+        return exc
+    code, message = status_for(exc)
+    status, type_ = HTTP_FOR_STATUS.get(code, (500, "internal_server_error"))
+    return ApiError(status, message, type_, code=code.name.lower())
+
+
+def _content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's text: a string, or the text parts of a content list."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ApiError(400, f"content parts of type {part.get('type')!r} are not supported (text only)",
+                           param="messages")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+class HttpFront:
+    """The FastAPI app and the uvicorn server that runs it inside the gateway's event loop."""
+
+    def __init__(self, servicer, host: str, port: int, registry=None, api_key: str | None = None):
+        self.servicer = servicer
+        self.host, self.port = host, port
+        self.registry = registry
+        self.api_key = api_key or None
+        self.created = int(time.time())
+        self.app = self._build_app()
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Binds and starts serving (raises when the port cannot be bound)."""
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            # The gRPC host owns SIGTERM/SIGINT and stops us through stop(); uvicorn must not take the signals.
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        # Streams still open at shutdown get 5 s (the gRPC side's grace), then are cut.
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5)
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(), name="http-front")
+        while not self._server.started:
+            if self._task.done():  # bind failed: uvicorn logged why and exited
+                raise RuntimeError(f"HTTP front could not start on {self.host}:{self.port}")
+            await asyncio.sleep(0.05)
+        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", self.host, self.port)
+
+    async def stop(self) -> None:
+        """Stops accepting, lets running responses end (uvicorn's own grace), returns."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return getattr(self.servicer, "model_name", "") or "ddtree-serve"
+
+    def _check_ready(self) -> None:
+        if not self.servicer.ready.is_set():
+            raise ApiError(503, "model is still loading", "service_unavailable", code="unavailable")
+
+    def _check_common(self, body: _Common) -> None:
+        if body.model and body.model != self.model_id:
+            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_id}`.",
+                           "not_found_error", code="model_not_found", param="model")
+        if body.n != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        if body.logprobs:
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        if body.presence_penalty or body.frequency_penalty:
+            # A penalty changes the distribution; ignoring it silently would break "lossless" expectations.
+            raise ApiError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+        if body.seed is not None and not 0 <= body.seed < 1 << 64:
+            raise ApiError(400, f"seed must be in [0, 2**64), got {body.seed}", param="seed")
+        for name in ("max_tokens", "budget", "top_k"):
+            value = getattr(body, name)
+            if value is not None and not 0 <= value < 1 << 31:
+                raise ApiError(400, f"{name} must be in [0, 2**31), got {value}", param=name)
+        mct = getattr(body, "max_completion_tokens", None)
+        if mct is not None and not 0 <= mct < 1 << 31:
+            raise ApiError(400, f"max_completion_tokens must be in [0, 2**31), got {mct}", param="max_completion_tokens")
+
+    def _request(self, body: _Common, max_tokens: int | None, default_max: int | None) -> gateway_pb2.GenerateRequest:
+        """The GenerateRequest for an HTTP body whose prompt is already set on `req` by the caller."""
+        temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
+        sampling = common_pb2.SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                                             top_k=body.top_k or 0, seed=body.seed or 0,
+                                             has_seed=body.seed is not None)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        req = gateway_pb2.GenerateRequest(sampling=sampling, stop=stop, ignore_eos=body.ignore_eos,
+                                          stop_token_ids=body.stop_token_ids or [], budget=body.budget or 0,
+                                          mode=MODE_ENUMS.get(body.mode, gateway_pb2.DECODE_MODE_DEFAULT))
+        req.max_tokens = max_tokens if max_tokens is not None else (default_max or 0)
+        return req
+
+    def _finish_prompt(self, req: gateway_pb2.GenerateRequest, max_tokens: int | None) -> int:
+        """Tokenizes the prompt once (as token ids from then on); fills the default max_tokens; returns its length."""
+        ids = self.servicer._prompt_ids(req)
+        req.token_ids.ids[:] = ids
+        if max_tokens is None and req.max_tokens <= 0:
+            # like vLLM: no max_tokens means "up to the context limit"
+            req.max_tokens = max(1, self.servicer.pairs[0].target_info.max_seq_len - len(ids))
+        return len(ids)
+
+    @staticmethod
+    def _ddtree_stats(seq) -> dict:
+        s = seq.stats
+        return {"mode": seq.mode if seq.drafting else "ar", "requested_mode": seq.mode, "budget": seq.budget,
+                "drafter_fallback": not seq.drafting, "steps": s.steps, "accepted_tokens": s.accepted_tokens,
+                "draft_tokens": s.draft_tokens, "mean_acceptance_length": round(s.mean_acceptance_length, 4),
+                "ttft_seconds": round(seq.first_token_at - seq.arrival, 4) if seq.first_token_at else 0.0,
+                "e2e_seconds": round(time.perf_counter() - seq.arrival, 4)}
+
+    @staticmethod
+    def _usage(seq) -> dict:
+        return {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
+                "total_tokens": len(seq.prompt_ids) + len(seq.output_ids)}
+
+    async def _run(self, req, chat: bool, body: _Common) -> Any:
+        """Answers one generation request: a JSON body, or server-sent events when body.stream."""
+        gen = self.servicer.stream(req)
+        try:
+            first = await gen.__anext__()  # validation errors surface here, before any byte is sent
+        except BaseException:
+            await gen.aclose()
+            raise
+        created = int(time.time())
+        rid = ("chatcmpl-" if chat else "cmpl-") + first[0].request_id
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._sse(gen, first, rid, created, chat, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, (seq, event) = [first[1].text], first
+        async with contextlib.aclosing(gen):
+            while not event.finished:
+                seq, event = await gen.__anext__()
+                text.append(event.text)
+        content = "".join(text)
+        choice = {"index": 0, "finish_reason": event.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                             "model": self.model_id, "choices": [choice], "usage": self._usage(seq),
+                             "ddtree": self._ddtree_stats(seq)})
+
+    async def _sse(self, gen, first, rid: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        """The event stream: one chunk per engine emission, the finish reason, optional usage, then [DONE]."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+            payload = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
+            if include_usage:
+                payload["usage"] = None
+            return f"data: {json.dumps(payload)}\n\n"
+
+        async with contextlib.aclosing(gen):
+            try:
+                if chat:
+                    yield chunk(None, None, role=True)
+                seq, event = first
+                while True:
+                    if event.text:
+                        yield chunk(event.text, None)
+                    if event.finished:
+                        break
+                    seq, event = await gen.__anext__()
+                final = json.loads(chunk(None, event.finish_reason)[len("data: "):])
+                final["ddtree"] = self._ddtree_stats(seq)
+                yield f"data: {json.dumps(final)}\n\n"
+                if include_usage:
+                    yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': self.model_id, 'choices': [], 'usage': self._usage(seq)})}\n\n"  # noqa: E501
+            except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream, as vLLM does
+                err = api_error_for(exc)
+                log.warning("stream %s failed: %s", rid, err.message)
+                yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+
+    # ---- the app ------------------------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="ddtree-serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ApiError)
+        async def _api_error(_request: Request, exc: ApiError):
+            return exc.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation_error(_request: Request, exc: RequestValidationError):
+            first = exc.errors()[0] if exc.errors() else {}
+            where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+            return ApiError(400, f"{where}: {first.get('msg', 'invalid request')}" if where else
+                            str(first.get("msg", "invalid request")), param=where or None).response()
+
+        @app.exception_handler(Exception)
+        async def _any_error(_request: Request, exc: Exception):
+            err = api_error_for(exc)
+            if err.status >= 500:
+                log.error("HTTP request failed: %s", err.message, exc_info=exc)
+            return err.response()
+
+        async def auth(request: Request) -> None:
+            """Bearer API key on /v1/* when --api-key is set."""
+            if not self.api_key:
+                return
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                raise ApiError(401, "Incorrect API key provided (send Authorization: Bearer <key>).",
+                               "authentication_error", code="invalid_api_key")
+
+        guarded = [Depends(auth)]
+
+        @app.get("/health")
+        async def health():
+            """200 once every pair is connected, 503 before."""
+            if not self.servicer.ready.is_set():
+                return PlainTextResponse("loading", status_code=503)
+            return PlainTextResponse("ok")
+
+        @app.get("/metrics")
+        async def metrics():
+            """The gateway's Prometheus metrics (the same registry as --metrics-port)."""
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            if self.registry is None:
+                raise ApiError(404, "metrics are off", "not_found_error")
+            return PlainTextResponse(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models", dependencies=guarded)
+        async def models():
+            """The one model this gateway serves."""
+            self._check_ready()
+            info = self.servicer.pairs[0].target_info
+            return {"object": "list", "data": [{
+                "id": self.model_id, "object": "model", "created": self.created, "owned_by": "ddtree-serve",
+                "max_model_len": info.max_seq_len, "root": self.model_id, "parent": None}]}
+
+        @app.post("/v1/chat/completions", dependencies=guarded)
+        async def chat_completions(body: ChatCompletionRequest):
+            """Chat: the messages rendered with the model's chat template."""
+            return await self._guard(self._chat(body))
+
+        @app.post("/v1/completions", dependencies=guarded)
+        async def completions(body: CompletionRequest):
+            """Plain completion of a text prompt or of token ids."""
+            return await self._guard(self._completion(body))
+
+        return app
+
+    async def _guard(self, coro):
+        """Every failure becomes an OpenAI-shaped error response, never a traceback."""
+        try:
+            return await coro
+        except ApiError as exc:
+            return exc.response()
+        except Exception as exc:  # noqa: BLE001 - validation ValueErrors, gRPC errors, bugs: all get a status
+            err = api_error_for(exc)
+            if err.status >= 500:
+                log.error("HTTP request failed: %s", err.message, exc_info=exc)
+            return err.response()
+
+    async def _chat(self, body: ChatCompletionRequest):
+        """Chat: the messages rendered with the model's chat template."""
+        self._check_ready()
+        self._check_common(body)
+        if body.tools:
+            raise ApiError(400, "tools are not supported", param="tools")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        req = self._request(body, max_tokens, None)
+        for m in body.messages:
+            req.chat.messages.add(role=m.role, content=_content_text(m.content))
+        self._finish_prompt(req, max_tokens)
+        return await self._run(req, chat=True, body=body)
+
+    async def _completion(self, body: CompletionRequest):
+        """Plain completion of a text prompt or of token ids."""
+        self._check_ready()
+        self._check_common(body)
+        if body.echo or body.suffix or (body.best_of or 1) != 1:
+            raise ApiError(400, "echo, suffix and best_of are not supported", param="echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, "one prompt per request (a batch of prompts is not supported)",
+                               param="prompt")
+            prompt = prompt[0]
+        req = self._request(body, body.max_tokens, 16)  # OpenAI's completions default
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        self._finish_prompt(req, body.max_tokens if body.max_tokens is not None else 16)
+        return await self._run(req, chat=False, body=body)

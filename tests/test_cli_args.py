@@ -1,0 +1,99 @@
+"""The command line as a user meets it: one-line usage errors (exit 2), documented options, a findable gateway."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddtree_serve import cli
+from ddtree_serve.config import default_budget
+from ddtree_serve.local_stack import free_port
+
+BAD_ARGS = {
+    "token ids that are not numbers": ["generate", "--prompt-ids", "abc"],
+    "negative seed": ["generate", "--seed", "-1", "hi"],
+    "max_tokens beyond int32": ["generate", "--max-tokens", "3000000000", "hi"],
+    "top_p zero": ["generate", "--top-p", "0", "hi"],
+    "negative top_k": ["generate", "--top-k", "-2", "hi"],
+    "NaN temperature": ["generate", "--temperature", "nan", "hi"],
+    "no prompt": ["generate"],
+    "empty prompt": ["generate", "  "],
+    "up with max_tokens 0": ["up", "--max-tokens", "0"],
+    "up with an empty prompt": ["up", "--prompt", ""],
+    "up with a missing model directory": ["up", "--model", "/nonexistent/model", "--prompt", "hi"],
+    "up with clashing ports": ["up", "--port", "50100", "--http-port", "50100"],
+    "gateway port out of range": ["gateway", "--http-port", "70000"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ARGS))
+def test_a_bad_argument_is_one_line_and_exit_code_2(name, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(BAD_ARGS[name])  # `up` checks before it starts anything: this returns at once
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and ": error: " in err and "Traceback" not in err
+
+
+def test_the_installed_command_reports_a_bad_argument_without_a_traceback():
+    out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", "generate", "--prompt-ids", "1,x"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "ddtree-serve generate: error: argument --prompt-ids: '1,x' is not a comma-separated list of token ids, "
+        "e.g. 1,2,3 (see ddtree-serve generate -h)"]
+
+
+@pytest.mark.parametrize("command", ["target", "drafter", "gateway", "up", "generate"])
+def test_every_option_is_described_and_shows_its_default(command, capsys):
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    undocumented = [a.dest for a in sub._actions if a.help is None]
+    assert undocumented == []
+    with pytest.raises(SystemExit):
+        cli.main([command, "-h"])
+    assert "(default:" in capsys.readouterr().out
+
+
+def test_generate_without_a_gateway_says_how_to_start_one():
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", "generate", "--gateway", f"127.0.0.1:{port}",
+                          "hi"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "UNAVAILABLE" in out.stderr and "ddtree-serve up" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_generate_finds_a_live_up_and_ignores_a_dead_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_SERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("DDTREE_GATEWAY", raising=False)
+    state = tmp_path / "up.json"
+    state.write_text(json.dumps({"gateway": "127.0.0.1:41234", "pid": os.getpid()}))
+    assert cli.find_gateway()[0] == "127.0.0.1:41234"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    state.write_text(json.dumps({"gateway": "127.0.0.1:41234", "pid": dead.pid}))
+    assert cli.find_gateway()[0] == "127.0.0.1:50050"
+    monkeypatch.setenv("DDTREE_GATEWAY", "10.0.0.1:1")
+    assert cli.find_gateway()[0] == "10.0.0.1:1"
+
+
+def test_text_prompts_use_the_chat_template_unless_raw():
+    args = cli.build_parser().parse_args(["generate", "hi"])
+    chat = cli.build_request(args.prompt, None, 8, 0.0, None, None, 0, not args.raw)
+    raw = cli.build_request("hi", None, 8, 0.0, None, None, 0, chat=False)
+    assert chat.WhichOneof("prompt") == "chat" and chat.chat.messages[0].content == "hi"
+    assert raw.WhichOneof("prompt") == "text"
+
+
+def test_top_p_and_top_k_reach_the_request():
+    req = cli.build_request("hi", None, 8, 0.7, 3, None, 0, True, top_p=0.9, top_k=40)
+    assert (round(req.sampling.top_p, 6), req.sampling.top_k, req.sampling.seed) == (0.9, 40, 3)
+
+
+def test_the_default_budget_is_small_on_cpu_and_large_on_gpu():
+    assert default_budget("cpu") == 16
+    assert default_budget("cuda") == default_budget("cuda:1") == 64

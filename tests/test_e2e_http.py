@@ -1,0 +1,175 @@
+"""The OpenAI-compatible HTTP front, driven by the official openai client and by curl, against the gRPC API."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from ddtree_serve.client import Client
+from tests.conftest import start_stack
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+README = Path(__file__).resolve().parent.parent / "README.md"
+CHAT = [{"role": "user", "content": "Name a prime number."}]
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoints):
+    """One tiny Llama stack with the HTTP front and an API key, shared by every test here."""
+    target, drafter = checkpoints("llama")
+    s = start_stack(target, drafter, http=True, api_key=API_KEY)
+    yield s
+    s.stop()
+    s.cleanup()
+
+
+@pytest.fixture(scope="module")
+def oai(stack):
+    return openai.OpenAI(base_url=stack.http_url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(stack):
+    with Client(stack.gateway) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_id(oai):
+    return oai.models.list().data[0].id
+
+
+def test_models_lists_the_served_target(oai, stack):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [Path(stack.model).name]
+
+
+def test_chat_completion_greedy_text_equals_the_grpc_api(oai, grpc_client, model_id):
+    http = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=24, temperature=0)
+    grpc_result = grpc_client.generate(messages=CHAT, max_tokens=24, temperature=0.0)
+    assert http.choices[0].message.content == grpc_result.text
+    assert http.choices[0].message.role == "assistant"
+    assert http.choices[0].finish_reason == grpc_result.finish_reason
+    assert http.usage.prompt_tokens == grpc_result.stats["prompt_tokens"]
+    assert http.usage.completion_tokens == grpc_result.stats["generated_tokens"]
+    assert http.usage.total_tokens == http.usage.prompt_tokens + http.usage.completion_tokens
+
+
+def test_streamed_chat_completion_equals_the_grpc_api_and_ends_with_usage(oai, grpc_client, model_id):
+    stream = oai.chat.completions.create(model=model_id, messages=CHAT, max_completion_tokens=24, temperature=0,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    grpc_result = grpc_client.generate(messages=CHAT, max_tokens=24, temperature=0.0)
+    assert text == grpc_result.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [grpc_result.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == grpc_result.stats["generated_tokens"]
+
+
+def test_completion_of_raw_text_and_of_token_ids_equal_the_grpc_api(oai, grpc_client, model_id):
+    by_text = oai.completions.create(model=model_id, prompt="hello world", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    expected = grpc_client.generate("hello world", chat=False, max_tokens=12, ignore_eos=True)
+    assert by_text.choices[0].text == expected.text and by_text.choices[0].finish_reason == "length"
+    by_ids = oai.completions.create(model=model_id, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == grpc_client.generate(prompt_ids=[5, 6, 7, 8], max_tokens=12,
+                                                          ignore_eos=True).text
+
+
+def test_extension_fields_pick_the_mode_and_report_it(oai, model_id):
+    reply = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=16, temperature=0,
+                                        extra_body={"mode": "ar"})
+    ddtree = reply.model_extra["ddtree"]
+    assert ddtree["mode"] == "ar" and ddtree["steps"] >= 1 and ddtree["draft_tokens"] == 0
+    tree = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=16, temperature=0,
+                                       extra_body={"mode": "ddtree", "budget": 8})
+    assert tree.model_extra["ddtree"]["budget"] == 8
+    assert tree.choices[0].message.content == reply.choices[0].message.content  # lossless: same greedy text
+
+
+def test_seeded_sampling_is_reproducible_and_stop_strings_cut_the_text(oai, model_id):
+    def sample():
+        return oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=20, temperature=1.0,
+                                           top_p=0.9, seed=1234).choices[0].message.content
+
+    assert sample() == sample()
+    full = oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:8]
+    cut = oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=20, temperature=0, stop=[stop],
+                                 extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, error, fragment", [
+    ({"max_tokens": 10**6}, openai.BadRequestError, "context limit"),
+    ({"n": 2}, openai.BadRequestError, "n=1"),
+    ({"temperature": -1}, openai.BadRequestError, "temperature"),
+    ({"model": "gpt-4o"}, openai.NotFoundError, "does not exist"),
+])
+def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fragment):
+    args = {"model": model_id, "messages": CHAT, "max_tokens": 8, **kwargs}
+    with pytest.raises(error) as info:
+        oai.chat.completions.create(**args)
+    body = info.value.body
+    assert fragment in body["message"] and body["type"]
+
+
+def test_a_wrong_api_key_is_refused_while_health_and_metrics_stay_open(stack, model_id):
+    bad = openai.OpenAI(base_url=stack.http_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    root = stack.http_url.removesuffix("/v1")
+    assert urllib.request.urlopen(f"{root}/health", timeout=10).read() == b"ok"
+    metrics = urllib.request.urlopen(f"{root}/metrics", timeout=10).read().decode()
+    assert "vllm:request_success_total" in metrics
+
+
+def _readme_curl_blocks() -> list[str]:
+    """The shell blocks of README.md that call curl against the HTTP API."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    return [b for b in blocks if b.lstrip().startswith("curl") and "/v1/" in b]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_readme_curl_examples_run_against_the_stack(stack, index):
+    blocks = _readme_curl_blocks()
+    assert len(blocks) == 3, "README.md should hold three curl examples (models, chat, streamed chat)"
+    port = stack.ports["http"]
+    env = dict(os.environ, DDTREE_API_KEY=API_KEY)
+    out = subprocess.run(["bash", "-c", blocks[index].replace("localhost:8000", f"127.0.0.1:{port}")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if '"stream": true' in blocks[index]:
+        events = [line for line in out.stdout.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        assert all("error" not in json.loads(e[6:]) for e in events[:-1])
+    else:
+        reply = json.loads(out.stdout)
+        assert reply["object"] in ("list", "chat.completion")
+
+
+def test_cli_generate_finds_the_running_up_and_streams_a_chat_answer(stack, tmp_path, grpc_client):
+    # what a running `up` leaves behind; the pid must be alive: this test process stands in for it
+    (tmp_path / "up.json").write_text(json.dumps({"gateway": stack.gateway, "pid": os.getpid()}))
+    env = dict(os.environ, DDTREE_SERVE_CACHE=str(tmp_path))
+    env.pop("DDTREE_GATEWAY", None)
+    out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", "generate", "Name a prime number.",
+                          "--max-tokens", "24"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = grpc_client.generate(messages=CHAT, max_tokens=24)  # the chat template is the default
+    assert out.stdout.startswith(expected.text)
+    assert "tau (mean acceptance length)" in out.stdout
