@@ -19,6 +19,7 @@ from target_svc.gated_deltanet import (
     gdn_tree_forward_lean,
 )
 from target_svc.dense_layers import DenseKernels, DenseLayerWeights, fusable, fuse_weights, rotate_half
+from target_svc.gdn_tree_wy import GdnTreeWYTrace, gdn_commit_path_wy, gdn_tree_forward_wy
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
 
@@ -37,9 +38,11 @@ class TargetModel:
     """The target decoder bound to one KVCache; forward_block verifies padded trees or prefills chains."""
 
     def __init__(self, target: LoadedTarget, max_batch: int, max_seq_len: int, max_tree_nodes: int,
-                 fused: bool | None = None):
+                 fused: bool | None = None, tree_gdn: str | None = None):
         # fused: run dense layers through target_svc/dense_layers.py (fused projections; compiled kernels on CUDA).
-        # None = on CUDA only; the CPU keeps HF's own modules as the reference path.
+        # tree_gdn: how Gated DeltaNet layers verify trees: "wy" (all nodes in one pass, no host sync:
+        #   target_svc/gdn_tree_wy.py) or "depthwise" (the reference, one update per depth).
+        # None = the fast paths on CUDA; the CPU keeps the reference paths.
         self.target = target
         self.device = target.device
         self.dtype = target.dtype
@@ -62,6 +65,9 @@ class TargetModel:
         self.cos, self.sin = self._rope_tables(spec.capacity)
         if fused is None:
             fused = self.device.type == "cuda"
+        self.tree_gdn = tree_gdn or ("wy" if self.device.type == "cuda" else "depthwise")
+        if self.tree_gdn not in ("wy", "depthwise"):
+            raise ValueError(f"tree_gdn must be 'wy' or 'depthwise', got {self.tree_gdn!r}")
         self.dense: list[DenseLayerWeights] | None = None
         self.kernels: DenseKernels | None = None
         if fused and not self.linear_index and self.cos.shape[-1] == target.head_dim and fusable(target.layers):
@@ -69,7 +75,7 @@ class TargetModel:
             self.kernels = DenseKernels.make(compiled=self.device.type == "cuda")
         # GDN traces of the verified block not yet committed (one per linear-attention layer), None when no block
         # is pending; dense models' blocks carry an empty list. The K/V of a pending block sit past ctx_len.
-        self.pending_traces: list[GdnTreeTrace] | None = None
+        self.pending_traces: list[GdnTreeTrace | GdnTreeWYTrace] | None = None
 
     def _rope_tables(self, n_positions: int) -> tuple[Tensor, Tensor]:
         """cos/sin [n_positions, rotary_dim] in the model dtype, computed by HF's own rotary module."""
@@ -127,7 +133,7 @@ class TargetModel:
 
         wanted = set(feature_layers)
         feature_set: dict[int, Tensor] = {}
-        traces: list[GdnTreeTrace] = []
+        traces: list[GdnTreeTrace | GdnTreeWYTrace] = []
         h = t.embed_tokens(input_ids)
         if self.dense is not None:
             h = self._dense_layers(h, cos, sin, mask, slots, rows, key_len, wanted, feature_set)
@@ -254,7 +260,10 @@ class TargetModel:
             state.conv[slots] = conv
             state.rec[slots] = rec
             return out
-        out, trace = gdn_tree_forward_lean(gdn, x, parents, valid, conv0, rec0)
+        if self.tree_gdn == "wy":
+            out, trace = gdn_tree_forward_wy(gdn, x, parents, valid, conv0, rec0)
+        else:
+            out, trace = gdn_tree_forward_lean(gdn, x, parents, valid, conv0, rec0)
         traces.append(trace)
         return out
 
@@ -263,18 +272,22 @@ class TargetModel:
     # ------------------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def commit_block(self, path: Tensor, path_len: Tensor, slots: Tensor, ctx_lens: Tensor) -> None:
+    def commit_block(self, path: Tensor, path_len: Tensor, slots: Tensor, ctx_lens: Tensor,
+                     traces: list | None = None) -> None:
         """Commits the pending block's accepted nodes path[b, :path_len[b]] (root first, -1 padded)."""
         # K/V rows ctx + path[b, j] move to ctx + j; linear-attention states become those after the last accepted
         # node, replayed from the committed state along the path (one step per column: pass path narrowed to
-        # the deepest possible path). The caller advances ctx_len. slots/ctx_lens are the verified block's.
-        traces = self.pending_traces
-        if traces is None and self.linear_index:
-            raise RuntimeError("no pending tree block to commit")
-        self.pending_traces = None
+        # the deepest possible path). The caller advances ctx_len. slots/ctx_lens are the verified block's;
+        # traces are the block's GDN traces (default: those of the last forward_block, which are then consumed).
+        if traces is None:
+            traces = self.pending_traces
+            if traces is None and self.linear_index:
+                raise RuntimeError("no pending tree block to commit")
+            self.pending_traces = None
         src, dst = compaction_indices_batch(path, path_len, ctx_lens)
         self.cache.move_rows(slots, src, dst)
         for state, trace in zip(self.cache.linear, traces or []):
-            conv, rec = gdn_commit_path(trace, path, path_len, state.conv[slots], state.rec[slots])
+            commit = gdn_commit_path_wy if isinstance(trace, GdnTreeWYTrace) else gdn_commit_path
+            conv, rec = commit(trace, path, path_len, state.conv[slots], state.rec[slots])
             state.conv[slots] = conv
             state.rec[slots] = rec

@@ -8,9 +8,10 @@ device->host copy:
 - `verify_commit`: the acceptance walk against the target's choices, the commit of the accepted path (K/V
   compaction, linear-attention states) and the packed result (accepted count, bonus token, path).
 
-Sampled sequences replace their rows of the greedy choices between the two. On CUDA, for models whose layers are
-all softmax attention, both functions are captured as CUDA graphs per shape bucket (`VerifyGraphs`); the eager
-path runs the very same functions, so the two agree by construction (tests/test_gpu.py checks it on the device).
+Sampled sequences replace their rows of the greedy choices between the two. On CUDA both functions are captured
+as CUDA graphs per shape bucket (`VerifyGraphs`; Gated DeltaNet layers through the sync-free tree pass of
+target_svc/gdn_tree_wy.py); the eager path runs the very same functions, so the two agree by construction
+(tests/test_gpu.py checks it on the device).
 """
 from __future__ import annotations
 
@@ -78,14 +79,14 @@ def verify_forward(model: TargetModel, packed: Tensor, nodes: int, key_len: int,
 
 
 def verify_commit(model: TargetModel, packed: Tensor, nodes: int, choices: Tensor, features: Tensor | None,
-                  path_width: int) -> tuple[Tensor, Tensor | None]:
+                  path_width: int, traces: list | None = None) -> tuple[Tensor, Tensor | None]:
     """Walk + commit of the pending block -> (packed [B, 2 + W]: accepted count | bonus | path, rows [B, W, F])."""
     # path_width >= the deepest tree's depth + 1: accepted paths are at most that long, and the linear-attention
     # replay walks that many columns.
     ids, parents, sizes, ctx_lens, slots = unpack(packed, nodes)
     walk = accept_batch(ids, parents, choices, sizes)
     path, n_acc = walk.accepted_nodes[:, :path_width], walk.num_accepted
-    model.commit_block(path, n_acc, slots, ctx_lens)
+    model.commit_block(path, n_acc, slots, ctx_lens, traces)
     rows = None
     if features is not None:
         rows = features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[-1]))
@@ -105,11 +106,12 @@ class VerifyGraphs:
         self.forwards = GraphCache("target verify forward")
         self.commits = GraphCache("target verify commit")
         self._feature_layers: tuple[int, ...] | None = None
+        self._traces: dict[VerifyShape, list] = {}
 
     @staticmethod
     def supports(model: TargetModel) -> bool:
-        """Graphs need CUDA and, for now, a model without linear-attention layers (their tree path syncs)."""
-        return model.device.type == "cuda" and not model.linear_index
+        """Graphs need CUDA, and Gated DeltaNet layers (if any) on the sync-free tree path."""
+        return model.device.type == "cuda" and (not model.linear_index or model.tree_gdn == "wy")
 
     def shape_for(self, batch: int, nodes: int, key_len: int) -> VerifyShape | None:
         """The bucket covering a step, or None when it is larger than every bucket (the step then runs eagerly)."""
@@ -124,6 +126,7 @@ class VerifyGraphs:
         if feature_layers != self._feature_layers:
             self.forwards.graphs.clear()
             self.commits.graphs.clear()
+            self._traces.clear()
             self._feature_layers = feature_layers
 
     def forward(self, batch: VerifyBatch, packed_dev: Tensor, feature_layers: tuple[int, ...]):
@@ -134,7 +137,11 @@ class VerifyGraphs:
             s, lambda p: verify_forward(self.model, p, s.nodes, s.key_len, feature_layers),
             lambda: [self._example(s)],
         )
-        return fn(packed_dev)
+        # The GDN traces a bucket's forward fills on every replay are those its capture left pending.
+        self._traces.setdefault(s, self.model.pending_traces)
+        out = fn(packed_dev)
+        self.model.pending_traces = None  # the commit graph reads self._traces[s]
+        return out
 
     def commit(self, batch: VerifyBatch, packed_dev: Tensor, choices: Tensor, features: Tensor | None):
         """Replays (capturing on first use) the walk + commit of batch's bucket."""
@@ -142,7 +149,8 @@ class VerifyGraphs:
         has_features = features is not None
         fn = self.commits.get(
             (s, has_features),
-            lambda p, c, *f: verify_commit(self.model, p, s.nodes, c, f[0] if f else None, s.nodes),
+            lambda p, c, *f: verify_commit(self.model, p, s.nodes, c, f[0] if f else None, s.nodes,
+                                           self._traces[s]),
             lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device),
                      *([torch.zeros_like(features)] if has_features else [])],
         )

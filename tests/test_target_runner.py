@@ -99,9 +99,10 @@ def test_greedy_root_only_steps_equal_hf_generate(arch, checkpoints, references)
     assert generated == _hf_greedy(references[arch], prompt, N_NEW)
 
 
-@pytest.mark.parametrize("arch", sorted(MAKERS))
-def test_batched_random_tree_verify_equals_hf_greedy_and_plain_decoding(arch, checkpoints, references):
+@pytest.mark.parametrize("arch,tree_gdn", [(a, "depthwise") for a in sorted(MAKERS)] + [("qwen3_5", "wy")])
+def test_batched_random_tree_verify_equals_hf_greedy_and_plain_decoding(arch, tree_gdn, checkpoints, references):
     runner = _runner(checkpoints[arch])
+    runner.model.tree_gdn = tree_gdn  # "wy": the one-pass tree form that CUDA graphs capture
     runner.set_feature_layers([0, 2])
     prompts = {f"s{i}": _prompt(n, seed=10 + i) for i, n in enumerate((5, 23, 41))}
     truth = {sid: _hf_greedy(references[arch], p, N_NEW + 16) for sid, p in prompts.items()}

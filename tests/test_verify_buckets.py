@@ -43,8 +43,9 @@ def test_pack_pads_rows_into_the_scratch_slot_as_one_node_trees():
     assert batch.num_real == 1
 
 
-def _prefilled(model_dir, prompts):
+def _prefilled(model_dir, prompts, tree_gdn="depthwise"):
     runner = TargetRunner(TargetConfig(model_dir=str(model_dir), max_batch=4, max_seq_len=128, max_tree_nodes=16))
+    runner.model.tree_gdn = tree_gdn
     outs = runner.prefill([PrefillItem(f"s{i}", p, SamplingParams()) for i, p in enumerate(prompts)])
     return runner, [o.next_token for o in outs]
 
@@ -81,12 +82,14 @@ def _step(runner, roots, shape, tokens):
     return logits[:n, : len(TREE)], result[:n], rows[:n]
 
 
-@pytest.mark.parametrize("maker", [make_tiny_qwen3, make_tiny_qwen3_5], ids=["dense", "hybrid"])
-def test_padding_rows_nodes_and_keys_changes_no_real_result(tmp_path, maker):
+@pytest.mark.parametrize("maker,tree_gdn", [(make_tiny_qwen3, "depthwise"), (make_tiny_qwen3_5, "depthwise"),
+                                            (make_tiny_qwen3_5, "wy")], ids=["dense", "hybrid", "hybrid-wy"])
+def test_padding_rows_nodes_and_keys_changes_no_real_result(tmp_path, maker, tree_gdn):
     model_dir = maker(tmp_path / "m", seed=3)
     prompts = [list(range(10, 10 + n)) for n in (7, 12)]
+    # the exact-shape run keeps the reference tree pass; the padded one may take the one-pass (graph) form
     exact_runner, roots = _prefilled(model_dir, prompts)
-    padded_runner, _ = _prefilled(model_dir, prompts)
+    padded_runner, _ = _prefilled(model_dir, prompts, tree_gdn)
     padded = VerifyShape(batch=4, nodes=16, key_len=64)
     for _ in range(3):  # each step commits, so later steps read what padding may have disturbed
         draft = _accepting_draft(exact_runner, roots, [[40 + i for i in range(len(TREE) - 1)]] * 2)

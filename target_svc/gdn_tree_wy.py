@@ -1,0 +1,117 @@
+"""Gated DeltaNet over whole draft trees in one pass: the chunked (WY) delta rule with the ancestor mask.
+
+The reference tree pass (gated_deltanet.gdn_tree_forward) walks the tree depth by depth, one state update per
+depth, and decides the depths on the host. Here every node is handled at once, with no host synchronisation and
+static shapes, so a verify step of a hybrid model can be captured as a CUDA graph.
+
+Why it is exact: a node's state depends only on the path root -> node, and along a path the gated delta rule is
+the chain rule of the chunked form. With G_i = sum of g over the ancestors-or-self of node i, and the new value
+of node s, u_s = beta_s (v_s - e^{g_s} S_parent(s)^T k_s):
+
+    S_i = e^{G_i} S_0 + sum_{r in anc(i)} e^{G_i - G_r} k_r u_r^T            (anc(i): ancestors and i itself)
+    (I + A) U = beta V - (beta e^G K) S_0,   A[s, r] = beta_s (k_s . k_r) e^{G_s - G_r}  for r a strict ancestor
+    o_i = e^{G_i} S_0^T q_i + sum_{r in anc(i)} e^{G_i - G_r} (q_i . k_r) u_r
+
+Parents precede children, so I + A is unit lower triangular in node order: one triangular solve per head. The
+state after the accepted path's last node l needs no replay: S_l = e^{G_l} S_0 + K^T diag(anc(l) e^{G_l - G}) U.
+Padded nodes are isolated roots with k = 0, beta = 0, g = 0: their u is 0 and they touch nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ddtree_serve.tree_mask import ancestor_mask_batch, depths_from_parents_batch
+from target_svc.gated_deltanet import (
+    LinearAttnStateShape,
+    _conv_taps,
+    _model_dtype,
+    _output,
+    _project,
+    _split_heads,
+    _to_v_heads,
+)
+
+
+@dataclass
+class GdnTreeWYTrace:
+    """What the commit of an accepted path needs: per-node conv states, keys, new values, cumulative gates."""
+
+    node_conv: Tensor  # [B, T, conv_dim, k-1] model dtype: conv state after each node
+    key: Tensor  # [B, Hv, T, Dk] fp32, normalised keys repeated to value heads
+    u: Tensor  # [B, Hv, T, Dv] fp32, the nodes' new values
+    cum_g: Tensor  # [B, Hv, T] fp32, G_i
+    anc: Tensor  # [B, T, T] bool, ancestors-or-self
+
+
+def gdn_tree_forward_wy(
+    module: nn.Module, x: Tensor, parents: Tensor, valid: Tensor, conv_state: Tensor, rec_state: Tensor
+) -> tuple[Tensor, GdnTreeWYTrace]:
+    """Verify padded trees x [B, T, H] (parents [B, T], valid [B, T] prefix) -> (out [B, T, H], trace); no sync."""
+    dims = LinearAttnStateShape.from_module(module)
+    dtype = _model_dtype(module)
+    bsz, t, _ = x.shape
+    kern = dims.conv_kernel
+    dev = x.device
+    sizes = valid.sum(dim=1)
+    anc = ancestor_mask_batch(parents, sizes)  # [B, T, T], padded nodes: self only
+    depth = depths_from_parents_batch(parents, sizes)
+
+    x = torch.where(valid.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=dev))
+    p = _project(module, x)
+
+    # Conv window of each node: itself and its k-1 nearest ancestors, then the committed conv inputs past the root.
+    ext = torch.cat([conv_state.to(dtype).transpose(1, 2), p.qkv_in], dim=1)  # [B, k-1+T, conv_dim]
+    own = torch.arange(t, device=dev).unsqueeze(0).expand(bsz, t)
+    par = torch.where(valid & (parents >= 0), parents, torch.full_like(parents, -1))
+    cols, cur = [own + (kern - 1)], par
+    for m in range(1, kern):  # ancestor at distance m, or committed input (k-1) - (m - depth) past the root
+        cols.append(torch.where(cur >= 0, cur + (kern - 1), (kern - 1) - (m - depth)))
+        cur = torch.where(cur >= 0, par.gather(1, cur.clamp(min=0)), cur)
+    window_idx = torch.stack(cols[::-1], dim=-1)  # [B, T, k], oldest first
+    rows = torch.arange(bsz, device=dev)[:, None, None]
+    window = ext[rows, window_idx]  # [B, T, k, conv_dim]
+    q, k, v = _split_heads(_conv_taps(module, [window[:, :, j] for j in range(kern)], dtype), dims)
+    vf = valid.to(torch.float32)
+    node_conv = (window[:, :, 1:] * vf[:, :, None, None].to(dtype)).transpose(2, 3).contiguous()
+
+    # Heads first: [B, Hv, T, D]; padded nodes get k = 0, beta = 0, g = 0.
+    qh = _to_v_heads(q, dims).transpose(1, 2)
+    kh = (_to_v_heads(k, dims) * vf[:, :, None, None]).transpose(1, 2)
+    vh = v.transpose(1, 2)
+    g = (p.g * vf[..., None]).transpose(1, 2)  # [B, Hv, T]
+    beta = (p.beta * vf[..., None]).transpose(1, 2)
+    ancf = anc.to(torch.float32)
+    cum = torch.einsum("bij,bhj->bhi", ancf, g)  # G_i
+    path = anc[:, None]  # [B, 1, T, T]
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~path, float("-inf")).exp()  # [B, Hv, i, r]
+    k_beta = kh * beta.unsqueeze(-1)
+    eye = torch.eye(t, dtype=torch.float32, device=dev)
+    system = (k_beta @ kh.transpose(-1, -2)) * decay * (1.0 - eye) + eye  # I + A (strict ancestors only)
+    s0 = rec_state.float()  # [B, Hv, Dk, Dv]
+    rhs = vh * beta.unsqueeze(-1) - (k_beta * cum.exp().unsqueeze(-1)) @ s0
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [B, Hv, T, Dv]
+    core = (qh * cum.exp().unsqueeze(-1)) @ s0 + ((qh @ kh.transpose(-1, -2)) * decay) @ u
+    out = _output(module, core.transpose(1, 2), p.z, dims)
+    out = out * valid.unsqueeze(-1).to(out.dtype)
+    return out, GdnTreeWYTrace(node_conv=node_conv, key=kh, u=u, cum_g=cum, anc=anc)
+
+
+def gdn_commit_path_wy(
+    trace: GdnTreeWYTrace, path: Tensor, path_len: Tensor, conv_state: Tensor, rec_state: Tensor
+) -> tuple[Tensor, Tensor]:
+    """States after the accepted nodes path[b, :path_len[b]] (root first): closed form, no replay, no sync."""
+    bsz = trace.u.shape[0]
+    dev = trace.u.device
+    rows = torch.arange(bsz, device=dev)
+    last = path.to(dev).gather(1, (path_len.to(dev) - 1).clamp(min=0)[:, None])[:, 0].clamp(min=0)  # [B]
+    on_path = trace.anc[rows, last].to(torch.float32)  # [B, T]: ancestors-or-self of the last accepted node
+    g_last = trace.cum_g.gather(2, last[:, None, None].expand(-1, trace.cum_g.shape[1], 1))  # [B, Hv, 1]
+    weight = on_path[:, None, :] * (g_last - trace.cum_g).clamp(max=0).exp()  # [B, Hv, T]
+    state = g_last.exp()[..., None] * rec_state.float() + (trace.key * weight.unsqueeze(-1)).transpose(-1, -2) @ trace.u
+    keep = (path_len.to(dev) > 0)
+    state = torch.where(keep[:, None, None, None], state, rec_state.float())
+    conv = torch.where(keep[:, None, None], trace.node_conv[rows, last], conv_state.to(trace.node_conv.dtype))
+    return conv, state
