@@ -135,38 +135,66 @@ class DrafterRunner:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-    @torch.inference_mode()
     def add_context(self, seq_id: str, start: int, features: torch.Tensor) -> None:
         """Appends feature rows [n, F] for positions start .. start + n - 1; start must equal the rows held."""
+        error = self.add_contexts([(seq_id, start, features)])[seq_id]
+        if error is not None:
+            raise error
+
+    @torch.inference_mode()
+    def add_contexts(self, entries: list[tuple[str, int, torch.Tensor]]) -> dict[str, Exception | None]:
+        """add_context for several sequences in one projection; a bad entry fails alone (its error is returned)."""
+        errors: dict[str, Exception | None] = {}
+        accepted: list[tuple[int, int, torch.Tensor]] = []  # (slot, start, rows)
+        with self._lock:
+            for seq_id, start, features in entries:
+                try:
+                    slot = self._claim(seq_id, start, features)
+                except (ValueError, RuntimeError) as exc:
+                    errors[seq_id] = exc
+                    continue
+                errors[seq_id] = None
+                if slot is not None:
+                    accepted.append((slot, start, features))
+            if accepted:
+                self._project_into_cache(accepted)
+        return errors
+
+    def _claim(self, seq_id: str, start: int, features: torch.Tensor) -> int | None:
+        """Checks an entry and reserves its rows (and a slot for a new sequence); None when it has no rows."""
         if features.dim() != 2 or features.shape[1] != self.feature_dim:
             raise ValueError(f"features must be [n, {self.feature_dim}], got {tuple(features.shape)}")
         n = int(features.shape[0])
-        with self._lock:
-            held = self._len.get(seq_id)
-            if start != (held or 0):
-                raise ValueError(f"sequence {seq_id!r}: context rows start at {start}, expected {held or 0}")
-            if n == 0:
-                return
-            if (held or 0) + n > self.cfg.max_seq_len:
-                raise RuntimeError(
-                    f"capacity exceeded: sequence {seq_id!r} would hold {(held or 0) + n} context rows "
-                    f"(max_seq_len {self.cfg.max_seq_len})"
-                )
-            if held is None:
-                if not self._free:
-                    raise RuntimeError(f"capacity exceeded: all {self.cfg.max_batch} drafter slots are in use")
-                # Lowest slot first keeps running batches on consecutive slots (a view, no gather).
-                self._free.sort()
-                self._slot[seq_id] = self._free.pop(0)
-                self._len[seq_id] = 0
-            slot = self._slot[seq_id]
-            x = features.to(device=self.device, dtype=self.dtype).unsqueeze(0)
-            pos = torch.arange(start, start + n, device=self.device).unsqueeze(0)
-            ctx = self.model.project_context(x, pos)
-            for i in range(len(self.k_cache)):
-                self.k_cache[i][slot, :, start : start + n] = ctx.keys[i][0]
-                self.v_cache[i][slot, :, start : start + n] = ctx.values[i][0]
-            self._len[seq_id] = start + n
+        held = self._len.get(seq_id)
+        if start != (held or 0):
+            raise ValueError(f"sequence {seq_id!r}: context rows start at {start}, expected {held or 0}")
+        if n == 0:
+            return None
+        if (held or 0) + n > self.cfg.max_seq_len:
+            raise RuntimeError(
+                f"capacity exceeded: sequence {seq_id!r} would hold {(held or 0) + n} context rows "
+                f"(max_seq_len {self.cfg.max_seq_len})"
+            )
+        if held is None:
+            if not self._free:
+                raise RuntimeError(f"capacity exceeded: all {self.cfg.max_batch} drafter slots are in use")
+            # Lowest slot first keeps the slots of a running batch together.
+            self._free.sort()
+            self._slot[seq_id] = self._free.pop(0)
+        self._len[seq_id] = start + n
+        return self._slot[seq_id]
+
+    def _project_into_cache(self, accepted: list[tuple[int, int, torch.Tensor]]) -> None:
+        """One K/V projection over all accepted rows, scattered to their (slot, position) cache rows."""
+        dev = self.device
+        x = torch.cat([f.to(device=dev, dtype=self.dtype) for _, _, f in accepted]).unsqueeze(0)  # [1, N, F]
+        pos = torch.cat([torch.arange(st, st + f.shape[0]) for _, st, f in accepted]).to(dev)
+        slots = torch.cat([torch.full((f.shape[0],), slot) for slot, _, f in accepted]).to(dev)
+        ctx = self.model.project_context(x, pos.unsqueeze(0))
+        for i in range(len(self.k_cache)):
+            # [1, n_kv, N, D] -> [N, n_kv, D], the layout of cache[slots, :, positions]
+            self.k_cache[i][slots, :, pos] = ctx.keys[i][0].transpose(0, 1)
+            self.v_cache[i][slots, :, pos] = ctx.values[i][0].transpose(0, 1)
 
     def release(self, seq_id: str) -> bool:
         """Frees a sequence's slot; False when it was not held (releases are idempotent)."""

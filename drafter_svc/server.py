@@ -102,6 +102,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 await self._notify_rows_changed()
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         stored = received = 0
+        entries = []
         for rows in request.rows:
             # Bytes received count every payload that crossed over, stored or dropped, so the target's "send"
             # and the drafter's "recv" counters meet.
@@ -113,14 +114,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     data = rows_view(buffer, rows.shared_offset, rows.num_rows, request.feature_dim, rows.dtype)
                 else:
                     data = decode_rows(rows.dtype, rows.data, rows.num_rows, request.feature_dim)
-                await self.model_thread.run(self.runner.add_context, rows.seq_id, rows.start, data)
             except (ValueError, KeyError, RuntimeError) as exc:
-                # one bad sequence must not hold up the rows of the others in the same push
-                log.warning("features of sequence %s rejected: %s", rows.seq_id, exc)
-                self.broken[rows.seq_id] = f"context features rejected: {exc}"
+                self._reject(rows.seq_id, exc)
+                continue
+            entries.append((rows.seq_id, rows.start, data))
+        # All sequences' rows in one projection on the model thread (one hop, one pass over the drafter's layers).
+        errors = await self.model_thread.run(self.runner.add_contexts, entries) if entries else {}
+        for seq_id, start, data in entries:
+            if errors[seq_id] is not None:
+                self._reject(seq_id, errors[seq_id])
             else:
                 stored += data.numel() * data.element_size()
-                self.rows_held[rows.seq_id] = rows.start + rows.num_rows
+                self.rows_held[seq_id] = start + data.shape[0]
         if shared is not None:
             # The answer lets the target overwrite its buffer: the reads must be finished, not just queued.
             await self.model_thread.run(self.runner.synchronize, buffer.device)
@@ -128,6 +133,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self.metrics is not None:
             self.metrics.observe_transport_received(transport, received)
         return drafter_pb2.PushFeaturesResponse(bytes=stored)
+
+    def _reject(self, seq_id: str, exc: Exception) -> None:
+        # one bad sequence must not hold up the rows of the others in the same push
+        log.warning("features of sequence %s rejected: %s", seq_id, exc)
+        self.broken[seq_id] = f"context features rejected: {exc}"
 
     async def _notify_rows_changed(self) -> None:
         async with self.rows_changed:

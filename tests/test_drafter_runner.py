@@ -144,3 +144,23 @@ def test_errors(dirs):
     r.add_context("c", 0, f[:1])  # the freed slot is reused
     vals, ids = r.draft([DraftItem("c", 1, 1), DraftItem("b", 2, 1)], top_k=3, max_depth=2)
     assert vals.shape == (2, 2, 3) and torch.isfinite(vals).all()
+
+
+def test_one_batched_add_contexts_equals_separate_calls_and_a_bad_entry_fails_alone(dirs):
+    gen = torch.Generator().manual_seed(4)
+    one, batched = _runner(dirs, "full", max_batch=4), _runner(dirs, "full", max_batch=4)
+    feats = {s: torch.randn(n, one.feature_dim, generator=gen) for s, n in (("a", 5), ("b", 3), ("c", 7))}
+    for s, f in feats.items():
+        one.add_context(s, 0, f)
+    bad = torch.randn(2, one.feature_dim + 1)
+    errors = batched.add_contexts([("a", 0, feats["a"]), ("x", 0, bad), ("b", 0, feats["b"]), ("c", 0, feats["c"])])
+    assert errors["a"] is None and errors["b"] is None and errors["c"] is None
+    assert isinstance(errors["x"], ValueError) and batched.context_len("x") == 0
+    for s, f in feats.items():
+        assert batched.context_len(s) == f.shape[0]
+        for kc_one, kc_b in zip(one.k_cache + one.v_cache, batched.k_cache + batched.v_cache):
+            torch.testing.assert_close(kc_b[batched._slot[s], :, : f.shape[0]], kc_one[one._slot[s], :, : f.shape[0]],
+                                       atol=1e-5, rtol=0)  # other GEMM shapes: fp32 rounding
+    # and the drafts agree
+    items = [DraftItem(s, 9, f.shape[0]) for s, f in feats.items()]
+    torch.testing.assert_close(batched.draft(items, top_k=4)[0], one.draft(items, top_k=4)[0], atol=1e-5, rtol=0)

@@ -10,8 +10,15 @@ PROTO_NAMES = ("common", "target", "drafter", "gateway")
 
 
 def stubs_present() -> bool:
-    """True when every proto has its _pb2 and _pb2_grpc module."""
-    return all((PACKAGE_DIR / f"{n}_pb2.py").exists() and (PACKAGE_DIR / f"{n}_pb2_grpc.py").exists() for n in PROTO_NAMES)
+    """True when every proto has its _pb2 and _pb2_grpc module, none older than its .proto (edited protos regenerate)."""
+    for n in PROTO_NAMES:
+        proto = PROTO_ROOT / "ddtree_serve" / "proto" / f"{n}.proto"
+        stubs = (PACKAGE_DIR / f"{n}_pb2.py", PACKAGE_DIR / f"{n}_pb2_grpc.py")
+        if not all(s.exists() for s in stubs):
+            return False
+        if proto.exists() and min(s.stat().st_mtime for s in stubs) < proto.stat().st_mtime:
+            return False
+    return True
 
 
 def generate_stubs(force: bool = False) -> None:

@@ -1,0 +1,152 @@
+"""Assembles bench/results/h200.{md,json} (and a tokens/s-vs-budget plot) from one run's step-cost and speed files.
+
+    python -m bench.h200_report --step-cost step-cost-qwen3-8b-*.json --speed speed-*.json \
+        [--hybrid-step-cost step-cost-qwen3.6-27b-*.json] [--hybrid-speed speed-hybrid-*.json] --out-dir bench/results
+
+Every figure is a ratio or a time from the files named; the report restates their commands, dates and GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench import common
+
+
+def _load(path: str | None) -> dict | None:
+    return json.loads(Path(path).read_text()) if path else None
+
+
+def _row(rows: list[dict], **match) -> dict:
+    for r in rows:
+        if all(r.get(k) == v for k, v in match.items()):
+            return r
+    raise KeyError(f"no row with {match}")
+
+
+def _run(speed: dict, mode: str, batch: int, budget: int | None = None) -> dict | None:
+    for r in speed["runs"]:
+        if r.get("mode") == mode and r.get("batch") == batch and (budget is None or r.get("budget") == budget):
+            return r
+    return None
+
+
+def _hf(speed: dict, batch: int) -> dict | None:
+    for r in speed["runs"]:
+        if r.get("system", "").startswith("transformers generate (greedy") and r.get("batch") == batch:
+            return r
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b in (None, 0) else round(a / b, 3)
+
+
+def summarize(step: dict, speed: dict | None, budget: int, prefix: str) -> dict:
+    """The headline numbers of one model shape."""
+    floors = step["floors"]
+    ar1 = _row(step["target"], batch=1, nodes=1)
+    v65 = _row(step["target"], batch=1, nodes=65)
+    draft = _row(step["drafter"], batch=1, mode="tree")
+    out = {
+        f"gemv_floor_ms_{prefix}": round(floors["gemv_floor_ms"], 3),
+        f"weight_read_floor_ms_{prefix}": round(floors["weight_read_floor_ms"], 3),
+        f"ar_forward_graph_ms_{prefix}": round(ar1["forward_graph_ms"], 3),
+        f"ar_verify_call_graph_ms_{prefix}": round(ar1["verify_graph_ms"], 3),
+        f"verify64_over_decode_{prefix}": _ratio(v65["forward_graph_ms"], ar1["forward_graph_ms"]),
+        f"drafter_forward_graph_ms_{prefix}": round(draft["draft_graph_ms"], 3),
+    }
+    if speed is None:
+        return out
+    ar = _run(speed, "ar", 1)
+    dd = _run(speed, "ddtree", 1, budget)
+    if ar:
+        out[f"ar_step_ms_{prefix}"] = ar["breakdown"]["per_step_ms"]["step"]
+        out[f"ar_step_over_gemv_floor_{prefix}"] = _ratio(out[f"ar_step_ms_{prefix}"], floors["gemv_floor_ms"])
+        out[f"drafter_forward_over_ar_step_{prefix}"] = _ratio(draft["draft_graph_ms"], out[f"ar_step_ms_{prefix}"])
+    if dd:
+        out[f"overhead_fraction_{prefix}_b1"] = dd["breakdown"]["per_step_ms"].get("non_forward_share_of_step")
+        out[f"ddtree_over_ar_{prefix}_b1"] = dd.get("x_vs_services_ar")
+        out[f"ddtree_over_dflash_{prefix}_b1"] = dd.get("x_vs_services_dflash")
+        out[f"ddtree_over_hf_{prefix}_b1"] = dd.get("x_vs_hf_generate_b1")
+        out[f"ddtree_tau_{prefix}_b1"] = dd.get("tau")
+    batch = speed.get("batch")
+    ddb = _run(speed, "ddtree", batch, budget) if batch and batch != 1 else None
+    if ddb:
+        out[f"ddtree_over_ar_{prefix}_b{batch}"] = ddb.get("x_vs_services_ar")
+    return out
+
+
+def plot(speed: dict, path: Path) -> bool:
+    """tokens/s against budget at batch 1 (ddtree), with ar and dflash as lines; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    dd = sorted((r["budget"], r["tokens_per_s"]) for r in speed["runs"] if r.get("mode") == "ddtree" and r["batch"] == 1)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if dd:
+        ax.plot([b for b, _ in dd], [t for _, t in dd], "o-", label="ddtree")
+    for mode, style in (("ar", "--"), ("dflash", ":")):
+        r = _run(speed, mode, 1)
+        if r:
+            ax.axhline(r["tokens_per_s"], linestyle=style, label=mode, color="gray" if mode == "ar" else "black")
+    hf = _hf(speed, 1)
+    if hf:
+        ax.axhline(hf["tokens_per_s"], linestyle="-.", label="transformers generate", color="red")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("DDTree budget (nodes)")
+    ax.set_ylabel("tokens/s (batch 1)")
+    ax.set_title(speed.get("title", "Qwen3-8B shape, H200, bf16"))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.h200_report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--step-cost", required=True)
+    p.add_argument("--speed")
+    p.add_argument("--hybrid-step-cost")
+    p.add_argument("--hybrid-speed")
+    p.add_argument("--budget", type=int, default=64, help="the budget the headline ratios use")
+    p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    args = p.parse_args(argv)
+    step, speed = _load(args.step_cost), _load(args.speed)
+    hstep, hspeed = _load(args.hybrid_step_cost), _load(args.hybrid_speed)
+    data = {"date": step["date"], "gpu": step["hardware"].get("gpu"), "command": step["command"],
+            "commands": [x["command"] for x in (step, speed, hstep, hspeed) if x],
+            **summarize(step, speed, args.budget, "8b")}
+    if hstep:
+        h = summarize(hstep, hspeed, args.budget, "hybrid")
+        data.update(h)
+        data["hybrid_ar_step_ms"] = h.get("ar_step_ms_hybrid", h["ar_verify_call_graph_ms_hybrid"])
+        data["hybrid_floor_ms"] = h["gemv_floor_ms_hybrid"]
+        data["hybrid_verify64_over_decode"] = h["verify64_over_decode_hybrid"]
+        data["hybrid_ddtree_over_ar_b1"] = h.get("ddtree_over_ar_hybrid_b1")
+    if speed and speed.get("calibration"):
+        data["calibration"] = speed["calibration"]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "h200.json").write_text(json.dumps(data, indent=1) + "\n")
+    lines = [f"# H200 results ({data['gpu']}, bf16, random weights at real shapes)", "",
+             f"Date: {data['date']}", "", "Commands:", *[f"- `{c}`" for c in data["commands"]], ""]
+    if speed and speed.get("calibration"):
+        lines += ["**Acceptance is calibrated (bench-only)**: the drafter runs its real forward, and its top-K lists "
+                  "are rewritten from a profile measured on a real pair (see `calibration` in h200.json).", ""]
+    lines += [common.md_table(["figure", "value"], [[k, v] for k, v in data.items()
+                                                    if k not in ("commands", "calibration", "command")])]
+    if speed and plot(speed, out / "h200-tokens-per-s.png"):
+        lines += ["", "![tokens/s against budget](h200-tokens-per-s.png)"]
+    (out / "h200.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
