@@ -77,8 +77,27 @@ class DenseKernels:
             # Round where the eager code rounds (bf16 casts), so compiled and eager agree to the last bit or two.
             torch._inductor.config.emulate_precision_casts = True
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            fns = tuple(torch.compile(f, dynamic=True, fullgraph=True) for f in fns)
+            fns = tuple(_CompiledOrPlain(f) for f in fns)
         return cls(*fns)
+
+
+class _CompiledOrPlain:
+    """torch.compile of fn; if compiling fails (no compiler for this device, an inductor bug), the plain fn."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.plain = fn
+        self.fn = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def __call__(self, *args):
+        try:
+            return self.fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a slower path beats a dead service
+            if self.fn is self.plain:
+                raise
+            log.warning("compiling %s failed (%s: %s); using the plain PyTorch version", self.plain.__name__,
+                        type(exc).__name__, exc)
+            self.fn = self.plain
+            return self.fn(*args)
 
 
 @dataclass
