@@ -27,6 +27,9 @@ class EngineConfig:
     # Prompt tokens prefilled per step, over all sequences (0: no limit). A long prompt is prefilled in chunks
     # over several steps, so the running batch keeps decoding meanwhile (vLLM's chunked prefill).
     max_prefill_tokens: int = 2048
+    # Bench-only calibrated acceptance (gateway/calibrated_drafts.py DraftCalibrator): rewrites each draft's top-K
+    # lists so that acceptance follows a measured profile. None in any real deployment.
+    calibrator: object | None = None
 
 
 def sampling_to_proto(seq: Sequence) -> common_pb2.SamplingParams:
@@ -161,6 +164,9 @@ class PairEngine:
             shape = (r.depth, r.k)
             out[r.seq_id] = (torch.tensor(r.logprobs, dtype=torch.float32).reshape(shape),
                              torch.tensor(r.token_ids, dtype=torch.long).reshape(shape))
+        if self.cfg.calibrator is not None:  # bench-only: the target still verifies every token (lossless)
+            out = {sid: self.cfg.calibrator.rewrite_sequence(by_id[sid].prompt_ids, by_id[sid].output_ids, lp, ids)
+                   for sid, (lp, ids) in out.items()}
         return out
 
     def _fall_back(self, s: Sequence) -> None:
