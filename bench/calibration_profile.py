@@ -130,6 +130,9 @@ def main(argv=None) -> None:
 
     D, K = args.depth, args.top_k
     rank_counts = [[0] * (K + 1) for _ in range(D)]
+    # given depth d - 1's reference token was at rank 0 (hit) or not (miss): the depths' correlation
+    hit_counts = [[0] * (K + 1) for _ in range(D)]
+    miss_counts = [[0] * (K + 1) for _ in range(D)]
     lp_sums = [torch.zeros(K, dtype=torch.float64) for _ in range(D)]
     chain_acc, tree_acc, n_steps, n_tokens = 0, 0, 0, 0
     t_run = time.perf_counter()
@@ -141,7 +144,7 @@ def main(argv=None) -> None:
                 continue
             used += 1
             tree_acc += accepted
-            ids_rows, lead = ids.tolist(), True
+            ids_rows, lead, prev = ids.tolist(), True, None
             for d in range(D):
                 pos = start + d  # index in `tokens` of the depth-(d+1) token (the bonus is tokens[start - 1])
                 if pos >= len(tokens):
@@ -149,6 +152,9 @@ def main(argv=None) -> None:
                 row = ids_rows[d]
                 rank = row.index(tokens[pos]) if tokens[pos] in row else K
                 rank_counts[d][rank] += 1
+                if prev is not None:
+                    (hit_counts if prev == 0 else miss_counts)[d][rank] += 1
+                prev = rank
                 lp_sums[d] += lp[d].to(torch.float64)
                 lead = lead and rank == 0
                 chain_acc += lead
@@ -159,6 +165,10 @@ def main(argv=None) -> None:
 
     samples = [sum(c) for c in rank_counts]
     rank_probs = [[c / n for c in counts] for counts, n in zip(rank_counts, samples)]
+
+    def conditional(table: list[list[int]]) -> list[list[float]]:
+        # a row never observed (e.g. no miss at depth 1) falls back to the marginal
+        return [[c / sum(row) for c in row] if sum(row) else list(m) for row, m in zip(table, rank_probs)]
     mean_lp = [(s / n).tolist() for s, n in zip(lp_sums, samples)]
     measured_chain, measured_tree = 1 + chain_acc / n_steps, 1 + tree_acc / n_steps
     meta = {"label": LABEL, "command": command, "date": date, "hardware": hw,
@@ -169,14 +179,22 @@ def main(argv=None) -> None:
             "measured_chain_tau": round(measured_chain, 4),
             f"measured_ddtree{args.budget}_tau": round(measured_tree, 4),
             "run_seconds": round(time.perf_counter() - t0, 1)}
-    profile = CalibrationProfile(rank_probs, mean_lp, samples, meta)
+    meta["samples_after_hit"] = [sum(r) for r in hit_counts]
+    meta["samples_after_miss"] = [sum(r) for r in miss_counts]
+    profile = CalibrationProfile(rank_probs, mean_lp, samples, meta, conditional(hit_counts),
+                                 conditional(miss_counts))
+    marginal = CalibrationProfile(rank_probs, mean_lp)
     implied_chain = profile.chain_tau()
     implied_tree = simulated_tree_tau(profile, args.budget, trials=args.sim_trials)
+    indep_chain, indep_tree = marginal.chain_tau(), simulated_tree_tau(marginal, args.budget, trials=args.sim_trials)
     meta.update({"implied_chain_tau": round(implied_chain, 4),
                  f"implied_ddtree{args.budget}_tau": round(implied_tree, 4),
-                 "implied_note": "implied = what a calibrated run with this profile expects: depths drawn "
-                                 "independently (chain: closed form; DDTree: Monte Carlo over the profile's ranks "
-                                 "with its mean log-probs)"})
+                 "independent_depths_chain_tau": round(indep_chain, 4),
+                 f"independent_depths_ddtree{args.budget}_tau": round(indep_tree, 4),
+                 "implied_note": "implied = what a calibrated run with this profile expects: ranks drawn depth by "
+                                 "depth given the previous depth's hit/miss (chain: closed form; DDTree: Monte Carlo "
+                                 "over the profile's ranks with its mean log-probs); independent_depths = the same "
+                                 "from the per-depth marginals alone"})
     for budget in (16, 32, 128, 256):
         if budget != args.budget:
             meta.setdefault("implied_ddtree_tau_other_budgets", {})[budget] = round(
@@ -185,8 +203,9 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
     top1 = ", ".join(f"{x:.2f}" for x in profile.p_top1())
+    chain1 = ", ".join(f"{x:.2f}" for x in profile.chain_p_top1())
     in_k = ", ".join(f"{1 - r[-1]:.2f}" for r in rank_probs)
-    md = f"""# Calibration profile ({LABEL})
+    md = f"""# Calibration profile (bench-only: for calibrated-acceptance benchmarks)
 
 - Command: `{command}`
 - Date: {date}; run {meta['run_seconds']:.0f} s
@@ -199,18 +218,22 @@ def main(argv=None) -> None:
 | | chain tau | DDTree-{args.budget} tau |
 |---|---|---|
 | measured on these steps | {measured_chain:.3f} | {measured_tree:.3f} |
-| implied by the profile (depths independent) | {implied_chain:.3f} | {implied_tree:.3f} |
+| implied by the profile (ranks given the previous depth's hit/miss; what a calibrated run gets) | {implied_chain:.3f} | {implied_tree:.3f} |
+| implied by the per-depth marginals alone (depths independent) | {indep_chain:.3f} | {indep_tree:.3f} |
 
 Implied DDTree tau at other budgets: {meta['implied_ddtree_tau_other_budgets']}
 
 P(rank 0) per depth 1..{D}: {top1}
 
+P(rank 0 | depth d - 1 at rank 0) per depth 1..{D} (the chain's factors): {chain1}
+
 P(in top-{K}) per depth 1..{D}: {in_k}
 
-Use: `python -m bench.speed --calibrated {out} [--calibrate-chain-tau 7.79]` (the gateway rewrites drafts so that the
+Use: `python -m bench.speed --calibrated {common._display_path(out)} [--calibrate-chain-tau 7.79]` (the gateway rewrites drafts so that the
 reference tokens sit at ranks drawn from this profile; outputs stay the target's, acceptance is synthetic:
-bench-only). The measured-vs-implied gap comes from the depths' correlation (a drafter that is right at depth d
-tends to be right at d + 1), which a per-depth marginal profile does not carry.
+bench-only). Marginals alone underestimate tau: a drafter right at depth d tends to be right at d + 1, so the
+profile also holds each depth's rank distribution given the previous depth's hit or miss (first order); what
+remains between measured and implied is the longer-range correlation.
 """
     md_path = out.with_suffix(".md")
     md_path.write_text(md)

@@ -34,9 +34,8 @@ def test_rewrite_puts_the_true_token_at_the_sampled_rank_and_keeps_ids_distinct(
         # some true tokens already in the drafter's list (at another rank), some not, one unknown depth
         future = [int(ids[0, 5]), 77, int(ids[2, 0]), 78, int(ids[4, 7])]
         new_lp, new_ids = rewrite(lp, ids, future, profile, random.Random(seed))
-        ranks_rng = random.Random(seed)
-        for d, true in enumerate(future):
-            rank = profile.sample_rank(d, ranks_rng)
+        ranks = profile.sample_ranks(len(future), random.Random(seed))
+        for d, (true, rank) in enumerate(zip(future, ranks)):
             row = new_ids[d].tolist()
             assert len(set(row)) == 8
             if rank < 8:
@@ -82,6 +81,36 @@ def test_rescaling_hits_the_chain_tau_and_keeps_the_other_ranks_proportions(tau)
     assert all(a >= b for a, b in zip(top, top[1:]))
     with pytest.raises(ValueError):
         profile.rescaled_to_chain_tau(17.0)
+
+
+def conditional_profile(k: int = 4, depths: int = 15) -> CalibrationProfile:
+    """Marginal P(rank 0) = 0.5, but 0.8 after a hit and 0.2 after a miss (correlated depths)."""
+    def row(p0):
+        return [p0] + [(1 - p0) / k] * k
+    return CalibrationProfile([row(0.5)] * depths, [[-0.5 * (r + 1) for r in range(k)]] * depths,
+                              rank_probs_after_hit=[row(0.8)] * depths, rank_probs_after_miss=[row(0.2)] * depths)
+
+
+def test_conditional_profile_draws_given_the_previous_depth_and_rescales(tmp_path):
+    profile = conditional_profile()
+    rng, after = random.Random(5), {True: [0, 0], False: [0, 0]}
+    for _ in range(5000):
+        ranks = profile.sample_ranks(15, rng)
+        for prev, cur in zip(ranks, ranks[1:]):
+            after[prev == 0][0] += cur == 0
+            after[prev == 0][1] += 1
+    assert after[True][0] / after[True][1] == pytest.approx(0.8, abs=0.02)
+    assert after[False][0] / after[False][1] == pytest.approx(0.2, abs=0.02)
+    assert profile.chain_tau() == pytest.approx(chain_tau([0.5] + [0.8] * 14))
+    scaled = profile.rescaled_to_chain_tau(7.79)
+    assert scaled.chain_tau() == pytest.approx(7.79, abs=1e-6) and scaled.conditional
+    assert scaled.rank_probs_after_miss[3][0] > 0.2  # every table moves with the one factor
+    chain_like = CalibrationProfile(scaled.rank_probs, [[0.0] + [-1000.0] * 3] * 15, [], {},
+                                    scaled.rank_probs_after_hit, scaled.rank_probs_after_miss)
+    assert simulated_tree_tau(chain_like, 15, trials=20000) == pytest.approx(7.79, rel=0.03)
+    scaled.save(tmp_path / "c.json")
+    again = CalibrationProfile.load(tmp_path / "c.json")
+    assert again.rank_probs_after_hit == scaled.rank_probs_after_hit and again.chain_tau() == pytest.approx(7.79)
 
 
 def test_profile_json_round_trip_and_simulated_tree_tau(tmp_path):
