@@ -353,6 +353,7 @@ class DraftCalibrator:
         self.references = references
         self.seed = seed
         self.counters = CalibrationCounters()
+        self._warned: set[tuple[tuple[int, ...], bool]] = set()
 
     def _store(self) -> ReferenceStore:
         refs = self.references
@@ -362,10 +363,19 @@ class DraftCalibrator:
                          ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The calibrated (logprobs, ids) of one sequence's draft; the bonus token is output_ids[-1]."""
         depth = int(ids.shape[0])
-        future = self._store().future_tokens(prompt_ids, output_ids, depth)
+        store = self._store()
+        future = store.future_tokens(prompt_ids, output_ids, depth)
         self.counters.rewritten_depths += len(future)
         self.counters.unchanged_depths += depth - len(future)
         if not future:
+            ref = store.references.get(tuple(prompt_ids))
+            if len(store) and (ref is None or len(output_ids) < len(ref)):  # a miss a benchmark should hear about
+                key = (tuple(prompt_ids), ref is None)
+                if key not in self._warned:
+                    self._warned.add(key)
+                    log.warning("%s: %s (prompt of %d tokens, %d output tokens): this draft is left as drafted",
+                                LABEL, "no reference for this prompt" if ref is None else
+                                "output diverged from its reference", len(prompt_ids), len(output_ids))
             return logprobs, ids
         key = f"{self.seed}:{len(output_ids)}:{','.join(map(str, prompt_ids))}".encode()
         return rewrite(logprobs, ids, future, self.profile, random.Random(zlib.crc32(key)))

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -14,6 +15,9 @@ from gateway.backends import BackendPair
 from gateway.scheduler import PairQueue, plan_prefill_chunks
 from gateway.sequence import Sequence, Status
 from gateway.trees import build_step_trees
+
+if TYPE_CHECKING:
+    from gateway.calibrated_drafts import DraftCalibrator
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +33,7 @@ class EngineConfig:
     max_prefill_tokens: int = 2048
     # Bench-only calibrated acceptance (gateway/calibrated_drafts.py DraftCalibrator): rewrites each draft's top-K
     # lists so that acceptance follows a measured profile. None in any real deployment.
-    calibrator: object | None = None
+    calibrator: DraftCalibrator | None = None
 
 
 def sampling_to_proto(seq: Sequence) -> common_pb2.SamplingParams:
