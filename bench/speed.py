@@ -16,7 +16,10 @@ Draft RPCs (the difference is the gRPC hop), the target's and drafter's forward 
     python -m bench.speed                                   # CPU defaults: 4 prompts x 64 tokens, batch 4
     python -m bench.speed --device cuda --dtype bfloat16    # GPU defaults: 16 prompts x 256 tokens, batch 8
 
-Writes bench/results/speed-<hardware>.{md,json} (or --out-dir).
+    python -m bench.speed --calibrated bench/results/calibration-profile-smollm2.json --calibrate-chain-tau 7.79
+        # BENCH-ONLY calibrated acceptance (bench/calibrated.py): random-weight checkpoints at real shapes
+
+Writes bench/results/speed-<hardware>.{md,json} (or --out-dir); calibrated runs speed-calibrated-<hardware>.*
 """
 from __future__ import annotations
 
@@ -55,7 +58,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
-    return p.parse_args(argv)
+    p.add_argument("--calibrated", metavar="PROFILE.json",
+                   help="BENCH-ONLY calibrated acceptance: the gateway rewrites drafts so that acceptance follows this "
+                        "profile (bench/calibration_profile.py); an ar reference run of the prompts comes first")
+    p.add_argument("--calibrate-chain-tau", type=float, default=None,
+                   help="with --calibrated: rescale the profile so that its chain tau is this (e.g. 7.79, the DFlash "
+                        "paper's Qwen3-8B MATH-500 chain)")
+    args = p.parse_args(argv)
+    if args.calibrate_chain_tau and not args.calibrated:
+        p.error("--calibrate-chain-tau needs --calibrated")
+    return args
 
 
 # ---- services ---------------------------------------------------------------------------------------------------
@@ -271,6 +283,14 @@ def main(argv=None) -> None:
     print(f"{len(prompts)} prompts from {source}; max_tokens {max_tokens}; batch 1 and {batch}; "
           f"runs {plan}; hardware tag {tag}", flush=True)
 
+    calib = None
+    if args.calibrated:
+        from bench import calibrated
+
+        calib = calibrated.prepare(args.calibrated, args.calibrate_chain_tau, budgets)
+        print(f"{calib.info['label'].upper()}: profile {calib.info['profile']}, implied chain tau "
+              f"{calib.info['implied_chain_tau']}, DDTree {calib.info['implied_ddtree_tau']}", flush=True)
+
     t_run = time.perf_counter()
     if args.threads:
         import torch
@@ -279,13 +299,19 @@ def main(argv=None) -> None:
     hf = None if args.no_hf else HFModel(model, args.device, args.dtype)
     stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=budgets[0],
                                max_batch=max(8, batch), max_seq_len=args.max_seq_len,
-                               drafter_device=args.drafter_device)
+                               drafter_device=args.drafter_device,
+                               gateway_args=calib.gateway_args if calib else None)
     runs: list[dict] = []
     try:
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
         indexed = list(enumerate(prompt_ids))
+        if calib:  # the references must exist before any speculative request, warm-ups included
+            calibrated.collect_references(calib, stack.gateway, indexed, max_tokens, batch)
         for b in (1, batch) if batch > 1 else (1,):
             systems: list = [ServiceSystem(stack, mode, budget, b, max_tokens) for mode, budget in plan]
+            if calib:
+                for sys_ in systems:
+                    sys_.name += " [calibrated]" if sys_.mode != "ar" else ""
             if hf is not None:
                 if b == 1:
                     systems.append(HFSystem(hf, "transformers generate (greedy)", 1, max_tokens))
@@ -320,7 +346,7 @@ def main(argv=None) -> None:
         stack.stop()
     total_s = time.perf_counter() - t_run
     report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch, total_s,
-           _loadavg(), budgets)
+           _loadavg(), budgets, calibration=calib.info if calib else None)
 
 
 def _loadavg():
@@ -333,7 +359,7 @@ def _loadavg():
 
 
 def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch, total_s,
-           load_after_services, budgets) -> None:
+           load_after_services, budgets, calibration: dict | None = None) -> None:
     def find(system_prefix: str, b: int) -> dict | None:
         for r in runs:
             if r.get("system", "").startswith(system_prefix) and r.get("batch") == b and "tokens_per_s" in r:
@@ -409,6 +435,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
                             "x_vs_hf_generate_b1": r.get("x_vs_hf_generate_b1"),
                             "x_vs_hf_generate_same_batch": r.get("x_vs_hf_generate_same_batch")}
     data = {
+        **({"label": calibration["label"], "calibrated_acceptance": calibration} if calibration else {}),
         "command": command, "date": date, "hardware": hw, "hardware_tag": tag, "model": model_info,
         "drafter": drafter_info, "prompts": len(prompts), "prompt_source": source,
         "prompt_ids": [p["id"] for p in prompts], "max_tokens": max_tokens, "batch": batch, "budgets": budgets,
@@ -419,8 +446,8 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
     drafter_note = ("the bundled trained drafter" if drafter_info.get("bundled_drafter")
                     else "NOT the bundled trained drafter")
     gpu = f", {hw['gpu']} (CUDA {hw.get('cuda')})" if hw.get("gpu") else ""
-    md = f"""# Speed: services vs transformers, one run ({tag})
-
+    md = f"""# Speed: services vs transformers, one run ({tag}){' — ' + calibration['label'].upper() if calibration else ''}
+{chr(10) + calibrated_md(calibration) if calibration else ''}
 - Command: `{command}`
 - Date: {date}; whole run {total_s:.0f} s
 - Hardware: {hw['cpu_model']} ({hw['usable_cpus']} usable of {hw['logical_cpus']} logical CPUs){gpu}; device `{args.device}`{' (drafter on ' + args.drafter_device + ')' if args.drafter_device else ''}, dtype {args.dtype}; torch threads per service and for transformers: {args.threads or 'default'}; load average at start {hw.get('load_average_at_start')}, at the end {load_after_services}
@@ -448,7 +475,26 @@ everything that is not a target or drafter forward. *Wall outside steps* = prefi
 
 {push_table}
 """
-    common.write_outputs(args.out_dir, f"speed-{tag}", data, md)
+    common.write_outputs(args.out_dir, f"speed-calibrated-{tag}" if calibration else f"speed-{tag}", data, md)
+    if calibration:
+        headline(runs, calibration)
+
+
+def calibrated_md(info: dict) -> str:
+    from bench.calibrated import markdown
+
+    return markdown(info)
+
+
+def headline(runs: list[dict], info: dict) -> None:
+    """One line per service run of a calibrated benchmark, labelled."""
+    print(f"== {info['label'].upper()} (profile {info['profile']}, chain tau "
+          f"{info.get('calibrate_chain_tau') or 'as measured'}; implied chain {info['implied_chain_tau']}, "
+          f"DDTree {info['implied_ddtree_tau']}) ==", flush=True)
+    for r in runs:
+        if r.get("mode") and "tokens_per_s" in r:
+            print(f"  {r['system']:36s} batch {r['batch']}: {r['tokens_per_s']:.2f} tok/s, x{r['x_vs_services_ar']} "
+                  f"vs ar, tau {r['tau']}, outputs == ar {r.get('outputs_equal_services_ar')}", flush=True)
 
 
 if __name__ == "__main__":

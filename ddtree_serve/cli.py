@@ -100,8 +100,13 @@ def cmd_gateway(args) -> None:
     from gateway.server import GatewayConfig, serve
 
     _setup_logging("gateway", args.log_level)
+    engine = EngineConfig(max_prefill_tokens=args.max_prefill_tokens)
+    if args.calibrated_acceptance:
+        from gateway.calibrated_drafts import calibrator_from_args
+
+        engine.calibrator = calibrator_from_args(args.calibrated_acceptance, args.calibration_references)
     cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
-                        transport=args.transport, engine=EngineConfig(max_prefill_tokens=args.max_prefill_tokens))
+                        transport=args.transport, engine=engine)
     asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, http_port=args.http_port,
                       api_key=args.api_key))
 
@@ -422,6 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the OpenAI-compatible HTTP API (/v1/..., /health, /metrics) on this port")
     p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DDTREE_API_KEY; none: open)")
+    p.add_argument("--calibrated-acceptance", metavar="PROFILE.json",
+                   help="BENCH-ONLY: rewrite drafts so acceptance follows this profile (bench/calibration_profile.py); "
+                        "needs --calibration-references. Outputs stay the target's own, acceptance is synthetic")
+    p.add_argument("--calibration-references", metavar="REFS.json",
+                   help="BENCH-ONLY: prompt ids -> reference greedy continuation (from an ar run); may be written "
+                        "after start, reloaded when it changes")
     _add_common(p, 50050)
     p.set_defaults(func=cmd_gateway)
 

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -14,6 +15,9 @@ from gateway.backends import BackendPair
 from gateway.scheduler import PairQueue, plan_prefill_chunks
 from gateway.sequence import Sequence, Status
 from gateway.trees import build_step_trees
+
+if TYPE_CHECKING:
+    from gateway.calibrated_drafts import DraftCalibrator
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,9 @@ class EngineConfig:
     # Prompt tokens prefilled per step, over all sequences (0: no limit). A long prompt is prefilled in chunks
     # over several steps, so the running batch keeps decoding meanwhile (vLLM's chunked prefill).
     max_prefill_tokens: int = 2048
+    # Bench-only calibrated acceptance (gateway/calibrated_drafts.py DraftCalibrator): rewrites each draft's top-K
+    # lists so that acceptance follows a measured profile. None in any real deployment.
+    calibrator: DraftCalibrator | None = None
 
 
 def sampling_to_proto(seq: Sequence) -> common_pb2.SamplingParams:
@@ -161,6 +168,9 @@ class PairEngine:
             shape = (r.depth, r.k)
             out[r.seq_id] = (torch.tensor(r.logprobs, dtype=torch.float32).reshape(shape),
                              torch.tensor(r.token_ids, dtype=torch.long).reshape(shape))
+        if self.cfg.calibrator is not None:  # bench-only: the target still verifies every token (lossless)
+            out = {sid: self.cfg.calibrator.rewrite_sequence(by_id[sid].prompt_ids, by_id[sid].output_ids, lp, ids)
+                   for sid, (lp, ids) in out.items()}
         return out
 
     def _fall_back(self, s: Sequence) -> None:
