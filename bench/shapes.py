@@ -1,7 +1,9 @@
 """Random-weight checkpoints at the real shapes, built where they run (the GPU machine has no model downloads).
 
 Speed depends on shapes, not on weight values, so a benchmark of the engine can use N(0, 0.02) weights at the
-exact dimensions of the models users deploy. Each checkpoint comes with a word-level tokenizer that covers the
+exact dimensions of the models users deploy. The LM head is a permutation of the embedding (`_successor_head`), so greedy outputs are robust to bf16
+rounding and equal across decode modes, which calibrated-acceptance runs need. Each checkpoint comes with a
+word-level tokenizer that covers the
 whole vocabulary ("t0 t1 ..."), so the gateway's detokenizer works on any generated id.
 
     qwen3-8b      Qwen3-8B: 36 dense layers, hidden 4096, 32 q / 8 kv heads x 128, MLP 12288, vocab 151936
@@ -77,10 +79,32 @@ def build_target(shape: str, out_dir: str | Path, layers: int | None = None, dev
             model = AutoModelForCausalLM.from_config(config)  # HF init: N(0, 0.02), norms 1
     finally:
         torch.set_default_dtype(previous)
+    _successor_head(model, seed)
     model.save_pretrained(str(out_dir))
     word_tokenizer(config.vocab_size, out_dir)
     del model
     return out_dir
+
+
+EMBED_SCALE = 10.0
+
+
+def _successor_head(model, seed: int) -> None:
+    """Embeddings N(0, 10) and an LM head that is a row permutation of them: greedy decoding follows a fixed
+    successor of the current token by a wide margin.
+
+    With plain random weights every logit is near every other, so bf16 rounding, which differs between a 1-token
+    step and a 65-node verify, flips greedy choices and two runs of one prompt diverge. Here the last hidden
+    state is dominated by the token's own embedding (the layers add O(1) per element against 10), so the logit
+    of j, <h, e_perm(j)>, is largest by ~10^4 where perm(j) is the current token. Shapes, and so speed, are those
+    of the real model.
+    """
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        gen = torch.Generator(device=emb.device).manual_seed(seed)
+        emb.normal_(0.0, EMBED_SCALE, generator=gen)
+        perm = torch.randperm(emb.shape[0], generator=gen, device=emb.device)
+        model.get_output_embeddings().weight.copy_(emb[perm] / EMBED_SCALE)
 
 
 def build_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int = 5, block_size: int = 16,

@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-hf-batch", action="store_true", help="skip transformers' batched generate()")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--transport", default="inline", choices=["inline", "shm", "cuda-ipc"],
+                   help="how the target sends context features to the drafter")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     p.add_argument("--calibrated", metavar="PROFILE.json",
                    help="BENCH-ONLY calibrated acceptance: the gateway rewrites drafts so that acceptance follows this "
@@ -300,7 +302,7 @@ def main(argv=None) -> None:
     stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=budgets[0],
                                max_batch=max(8, batch), max_seq_len=args.max_seq_len,
                                drafter_device=args.drafter_device,
-                               gateway_args=calib.gateway_args if calib else None)
+                               gateway_args=calib.gateway_args if calib else None, transport=args.transport)
     runs: list[dict] = []
     try:
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
