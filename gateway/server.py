@@ -91,9 +91,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.metrics = self.metrics_factory(self.model_name)
         queues = []
         for p in self.pairs:
-            limits = AdmissionLimits(max_running=min(p.target_info.max_batch, p.drafter_info.max_batch),
-                                     max_reserved_tokens=p.target_info.cache.capacity_tokens or 1 << 62)
-            queues.append(PairQueue(limits))
+            admission = AdmissionLimits(max_running=min(p.target_info.max_batch, p.drafter_info.max_batch),
+                                        max_reserved_tokens=p.target_info.cache.capacity_tokens or 1 << 62)
+            queues.append(PairQueue(admission))
         self.scheduler = Scheduler(queues, max_waiting=self.cfg.max_waiting)
         self.engines = [PairEngine(p, q, self.cfg.engine, self.metrics) for p, q in zip(self.pairs, queues)]
         for e in self.engines:
