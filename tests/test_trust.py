@@ -95,7 +95,8 @@ def test_every_port_metrics_included_listens_on_loopback_only(stack):
                 if state == "0A" and int(port, 16) in ports:
                     listening[int(port, 16)] = addr
     assert set(listening) == ports
-    assert all(addr == "0100007F" for addr in listening.values()), listening
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+    assert all(addr in loopback for addr in listening.values()), listening
 
 
 def _list_services(address):
@@ -178,11 +179,11 @@ def test_squatted_slots_are_reclaimed_once_the_squatters_lease_lapses(stack):
 
 
 # ---- 3. shared memory -------------------------------------------------------------------------------------------
-def _push_shared(s, name, seq_id, size=4096):
+def _push_shared(s, name, seq_id, size=4096, feature_dim=8):
     async def call():
         async with s.internal_channel("drafter") as ch:
             return await drafter_pb2_grpc.DrafterServiceStub(ch).PushFeatures(drafter_pb2.FeatureBatch(
-                feature_dim=8, shared=drafter_pb2.SharedBuffer(kind="shm", buffer_id=name, size_bytes=size,
+                feature_dim=feature_dim, shared=drafter_pb2.SharedBuffer(kind="shm", buffer_id=name, size_bytes=size,
                                                                shm_name=name),
                 rows=[drafter_pb2.FeatureRows(seq_id=seq_id, start=0, num_rows=2, dtype="float32")]), timeout=30)
 
@@ -203,12 +204,19 @@ def test_the_drafter_refuses_shared_memory_that_is_not_a_staging_buffer(stack):
 
 def test_a_shared_buffer_shrunk_after_mapping_does_not_crash_the_drafter(stack):
     s, _ = stack
+    async def info():
+        async with s.internal_channel("drafter") as ch:
+            return await drafter_pb2_grpc.DrafterServiceStub(ch).Info(drafter_pb2.DrafterInfoRequest(), timeout=30)
+
+    d = _run(info())
+    dim = len(d.target_layer_ids) * d.hidden_size
+    size = 2 * dim * 4
     name = f"ddtree-{uuid.uuid4().hex}"
-    shm = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    shm = shared_memory.SharedMemory(name=name, create=True, size=size)
     try:
-        assert _push_shared(s, name, "shm-shrink-1").bytes == 64     # mapped and read
-        os.ftruncate(shm._fd, 0)                                      # noqa: SLF001 - the attack
-        assert _push_shared(s, name, "shm-shrink-2").bytes == 0       # refused per sequence, no SIGBUS
+        assert _push_shared(s, name, "shm-shrink-1", size, dim).bytes == size   # mapped and read
+        os.ftruncate(shm._fd, 0)                                                # noqa: SLF001 - the attack
+        assert _push_shared(s, name, "shm-shrink-2", size, dim).bytes == 0      # refused per sequence, no SIGBUS
         assert s.alive()["drafter"]
     finally:
         shm.close()
