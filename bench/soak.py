@@ -125,8 +125,8 @@ async def references_of(stack, prompts, max_tokens) -> list[list[int]]:
         return out
 
 
-def main(argv=None) -> None:
-    """CLI entry."""
+def main(argv=None) -> Tally:
+    """CLI entry; returns the tally (exits 1 on a lost or corrupted response)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
     ap.add_argument("--drafter")
@@ -193,6 +193,7 @@ def main(argv=None) -> None:
     print(md)
     if tally.corrupted or tally.lost:
         raise SystemExit(1)
+    return tally
 
 
 if __name__ == "__main__":
