@@ -23,7 +23,9 @@ import grpc
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "DDTREE_INTERNAL_SECRET"
-API_KEY_ENV = "DDTREE_API_KEY"
+# The gRPC front's key. The HTTP front's --api-key ($DDTREE_API_KEY) is separate so gRPC clients without a key keep
+# working where only the OpenAI front is meant to be keyed.
+API_KEY_ENV = "DDTREE_GRPC_API_KEY"
 SECRET_HEADER = "x-ddtree-secret"
 SESSION_HEADER = "x-ddtree-session"     # the gateway process that owns a sequence (see ddtree_serve/leases.py)
 # Probes (kubelet, docker healthcheck, wait_until_serving) carry no credentials and reveal nothing but a status.
@@ -77,7 +79,7 @@ def security_from_args(args, public: bool = False) -> Security:
     """Builds (and configures) the process's Security from the common CLI flags."""
     api_key = None
     if public:
-        api_key = read_secret(getattr(args, "api_key_file", None), API_KEY_ENV) or getattr(args, "api_key", None)
+        api_key = read_secret(getattr(args, "api_key_file", None), API_KEY_ENV)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     return configure(Security(

@@ -463,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-references", metavar="REFS.json",
                    help="BENCH-ONLY: prompt ids -> reference greedy continuation (from an ar run); may be written "
                         "after start, reloaded when it changes")
-    p.add_argument("--api-key-file", help="file holding the public API key")
+    p.add_argument("--api-key-file", help="require 'authorization: Bearer KEY' on public gRPC calls, KEY read from this "
+                                          "file (or $DDTREE_GRPC_API_KEY); health stays open")
     p.add_argument("--drain-s", type=float, default=20.0,
                    help="on SIGTERM: seconds running requests get to finish before their streams are ended")
     p.add_argument("--draft-timeout-s", type=float, default=10.0,
