@@ -33,7 +33,8 @@ def _set_threads(n: int | None) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to bind, metrics included (default loopback; 0.0.0.0 in containers)")
     p.add_argument("--port", type=_int_in(0, 65535), default=default_port, help="gRPC port")
     p.add_argument("--metrics-port", type=_int_in(0, 65535), default=None,
                    help="Prometheus endpoint port (off when omitted)")
@@ -41,6 +42,25 @@ def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--log-level", default=os.environ.get("DDTREE_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper, help="log level ($DDTREE_LOG_LEVEL)")
     p.add_argument("--threads", type=_int_in(1), default=None, help="torch CPU threads (default: torch's choice)")
+    g = p.add_argument_group("security")
+    g.add_argument("--secret-file", help="internal shared secret (else $DDTREE_INTERNAL_SECRET); target and drafter "
+                                         "refuse calls without it, the gateway and target send it")
+    g.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve internal RPCs beyond loopback without a secret (not recommended)")
+    g.add_argument("--tls-cert", help="PEM certificate chain of this service: TLS on its port")
+    g.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    g.add_argument("--tls-client-ca", help="PEM CA: clients must present a certificate it signed (mTLS)")
+    g.add_argument("--tls-ca", help="PEM CA to verify internal services (TLS on outgoing internal channels)")
+    g.add_argument("--tls-server-name", help="name the internal services' certificates are issued to")
+    g.add_argument("--reflection", action="store_true", default=None,
+                   help="gRPC server reflection (default: on for the gateway only)")
+
+
+def _security(args, public: bool = False) -> None:
+    from ddtree_serve import auth
+
+    auth.security_from_args(args, public=public)
+    auth.check_bind(args.host, public, args.allow_unauthenticated)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -57,22 +77,25 @@ def cmd_target(args) -> None:
     from target_svc.server import TargetServerConfig, serve
 
     _setup_logging("target", args.log_level)
+    _security(args)
     _set_threads(args.threads)
     cfg = TargetServerConfig(model_dir=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                              max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes,
-                             prefill_chunk=args.prefill_chunk, enforce_eager=args.enforce_eager)
-    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file))
+                             prefill_chunk=args.prefill_chunk, enforce_eager=args.enforce_eager,
+                             allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s)
+    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection))
 
 
 def cmd_drafter(args) -> None:
     from drafter_svc.server import DrafterServerConfig, serve
 
     _setup_logging("drafter", args.log_level)
+    _security(args)
     _set_threads(args.threads)
     cfg = DrafterServerConfig(drafter_dir=args.drafter, target_model_dir=args.target_model, device=args.device,
                               dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                              enforce_eager=args.enforce_eager)
-    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file))
+                              enforce_eager=args.enforce_eager, lease_s=args.lease_s)
+    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection))
 
 
 def _read_pairs(args):
@@ -100,15 +123,16 @@ def cmd_gateway(args) -> None:
     from gateway.server import GatewayConfig, serve
 
     _setup_logging("gateway", args.log_level)
-    engine = EngineConfig(max_prefill_tokens=args.max_prefill_tokens)
+    _security(args, public=True)
+    engine = EngineConfig(max_prefill_tokens=args.max_prefill_tokens, draft_timeout_s=args.draft_timeout_s)
     if args.calibrated_acceptance:
         from gateway.calibrated_drafts import calibrator_from_args
 
         engine.calibrator = calibrator_from_args(args.calibrated_acceptance, args.calibration_references)
     cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
-                        transport=args.transport, engine=engine)
+                        transport=args.transport, drain_s=args.drain_s, engine=engine)
     asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, http_port=args.http_port,
-                      api_key=args.api_key))
+                      api_key=args.api_key, reflection=args.reflection))
 
 
 # ---- client ---------------------------------------------------------------------------------------------------
@@ -399,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tree-nodes", type=_int_in(2), default=257, help="largest verify block (root + budget)")
     p.add_argument("--prefill-chunk", type=_int_in(0), default=512,
                    help="prompt positions per prefill forward (0: whole prompts at once); bounds prefill memory")
+    p.add_argument("--allow-drafter", action="append",
+                   help="HOST:PORT the target may send features to (repeatable; default: any, secret-holders only)")
+    p.add_argument("--lease-s", type=float, default=60.0,
+                   help="a sequence whose gateway has not been heard from for this long is freed")
     p.set_defaults(func=cmd_target)
 
     p = add("drafter", "run the drafter service")
@@ -406,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-model", required=True, help="target checkpoint (for its embedding and LM head)")
     _add_common(p, 50052)
     _add_model_args(p)
+    p.add_argument("--lease-s", type=float, default=60.0,
+                   help="a sequence not drafted or fed for this long (its gateway gone) is freed")
     p.set_defaults(func=cmd_drafter)
 
     p = add("gateway", "run the public gateway (gRPC, and with --http-port the OpenAI-compatible HTTP API)")
@@ -433,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-references", metavar="REFS.json",
                    help="BENCH-ONLY: prompt ids -> reference greedy continuation (from an ar run); may be written "
                         "after start, reloaded when it changes")
+    p.add_argument("--api-key-file", help="require 'authorization: Bearer KEY' on public gRPC calls, KEY read from this "
+                                          "file (or $DDTREE_GRPC_API_KEY); health stays open")
+    p.add_argument("--drain-s", type=float, default=20.0,
+                   help="on SIGTERM: seconds running requests get to finish before their streams are ended")
+    p.add_argument("--draft-timeout-s", type=float, default=10.0,
+                   help="a Draft slower than this turns its sequences autoregressive (stalled drafter)")
     _add_common(p, 50050)
     p.set_defaults(func=cmd_gateway)
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 # Context-feature transports, target -> drafter (implemented in ddtree_serve/transport/).
 SHARED_BUFFER_TRANSPORTS = ("shm", "cuda-ipc")
 TRANSPORTS = ("inline", *SHARED_BUFFER_TRANSPORTS)
+# Below this, logits / temperature overflow to inf and softmax yields NaN; vLLM treats such temperatures as greedy.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,19 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+
+    @classmethod
+    def from_wire(cls, temperature: float, top_p: float, top_k: int, seed: int | None) -> "SamplingParams":
+        """Request fields -> validated params: 0 turns top_p off, NaN is refused, tiny temperatures are greedy."""
+        temperature, top_p = float(temperature), float(top_p)
+        if math.isnan(top_p):
+            raise ValueError("top_p must be in (0, 1], got nan")
+        if math.isfinite(temperature) and 0 < temperature < GREEDY_TEMPERATURE:
+            temperature = 0.0
+        params = cls(temperature=temperature, top_p=1.0 if top_p == 0 else top_p, top_k=int(top_k),
+                     seed=None if seed is None else int(seed))
+        params.validate()
+        return params
 
     @property
     def greedy(self) -> bool:

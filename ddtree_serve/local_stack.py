@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -40,6 +41,8 @@ class LocalStack:
     http: bool = False                  # the gateway's OpenAI-compatible HTTP front (ports["http"])
     api_key: str | None = None          # handed to the gateway in its environment, not its argv (ps shows argv)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # Internal shared secret of the three (the caller's $DDTREE_INTERNAL_SECRET, else a fresh random one).
+    secret: str = field(default_factory=lambda: os.environ.get("DDTREE_INTERNAL_SECRET") or secrets.token_hex(16))
 
     def __post_init__(self) -> None:
         names = ("target", "drafter", "gateway")
@@ -79,7 +82,7 @@ class LocalStack:
 
         return {
             "target": [*py, "target", "--model", self.model, "--host", "127.0.0.1", "--port", str(self.ports["target"]),
-                       "--device", self.device, "--dtype", self.dtype, *threads, *m("target"),
+                       "--allow-drafter", self.address("drafter"), "--device", self.device, "--dtype", self.dtype, *threads, *m("target"),
                        *self.extra.get("target", [])],
             "drafter": [*py, "drafter", "--drafter", self.drafter, "--target-model", self.model, "--host", "127.0.0.1",
                         "--port", str(self.ports["drafter"]), "--device", self.device, "--dtype", self.dtype,
@@ -93,19 +96,26 @@ class LocalStack:
 
     def start(self, timeout_s: float = 600.0) -> "LocalStack":
         """Starts the processes and waits until the gateway is SERVING (raises if a process dies first)."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", DDTREE_INTERNAL_SECRET=self.secret)
         if self.api_key:
             env["DDTREE_API_KEY"] = self.api_key
         for name, cmd in self.commands().items():
-            logf = open(Path(self.log_dir) / f"{name}.log", "w")  # noqa: SIM115 - lives with the process
-            self.procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                                start_new_session=True)
+            self.spawn(name, cmd, env)
         try:
             asyncio.run(self._wait_ready(timeout_s))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def spawn(self, name: str, cmd: list[str] | None = None, env: dict | None = None) -> subprocess.Popen:
+        """Starts (or restarts, after `kill`) one service; its log is appended to."""
+        cmd = cmd or self.commands()[name]
+        env = env or dict(os.environ, PYTHONUNBUFFERED="1", DDTREE_INTERNAL_SECRET=self.secret)
+        logf = open(Path(self.log_dir) / f"{name}.log", "a")  # noqa: SIM115 - lives with the process
+        self.procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        return self.procs[name]
 
     async def _wait_ready(self, timeout_s: float) -> None:
         from ddtree_serve.rpc import wait_until_serving
@@ -127,6 +137,15 @@ class LocalStack:
             if path.exists():
                 out.append(f"--- {name} ---\n" + "\n".join(path.read_text().splitlines()[-lines:]))
         return "\n".join(out)
+
+    def internal_channel(self, name: str) -> "grpc.aio.Channel":
+        """An aio channel to the target or drafter that carries the stack's secret (tests, tools)."""
+        import grpc
+
+        from ddtree_serve.auth import MetadataInterceptor, secret_metadata
+
+        return grpc.aio.insecure_channel(self.address(name), interceptors=[MetadataInterceptor(
+            secret_metadata(self.secret))])
 
     def alive(self) -> dict[str, bool]:
         return {n: p.poll() is None for n, p in self.procs.items()}

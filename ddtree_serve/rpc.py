@@ -43,6 +43,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code(), f"downstream: {exc.details()}"
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, PermissionError):   # a sequence leased to another gateway session
+        return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, KeyError):
         return grpc.StatusCode.NOT_FOUND, f"unknown sequence id {exc.args[0]!r}" if exc.args else "not found"
     if isinstance(exc, RuntimeError) and str(exc).startswith("capacity"):
@@ -109,19 +111,30 @@ class ServiceHost:
 
     service_names: Sequence[str]
     interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+    reflection: bool = True   # internal services leave it off: it would list their RPCs to anyone
+    max_receive_bytes: int = MAX_MESSAGE_BYTES
     server: grpc.aio.Server = field(init=False)
     health: health.aio.HealthServicer = field(init=False)
 
     def __post_init__(self) -> None:
-        self.server = grpc.aio.server(interceptors=list(self.interceptors), options=CHANNEL_OPTIONS)
+        options = [*CHANNEL_OPTIONS[:1], ("grpc.max_receive_message_length", self.max_receive_bytes),
+                   *CHANNEL_OPTIONS[2:]]
+        self.server = grpc.aio.server(interceptors=list(self.interceptors), options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
     async def start(self, host: str, port: int) -> int:
         """Binds and starts; returns the bound port (0 picks a free one)."""
-        reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME, health.SERVICE_NAME],
-                                            self.server)
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        from ddtree_serve import auth
+
+        if self.reflection:
+            reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME, health.SERVICE_NAME],
+                                                self.server)
+        creds = auth.server_credentials()
+        if creds is None:
+            bound = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = self.server.add_secure_port(f"{host}:{port}", creds)
         if bound == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -131,6 +144,10 @@ class ServiceHost:
     async def mark_serving(self) -> None:
         """Readiness: flips health to SERVING (overall and per named service)."""
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def mark_not_serving(self) -> None:
+        """Health NOT_SERVING (a broken pair, draining): load balancers stop sending new work."""
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _set_all(self, status) -> None:
         for name in ("", *self.service_names):
@@ -159,8 +176,10 @@ class ServiceHost:
 
 async def wait_until_serving(address: str, timeout_s: float = 120.0, service: str = "") -> None:
     """Polls a server's gRPC health until SERVING (raises TimeoutError)."""
+    from ddtree_serve import auth
+
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with auth.internal_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -187,20 +206,31 @@ def metrics_hooks(service: str, metrics_port: int | None):
 async def run_service(label: str, service_name: str, servicer, add_to_server: Callable, interceptors: Sequence,
                       host: str, port: int, *, start: Callable[[], Awaitable[None]],
                       on_stop: Callable[[], Awaitable[None]], registry=None, metrics_port: int | None = None,
-                      ready_file: str | None = None) -> None:
-    """Serves one servicer: bind, metrics endpoint, `start()` (load/connect), SERVING, then until SIGTERM."""
+                      ready_file: str | None = None, public: bool = False, reflection: bool | None = None,
+                      on_host: Callable[[ServiceHost], None] | None = None, grace_s: float = 5.0,
+                      max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    """Serves one servicer: bind, metrics endpoint, `start()` (load/connect), SERVING, then until SIGTERM.
+
+    `public` picks the credential check (API key vs internal secret) and reflection's default (on only there)."""
+    from ddtree_serve import auth
     from ddtree_serve.request_context import RequestIdServerInterceptor
 
-    host_ = ServiceHost([service_name], [*interceptors, RequestIdServerInterceptor()])
+    # The credential check runs first: an unauthenticated call is refused before metrics or servicer code.
+    host_ = ServiceHost([service_name], [*auth.server_interceptors(public), *interceptors,
+                                         RequestIdServerInterceptor()],
+                        reflection=public if reflection is None else reflection, max_receive_bytes=max_receive_bytes)
     add_to_server(servicer, host_.server)
+    if on_host is not None:
+        on_host(host_)
     bound = await host_.start(host, port)
     if metrics_port is not None:
         from ddtree_serve.metrics import start_metrics_server
 
-        log.info("%s metrics on :%d", label, start_metrics_server(metrics_port, registry))
+        # Same interface as the gRPC port: --host 127.0.0.1 keeps /metrics on loopback too.
+        log.info("%s metrics on %s:%d", label, host, start_metrics_server(metrics_port, registry, host=host))
     log.info("%s listening on %s:%d (pid %d)", label, host, bound, os.getpid())
     await start()
     await host_.mark_serving()
     if ready_file:
         Path(ready_file).write_text(str(bound))
-    await host_.serve_until_signal(on_stop=on_stop)
+    await host_.serve_until_signal(grace_s=grace_s, on_stop=on_stop)

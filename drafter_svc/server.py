@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,10 +12,12 @@ from pathlib import Path
 import grpc
 import torch
 
+from ddtree_serve import auth
+from ddtree_serve.leases import LeaseTable
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from ddtree_serve.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
                               require_ready, run_service)
-from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes, rows_view
+from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ class DrafterServerConfig:
     max_seq_len: int = 2048
     feature_wait_s: float = 30.0
     enforce_eager: bool = False
+    lease_s: float = 60.0
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
@@ -52,6 +56,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.released: OrderedDict[str, None] = OrderedDict()
         self.broken: dict[str, str] = {}   # seq id -> why its context can no longer be trusted
         self.opened_buffers = OpenedBuffers()   # the target's staging buffers (shm / cuda-ipc transports)
+        # Pushed rows renew a sequence; a Draft leases it to the calling gateway session.
+        self.leases = LeaseTable(cfg.lease_s)
+        self.instance_id = uuid.uuid4().hex
+        self._reaper: asyncio.Task | None = None
 
     async def load(self) -> None:
         """Loads drafter + the target's embedding and LM head on the model thread."""
@@ -64,9 +72,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self.metrics is not None:
             self.metrics.track_gpu_memory(self.cfg.device)
         log.info("drafter %s loaded in %.1f s", self.cfg.drafter_dir, time.perf_counter() - t0)
+        self._reaper = asyncio.create_task(self._reap_lapsed_leases())
         self.ready.set()
 
+    async def _reap_lapsed_leases(self) -> None:
+        """Frees sequences nobody fed or drafted for a lease (gateway gone, or slots squatted by pushes)."""
+        while True:
+            await asyncio.sleep(max(0.2, self.cfg.lease_s / 4))
+            lapsed = self.leases.lapsed()
+            if lapsed:
+                released = await self._release_ids(lapsed)
+                log.warning("freed %d sequences whose lease lapsed", released)
+
     async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         self.model_thread.shutdown()
         self.opened_buffers.close()
 
@@ -79,8 +99,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     @grpc_errors
     async def Info(self, request, context):
         require_ready(self.ready)
+        self.leases.heard_from(auth.session_of(context))
         r = self.runner
-        return drafter_pb2.DrafterInfo(
+        return drafter_pb2.DrafterInfo(instance_id=self.instance_id,
             model_name=Path(self.cfg.drafter_dir).name, block_size=r.block_size,
             target_layer_ids=list(r.target_layer_ids), mask_token_id=r.mask_token_id, vocab_size=r.vocab_size,
             hidden_size=r.hidden_size, max_seq_len=self.cfg.max_seq_len, max_batch=self.cfg.max_batch,
@@ -109,9 +130,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             received += payload_bytes(rows, request.feature_dim)
             if rows.seq_id in self.released:
                 continue  # the sequence finished while its last features were in flight
+            self.leases.touch([rows.seq_id])
             try:
                 if shared is not None:
-                    data = rows_view(buffer, rows.shared_offset, rows.num_rows, request.feature_dim, rows.dtype)
+                    data = self.opened_buffers.rows(shared, rows.shared_offset, rows.num_rows, request.feature_dim,
+                                                    rows.dtype)
                 else:
                     data = decode_rows(rows.dtype, rows.data, rows.num_rows, request.feature_dim)
             except (ValueError, KeyError, RuntimeError) as exc:
@@ -171,6 +194,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         for it in request.items:
             if it.seq_id in self.released:
                 raise KeyError(it.seq_id)
+        self.leases.claim(auth.session_of(context), (it.seq_id for it in request.items))
         items = [DraftItem(seq_id=it.seq_id, bonus_token=it.bonus_token, context_len=it.context_len)
                  for it in request.items]
         await self._wait_for_context(items)
@@ -197,7 +221,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     @grpc_errors
     async def Release(self, request, context):
         require_ready(self.ready)
-        ids = list(request.seq_ids)
+        ids = list(self.leases.check(auth.session_of(context), request.seq_ids))
+        released = await self._release_ids(ids)
+        return drafter_pb2.DrafterReleaseResponse(released=released, cache=self._cache())
+
+    async def _release_ids(self, ids: list[str]) -> int:
         # Tombstones first, before any await: a feature push checked after this point is dropped, and one
         # checked before it was queued on the model thread ahead of the release below.
         for seq_id in ids:
@@ -206,15 +234,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             self.released[seq_id] = None
         while len(self.released) > RELEASED_MEMORY:
             self.released.popitem(last=False)
-        released = await self.model_thread.run(self._release_all, ids)
-        return drafter_pb2.DrafterReleaseResponse(released=released, cache=self._cache())
+        self.leases.drop(ids)
+        return await self.model_thread.run(self._release_all, ids)
 
     def _release_all(self, seq_ids: list[str]) -> int:
         return sum(bool(self.runner.release(seq_id)) for seq_id in seq_ids)
 
 
 async def serve(cfg: DrafterServerConfig, host: str, port: int, metrics_port: int | None = None,
-                ready_file: str | None = None) -> None:
+                ready_file: str | None = None, reflection: bool | None = None) -> None:
     """Runs the drafter service until SIGTERM."""
     registry, interceptors, _ = metrics_hooks("drafter", metrics_port)
     metrics = None
@@ -226,4 +254,4 @@ async def serve(cfg: DrafterServerConfig, host: str, port: int, metrics_port: in
     log.info("drafter service: loading %s", cfg.drafter_dir)
     await run_service("drafter service", SERVICE_NAME, servicer, drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
                       interceptors, host, port, start=servicer.load, on_stop=servicer.close, registry=registry,
-                      metrics_port=metrics_port, ready_file=ready_file)
+                      metrics_port=metrics_port, ready_file=ready_file, reflection=reflection)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from ddtree_serve import auth
 from ddtree_serve.proto import drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.rpc import CHANNEL_OPTIONS, wait_until_serving
 
@@ -30,25 +31,36 @@ class BackendPair:
     client_interceptors: list = field(default_factory=list)
     target_info: target_pb2.TargetInfo | None = None
     drafter_info: drafter_pb2.DrafterInfo | None = None
+    transport: str = "inline"
+    target_ok: bool = False    # the target answers as the instance we attached (see gateway/watch.py)
+    drafter_ok: bool = False   # the drafter answers in time: speculation is worth trying
 
     async def connect(self, timeout_s: float = 300.0, transport: str = "inline") -> None:
         """Waits for both services to be ready, reads their info and attaches the drafter to the target."""
         await wait_until_serving(self.address.target, timeout_s)
         await wait_until_serving(self.address.drafter, timeout_s)
-        self._target_channel = grpc.aio.insecure_channel(self.address.target, options=CHANNEL_OPTIONS,
-                                                         interceptors=self.client_interceptors)
-        self._drafter_channel = grpc.aio.insecure_channel(self.address.drafter, options=CHANNEL_OPTIONS,
-                                                          interceptors=self.client_interceptors)
+        # Authenticated (secret + this gateway's session id, which owns the sequences it creates), TLS if set.
+        self._target_channel = auth.internal_channel(self.address.target, options=CHANNEL_OPTIONS,
+                                                     interceptors=self.client_interceptors)
+        self._drafter_channel = auth.internal_channel(self.address.drafter, options=CHANNEL_OPTIONS,
+                                                      interceptors=self.client_interceptors)
         self.target = target_pb2_grpc.TargetServiceStub(self._target_channel)
         self.drafter = drafter_pb2_grpc.DrafterServiceStub(self._drafter_channel)
+        self.transport = transport
+        await self.attach()
+
+    async def attach(self) -> None:
+        """Reads both services' info and (re)attaches the drafter to the target (start-up, and after a restart)."""
         self.target_info = await self.target.Info(target_pb2.InfoRequest(), timeout=30)
         self.drafter_info = await self.drafter.Info(drafter_pb2.DrafterInfoRequest(), timeout=30)
         if self.drafter_info.hidden_size != self.target_info.hidden_size:
             raise RuntimeError(f"drafter hidden size {self.drafter_info.hidden_size} != target's "
                                f"{self.target_info.hidden_size}: not a drafter for this target")
+        # The target asks the drafter for its feature layers itself; sending them too guards against a mix-up.
         await self.target.AttachDrafter(target_pb2.AttachDrafterRequest(
             drafter_address=self.address.drafter_for_target or self.address.drafter,
-            target_layer_ids=list(self.drafter_info.target_layer_ids), transport=transport), timeout=30)
+            target_layer_ids=list(self.drafter_info.target_layer_ids), transport=self.transport), timeout=30)
+        self.target_ok = self.drafter_ok = True
         log.info("pair %d ready: target %s (%s), drafter %s (block %d, layers %s)", self.index, self.address.target,
                  self.target_info.model_name, self.address.drafter, self.drafter_info.block_size,
                  list(self.drafter_info.target_layer_ids))

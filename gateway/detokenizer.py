@@ -1,6 +1,8 @@
 """Incremental detokenization with stop strings, as a streaming client expects it."""
 from __future__ import annotations
 
+import re
+
 
 class IncrementalDetokenizer:
     """Turns committed tokens into text deltas; holds back text that might be a partial UTF-8 char or stop string."""
@@ -8,6 +10,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop_strings: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop_strings = [s for s in stop_strings if s]
+        # One alternation scans the new text once for all stop strings (the gateway caps their number and length).
+        self._stop_re = re.compile("|".join(map(re.escape, self.stop_strings))) if self.stop_strings else None
+        self._window = max((len(s) for s in self.stop_strings), default=0)
         self.ids: list[int] = []
         self.text = ""         # decoded text of self.ids (truncated at a stop string once hit)
         self.sent = 0          # characters of self.text already streamed
@@ -23,11 +28,10 @@ class IncrementalDetokenizer:
             return False
         prev_len = len(self.text)
         self.text = self._decode()
-        window = max(len(s) for s in self.stop_strings)
-        start = max(0, prev_len - window)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+        start = max(0, prev_len - self._window)
+        hit = self._stop_re.search(self.text, start)   # the leftmost position where any stop string begins
+        if hit:
+            self.text = self.text[:hit.start()]
             self.stopped = True
         return self.stopped
 

@@ -27,6 +27,9 @@ class EngineConfig:
     """Step-loop settings shared by all pairs."""
 
     rpc_timeout_s: float = 120.0
+    # A Draft slower than this turns its sequences autoregressive: a stalled drafter (SIGSTOP, overload, a drafter
+    # waiting for features that never come) must not hold up the target's verify steps.
+    draft_timeout_s: float = 10.0
     max_top_k: int = 1024
     # Prompt tokens prefilled per step, over all sequences (0: no limit). A long prompt is prefilled in chunks
     # over several steps, so the running batch keeps decoding meanwhile (vLLM's chunked prefill).
@@ -80,11 +83,27 @@ class PairEngine:
             except Exception as exc:  # noqa: BLE001 - keep serving the other requests
                 log.exception("pair %d step failed", self.pair.index)
                 code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
-                await self._fail(list(self.queue.running), code, f"step failed: {exc}")
+                await self._fail(list(self.queue.running), code, f"step failed ({type(exc).__name__})")
+
+    async def lost_target(self, message: str) -> None:
+        """The target restarted: the running sequences' state is gone, so they fail (alone; waiting ones stay)."""
+        await self._fail(list(self.queue.running), grpc.StatusCode.UNAVAILABLE, message)
+
+    def lost_drafter(self) -> None:
+        """The drafter restarted: running sequences lost their drafter context and continue autoregressively."""
+        for s in self.queue.running:
+            s.drafting = False
 
     async def step(self) -> None:
         """One engine step for this pair's whole running batch."""
         await self._drop_cancelled()
+        if not self.pair.target_ok:
+            # Fail fast rather than wait out RPC timeouts; waiting requests stay queued for the recovery.
+            if self.queue.running:
+                await self._fail(list(self.queue.running), grpc.StatusCode.UNAVAILABLE,
+                                 f"target {self.pair.address.target} is unavailable")
+            await asyncio.sleep(0.2)
+            return
         self.queue.admit()
         live = [s for s in self.queue.running if s.status == Status.RUNNING and not s.finish_reason]
         prefilling = [s for s in live if not s.prefill_done]
@@ -112,6 +131,8 @@ class PairEngine:
         now = time.perf_counter()
         for s, _ in chunks:
             s.scheduled_at = s.scheduled_at or now
+            if s.prefilled == 0 and not self.pair.drafter_ok:
+                s.drafting = False   # no drafter attached right now: this one runs autoregressively
         request = target_pb2.PrefillRequest(items=[
             target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids[s.prefilled:s.prefilled + n],
                                    sampling=sampling_to_proto(s), push_features=s.speculative, start=s.prefilled,
@@ -121,7 +142,7 @@ class PairEngine:
         except grpc.aio.AioRpcError as exc:
             failed = [s for s, _ in chunks]
             log.error("prefill of %d sequences failed: %s %s", len(failed), exc.code().name, exc.details())
-            await self._fail(failed, exc.code(), f"target prefill failed: {exc.details()}")
+            await self._fail(failed, exc.code(), f"target prefill failed ({exc.code().name})")
             return
         by_id = {r.seq_id: r for r in response.results}
         now = time.perf_counter()
@@ -144,6 +165,10 @@ class PairEngine:
         drafting = [s for s in seqs if s.speculative and self._max_depth(s) > 0]
         if not drafting:
             return {}
+        if not self.pair.drafter_ok:
+            for s in drafting:
+                s.drafting = False
+            return {}
         top_k = max((s.budget if s.mode == "ddtree" else 1) for s in drafting)
         top_k = max(1, min(top_k, self.vocab_size, self.cfg.max_top_k))
         depth = max(self._max_depth(s) for s in drafting)
@@ -151,10 +176,12 @@ class PairEngine:
             items=[drafter_pb2.DraftItem(seq_id=s.seq_id, bonus_token=s.bonus, context_len=s.context_len)
                    for s in drafting], top_k=top_k, max_depth=depth)
         try:
-            response = await self.pair.drafter.Draft(request, timeout=self.cfg.rpc_timeout_s)
+            response = await self.pair.drafter.Draft(request, timeout=self.cfg.draft_timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.error("draft failed (%s: %s); %d sequences continue autoregressively", exc.code().name,
                       exc.details(), len(drafting))
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                self.pair.drafter_ok = False   # until the watch sees it answer again and re-attaches
             for s in drafting:
                 self._fall_back(s)
             return {}
@@ -197,7 +224,7 @@ class PairEngine:
             response = await self.pair.target.Verify(request, timeout=self.cfg.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.error("verify of %d sequences failed: %s %s", len(seqs), exc.code().name, exc.details())
-            await self._fail(seqs, exc.code(), f"target verify failed: {exc.details()}")
+            await self._fail(seqs, exc.code(), f"target verify failed ({exc.code().name})")
             return
         t3 = time.perf_counter()
         by_id = {r.seq_id: r for r in response.results}

@@ -209,13 +209,13 @@ class HttpFront:
         req.max_tokens = max_tokens if max_tokens is not None else (default_max or 0)
         return req
 
-    def _finish_prompt(self, req: gateway_pb2.GenerateRequest, max_tokens: int | None) -> int:
+    async def _finish_prompt(self, req: gateway_pb2.GenerateRequest, max_tokens: int | None) -> int:
         """Tokenizes the prompt once (as token ids from then on); fills the default max_tokens; returns its length."""
-        ids = self.servicer._prompt_ids(req)
+        ids = await self.servicer._prompt_ids(req)   # size-capped, tokenized off the event loop
         req.token_ids.ids[:] = ids
         if max_tokens is None and req.max_tokens <= 0:
             # like vLLM: no max_tokens means "up to the context limit"
-            req.max_tokens = max(1, self.servicer.pairs[0].target_info.max_seq_len - len(ids))
+            req.max_tokens = max(1, self.servicer.max_seq_len - len(ids))
         return len(ids)
 
     @staticmethod
@@ -390,7 +390,7 @@ class HttpFront:
         req = self._request(body, max_tokens, None)
         for m in body.messages:
             req.chat.messages.add(role=m.role, content=_content_text(m.content))
-        self._finish_prompt(req, max_tokens)
+        await self._finish_prompt(req, max_tokens)
         return await self._run(req, chat=True, body=body)
 
     async def _completion(self, body: CompletionRequest):
@@ -410,5 +410,5 @@ class HttpFront:
             req.text = prompt
         else:
             req.token_ids.ids.extend(prompt)
-        self._finish_prompt(req, body.max_tokens if body.max_tokens is not None else 16)
+        await self._finish_prompt(req, body.max_tokens if body.max_tokens is not None else 16)
         return await self._run(req, chat=False, body=body)

@@ -5,14 +5,17 @@ import asyncio
 import logging
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 from transformers import AutoTokenizer
 
 from ddtree_serve.config import SamplingParams, default_budget
+from gateway import limits
 from ddtree_serve.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
 from ddtree_serve.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
@@ -21,6 +24,7 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine import EngineConfig, PairEngine
 from gateway.scheduler import AdmissionLimits, PairQueue, Scheduler
 from gateway.sequence import MODES, Sequence, StreamEvent
+from gateway.watch import PairWatch
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ class GatewayConfig:
     max_waiting: int = 4096
     transport: str = "inline"
     engine: EngineConfig = field(default_factory=EngineConfig)
+    drain_s: float = 20.0             # SIGTERM: how long running requests get to finish
+    watch_interval_s: float = 1.0     # pair health checks (also renew this gateway's sequence leases)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -59,6 +65,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.engines: list[PairEngine] = []
         self.scheduler: Scheduler | None = None
         self.tokenizer = None
+        self.specials: list[str] = []
+        self.watches: list[PairWatch] = []
+        self.host = None            # the ServiceHost, for health changes (set by serve)
+        self.draining = False
+        # Tokenization runs here, not on the event loop: a long prompt must not stall every other stream.
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def connect(self) -> None:
         """Connects every pair, loads the tokenizer, starts one engine per pair."""
@@ -70,6 +82,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if p.target_info.vocab_size != first.target_info.vocab_size:
                 raise RuntimeError("all pairs must serve the same model (vocab sizes differ)")
         self.tokenizer = await self._load_tokenizer(first)
+        self.specials = limits.special_token_strings(self.tokenizer)
         self.model_name = first.target_info.model_name
         if self.cfg.budget <= 0:
             self.cfg.budget = default_budget(first.target_info.device)
@@ -78,14 +91,31 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.metrics = self.metrics_factory(self.model_name)
         queues = []
         for p in self.pairs:
-            limits = AdmissionLimits(max_running=min(p.target_info.max_batch, p.drafter_info.max_batch),
-                                     max_reserved_tokens=p.target_info.cache.capacity_tokens or 1 << 62)
-            queues.append(PairQueue(limits))
+            admission = AdmissionLimits(max_running=min(p.target_info.max_batch, p.drafter_info.max_batch),
+                                        max_reserved_tokens=p.target_info.cache.capacity_tokens or 1 << 62)
+            queues.append(PairQueue(admission))
         self.scheduler = Scheduler(queues, max_waiting=self.cfg.max_waiting)
         self.engines = [PairEngine(p, q, self.cfg.engine, self.metrics) for p, q in zip(self.pairs, queues)]
         for e in self.engines:
             e.start()
+        self.watches = [PairWatch(p, e, self._health_changed, interval_s=self.cfg.watch_interval_s)
+                        for p, e in zip(self.pairs, self.engines)]
+        for w in self.watches:
+            w.start()
         self.ready.set()
+
+    @property
+    def healthy(self) -> bool:
+        """Every pair's target answers as the instance we attached, and we are not shutting down."""
+        return not self.draining and all(p.target_ok for p in self.pairs)
+
+    async def _health_changed(self) -> None:
+        if self.host is None:
+            return
+        if self.healthy:
+            await self.host.mark_serving()
+        else:
+            await self.host.mark_not_serving()
 
     async def _load_tokenizer(self, pair: BackendPair):
         if self.cfg.tokenizer_dir:
@@ -99,25 +129,65 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    async def drain(self) -> None:
+        """SIGTERM: stop admitting, let running requests finish for drain_s, end the rest cleanly, release all."""
+        self.draining = True
+        if self.scheduler is None:
+            return await self.close()
+        for q in self.scheduler.queues:
+            while q.waiting:
+                q.waiting.popleft().fail(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.drain_s
+        log.info("draining %d running requests (up to %.0f s)", self.scheduler.num_running, self.cfg.drain_s)
+        while self.scheduler.num_running and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        ended = 0
+        for q in self.scheduler.queues:
+            for seq in list(q.running):
+                if not seq.finish_reason:
+                    # A final message with finish_reason "abort": the client sees a clean end, not a reset.
+                    seq.finish_reason = "abort"
+                    seq.emit([])
+                    ended += 1
+            q.wakeup.set()
+        # The engines release the ended sequences at their next step boundary.
+        deadline = loop.time() + 5.0
+        while self.scheduler.num_running and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("drained (%d requests ended early)", ended)
+        await self.close()
+
     async def close(self) -> None:
+        for w in self.watches:
+            await w.stop()
         for e in self.engines:
             await e.stop()
         for p in self.pairs:
             await p.close()
 
     # ---- request validation -------------------------------------------------------------------------------
-    def _prompt_ids(self, request) -> list[int]:
+    @property
+    def max_seq_len(self) -> int:
+        return min(p.target_info.max_seq_len for p in self.pairs)
+
+    async def _tokenize(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    async def _prompt_ids(self, request) -> list[int]:
+        limits.check_prompt_size(request, self.max_seq_len)   # before any tokenization
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
         elif kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            ids = self._render_chat(messages) if messages else []
+            ids = await self._tokenize(self._render_chat, messages) if messages else []
         elif kind == "text":
             if request.apply_chat_template:
-                ids = self._render_chat([{"role": "user", "content": request.text}]) if request.text else []
+                ids = (await self._tokenize(self._render_chat, [{"role": "user", "content": request.text}])
+                       if request.text else [])
             else:
-                ids = self.tokenizer(request.text).input_ids if request.text else []
+                ids = await self._tokenize(self._encode, request.text) if request.text else []
         else:
             ids = []
         if not ids:
@@ -128,24 +198,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:8]}")
         return ids
 
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
     def _render_chat(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
+        limits.check_chat_messages(messages, self.specials)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def _make_sequence(self, request) -> Sequence:
-        prompt_ids = self._prompt_ids(request)
-        info = self.pairs[0].target_info
+    async def _make_sequence(self, request) -> Sequence:
         if request.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {request.max_tokens}")
-        if len(prompt_ids) + request.max_tokens > info.max_seq_len:
+        limits.check_stops(list(request.stop), list(request.stop_token_ids))
+        prompt_ids = await self._prompt_ids(request)
+        info = self.pairs[0].target_info
+        # The limit the target really serves (the model's own context may be shorter than --max-seq-len).
+        if len(prompt_ids) + request.max_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the "
-                             f"model's context limit of {info.max_seq_len} tokens")
+                             f"model's context limit of {self.max_seq_len} tokens")
         sp = request.sampling
-        sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p if sp.top_p > 0 else 1.0,
-                                  top_k=sp.top_k, seed=sp.seed if sp.has_seed else None)
-        sampling.validate()
+        sampling = SamplingParams.from_wire(sp.temperature, sp.top_p, sp.top_k, sp.seed if sp.has_seed else None)
         if request.mode == gateway_pb2.DECODE_MODE_DEFAULT:
             mode = self.cfg.mode
         elif request.mode in MODE_BY_ENUM:
@@ -184,7 +258,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _events(self, request, context):
         require_ready(self.ready)
-        seq = self._make_sequence(request)
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        seq = await self._make_sequence(request)
         set_request_id(seq.request_id)  # this handler's task: its log lines carry the id
         self.scheduler.submit(seq)
         log.info("request %s: %d prompt tokens, max_tokens %d, mode %s", seq.request_id, len(seq.prompt_ids),
@@ -233,33 +309,45 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @grpc_errors
     async def Tokenize(self, request, context):
         require_ready(self.ready)
+        limit = self.max_seq_len * limits.MAX_CHARS_PER_TOKEN
+        if len(request.text) > limit:
+            raise ValueError(f"text of {len(request.text)} characters is over the {limit}-character limit")
         if request.apply_chat_template:
-            ids = self._render_chat([{"role": "user", "content": request.text}])
+            ids = await self._tokenize(self._render_chat, [{"role": "user", "content": request.text}])
         else:
-            ids = self.tokenizer(request.text).input_ids
+            ids = await self._tokenize(self._encode, request.text)
         return gateway_pb2.TokenizeResponse(ids=ids)
 
     @grpc_errors
     async def ModelInfo(self, request, context):
         require_ready(self.ready)
         pairs = []
-        for p in self.pairs:
-            t = await p.target.Info(target_pb2.InfoRequest(), timeout=10)
-            from ddtree_serve.proto import drafter_pb2
+        from ddtree_serve.proto import drafter_pb2
 
-            d = await p.drafter.Info(drafter_pb2.DrafterInfoRequest(), timeout=10)
-            pairs.append(gateway_pb2.BackendPair(target=p.address.target, drafter=p.address.drafter,
-                                                 target_cache=t.cache, drafter_cache=d.cache))
+        async def info(call, request):
+            try:
+                return await call(request, timeout=5)
+            except grpc.aio.AioRpcError:
+                return None   # a service that is down shows as an empty cache, not a failed ModelInfo
+
+        for p in self.pairs:
+            t = await info(p.target.Info, target_pb2.InfoRequest())
+            d = await info(p.drafter.Info, drafter_pb2.DrafterInfoRequest())
+            pairs.append(gateway_pb2.BackendPair(
+                target=p.address.target, drafter=p.address.drafter, target_cache=t.cache if t else None,
+                drafter_cache=d.cache if d else None, target_instance_id=t.instance_id if t else "",
+                drafter_instance_id=d.instance_id if d else "", healthy=p.target_ok))
         first = self.pairs[0]
         return gateway_pb2.ModelInfoResponse(
             model_name=first.target_info.model_name, drafter_name=first.drafter_info.model_name,
-            vocab_size=first.target_info.vocab_size, max_seq_len=first.target_info.max_seq_len,
+            vocab_size=first.target_info.vocab_size, max_seq_len=self.max_seq_len,
             block_size=first.drafter_info.block_size, default_mode=self.cfg.mode, default_budget=self.cfg.budget,
             running_requests=self.scheduler.num_running, waiting_requests=self.scheduler.num_waiting, pairs=pairs)
 
 
 async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | None = None,
-                ready_file: str | None = None, http_port: int | None = None, api_key: str | None = None) -> None:
+                ready_file: str | None = None, http_port: int | None = None, api_key: str | None = None,
+                reflection: bool | None = None) -> None:
     """Runs the gateway until SIGTERM: health turns SERVING once every pair is connected. With http_port, the
     OpenAI-compatible HTTP front runs in the same event loop, on the same engines."""
     # The HTTP front serves /metrics too, so it needs a registry even without a separate metrics port.
@@ -273,7 +361,7 @@ async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | No
         metrics_factory = lambda model_name: GatewayMetrics(registry, model_name=model_name)  # noqa: E731
     servicer = GatewayServicer(cfg, metrics_factory, client_interceptors)
     log.info("gateway: pairs %s", [(p.target, p.drafter) for p in cfg.pairs])
-    start, on_stop = servicer.connect, servicer.close
+    start, on_stop = servicer.connect, servicer.drain
     if http_port is not None:
         from gateway.http_api import HttpFront
 
@@ -285,7 +373,9 @@ async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | No
 
         async def on_stop():
             await http.stop()
-            await servicer.close()
+            await servicer.drain()
     await run_service("gateway", SERVICE_NAME, servicer, gateway_pb2_grpc.add_GatewayServicer_to_server,
-                      interceptors, host, port, start=start, on_stop=on_stop, registry=registry,
-                      metrics_port=metrics_port, ready_file=ready_file)
+                      [*interceptors, limits.MalformedRequestInterceptor()], host, port, start=start,
+                      on_stop=on_stop, registry=registry, metrics_port=metrics_port, ready_file=ready_file,
+                      public=True, reflection=reflection, on_host=lambda h: setattr(servicer, "host", h),
+                      max_receive_bytes=limits.MAX_REQUEST_BYTES)

@@ -4,14 +4,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
 
+from ddtree_serve import auth
 from ddtree_serve.config import SamplingParams
-from ddtree_serve.proto import common_pb2, target_pb2, target_pb2_grpc
+from ddtree_serve.leases import LeaseTable
+from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
                               require_ready, run_service)
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
@@ -27,10 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     """Proto -> validated SamplingParams (0 means 'off' for top_p / top_k)."""
-    params = SamplingParams(temperature=float(p.temperature), top_p=float(p.top_p) if p.top_p > 0 else 1.0,
-                            top_k=int(p.top_k), seed=int(p.seed) if p.has_seed else None)
-    params.validate()
-    return params
+    return SamplingParams.from_wire(p.temperature, p.top_p, p.top_k, p.seed if p.has_seed else None)
 
 
 @dataclass
@@ -45,6 +45,8 @@ class TargetServerConfig:
     max_tree_nodes: int = 257
     prefill_chunk: int = 512
     enforce_eager: bool = False
+    allowed_drafters: tuple[str, ...] = ()   # AttachDrafter targets allowed (empty: any, for secret holders)
+    lease_s: float = 60.0
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -60,6 +62,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.sender: FeatureSender | None = None
         self.sender_address = ""
         self.feature_seqs: set[str] = set()   # sequences whose features go to the drafter (not AR ones)
+        self.leases = LeaseTable(cfg.lease_s)
+        self.instance_id = uuid.uuid4().hex     # a restarted target is a new instance: its sequences are gone
+        self._reaper: asyncio.Task | None = None
 
     async def load(self) -> None:
         """Loads the model on the model thread (health stays NOT_SERVING until this returns)."""
@@ -73,10 +78,28 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if self.metrics is not None:
             self.metrics.track_gpu_memory(self.cfg.device)
         log.info("target model %s loaded in %.1f s", self.cfg.model_dir, time.perf_counter() - t0)
+        if self.runner.max_seq_len < self.cfg.max_seq_len:
+            log.warning("--max-seq-len %d exceeds the model's context (%d positions): serving %d", self.cfg.max_seq_len,
+                        self.runner.max_seq_len, self.runner.max_seq_len)
+        self._reaper = asyncio.create_task(self._reap_lapsed_leases())
         self.ready.set()
+
+    async def _reap_lapsed_leases(self) -> None:
+        """Frees sequences whose gateway session went silent (crashed gateway, squatted slots)."""
+        while True:
+            await asyncio.sleep(max(0.2, self.cfg.lease_s / 4))
+            lapsed = self.leases.lapsed()
+            if lapsed:
+                released = await self.model_thread.run(self._release_all, lapsed)
+                self.feature_seqs.difference_update(lapsed)
+                self.leases.drop(lapsed)
+                log.warning("freed %d sequences whose lease lapsed (their gateway went silent)", released)
+                self._observe_cache()
 
     async def close(self) -> None:
         """Delivers queued features and stops the model thread."""
+        if self._reaper is not None:
+            self._reaper.cancel()
         if self.sender is not None:
             await self.sender.close()
         self.model_thread.shutdown()
@@ -90,12 +113,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def Info(self, request, context):
         require_ready(self.ready)
+        self.leases.heard_from(auth.session_of(context))   # the gateway's health watch keeps its leases alive
         r = self.runner
+        # max_seq_len is what the runner really serves (the model's context may be shorter than --max-seq-len).
         return target_pb2.TargetInfo(
             model_name=Path(self.cfg.model_dir).name, model_type=r.model_type, vocab_size=r.vocab_size,
-            max_seq_len=self.cfg.max_seq_len, eos_token_ids=r.eos_token_ids, hidden_size=r.hidden_size,
+            max_seq_len=r.max_seq_len, eos_token_ids=r.eos_token_ids, hidden_size=r.hidden_size,
             num_layers=r.num_layers, max_batch=self.cfg.max_batch, max_tree_nodes=self.cfg.max_tree_nodes,
-            cache=self._observe_cache(), device=self.cfg.device, dtype=self.cfg.dtype)
+            cache=self._observe_cache(), device=self.cfg.device, dtype=self.cfg.dtype, instance_id=self.instance_id)
 
     @grpc_errors
     async def TokenizerFiles(self, request, context):
@@ -117,7 +142,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if transport == "cuda-ipc" and torch.device(self.cfg.device).type != "cuda":
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"transport cuda-ipc needs the target on a CUDA device (it runs on {self.cfg.device})")
-        ids = list(request.target_layer_ids)
+        if self.cfg.allowed_drafters and request.drafter_address not in self.cfg.allowed_drafters:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"drafter {request.drafter_address!r} is not one this target is configured for")
+        # The feature layers are the drafter's own: asked from it, never taken on the caller's word (a wrong set
+        # would silently turn speculation off). Asking also proves a real drafter that holds our secret listens.
+        ids = await self._drafter_layers(request.drafter_address)
+        if request.target_layer_ids and list(request.target_layer_ids) != ids:
+            raise ValueError(f"target_layer_ids {list(request.target_layer_ids)} differ from the drafter's {ids}")
         if any(i < 0 or i >= self.runner.num_layers for i in ids):
             raise ValueError(f"target_layer_ids {ids} out of range for {self.runner.num_layers} layers")
         await self.model_thread.run(self.runner.set_feature_layers, ids)
@@ -131,6 +163,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.sender_address = request.drafter_address
         log.info("drafter attached at %s over %s, feature layers %s", request.drafter_address, transport, ids)
         return target_pb2.AttachDrafterResponse(transport=transport, feature_dim=len(ids) * self.runner.hidden_size)
+
+    async def _drafter_layers(self, address: str) -> list[int]:
+        try:
+            async with auth.internal_channel(address) as channel:
+                info = await drafter_pb2_grpc.DrafterServiceStub(channel).Info(drafter_pb2.DrafterInfoRequest(),
+                                                                              timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"no drafter answers at {address}: {exc.code().name}") from None
+        if info.hidden_size != self.runner.hidden_size:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the drafter at {address} is not for this model (hidden size {info.hidden_size})")
+        return list(info.target_layer_ids)
 
     def _push(self, rows: list[FeatureRows]) -> int:
         if not rows:
@@ -146,6 +191,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         t0 = time.perf_counter_ns()
         if not request.items:
             raise ValueError("empty prefill batch")
+        self.leases.claim(auth.session_of(context), (it.seq_id for it in request.items))
         items = [PrefillItem(seq_id=it.seq_id, prompt_ids=list(it.prompt_ids), sampling=sampling_from_proto(it.sampling),
                              want_features=it.push_features, start=it.start, more=it.more) for it in request.items]
         if any(it.want_features for it in items) and self.sender is None:
@@ -170,6 +216,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         t0 = time.perf_counter_ns()
         if not request.items:
             raise ValueError("empty verify batch")
+        self.leases.check(auth.session_of(context), (it.seq_id for it in request.items))
         items = []
         for it in request.items:
             if len(it.tokens) == 0 or len(it.tokens) != len(it.parents):
@@ -192,8 +239,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def Release(self, request, context):
         require_ready(self.ready)
+        self.leases.check(auth.session_of(context), request.seq_ids)
         released = await self.model_thread.run(self._release_all, list(request.seq_ids))
         self.feature_seqs.difference_update(request.seq_ids)
+        self.leases.drop(request.seq_ids)
         return target_pb2.ReleaseResponse(released=released, cache=self._observe_cache())
 
     def _release_all(self, seq_ids: list[str]) -> int:
@@ -208,7 +257,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 
 async def serve(cfg: TargetServerConfig, host: str, port: int, metrics_port: int | None = None,
-                ready_file: str | None = None) -> None:
+                ready_file: str | None = None, reflection: bool | None = None) -> None:
     """Runs the target service until SIGTERM."""
     registry, interceptors, client_interceptors = metrics_hooks("target", metrics_port)
     metrics = None
@@ -220,4 +269,4 @@ async def serve(cfg: TargetServerConfig, host: str, port: int, metrics_port: int
     log.info("target service: loading %s", cfg.model_dir)
     await run_service("target service", SERVICE_NAME, servicer, target_pb2_grpc.add_TargetServiceServicer_to_server,
                       interceptors, host, port, start=servicer.load, on_stop=servicer.close, registry=registry,
-                      metrics_port=metrics_port, ready_file=ready_file)
+                      metrics_port=metrics_port, ready_file=ready_file, reflection=reflection)

@@ -80,7 +80,7 @@ def test_unknown_sequence_id_is_not_found_on_the_target(stack):
     s, _ = stack
 
     async def call():
-        async with grpc.aio.insecure_channel(s.address("target")) as channel:
+        async with s.internal_channel("target") as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
             await stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.TreeItem(
                 seq_id="no-such-sequence", tokens=[1], parents=[-1])]), timeout=30)
@@ -94,7 +94,7 @@ def test_malformed_tree_is_invalid_argument_on_the_target(stack):
     s, _ = stack
 
     async def call():
-        async with grpc.aio.insecure_channel(s.address("target")) as channel:
+        async with s.internal_channel("target") as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
             await stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.TreeItem(
                 seq_id="x", tokens=[1, 2], parents=[-1])]), timeout=30)
@@ -117,7 +117,7 @@ def test_features_arriving_after_release_are_dropped_but_counted_as_received(sta
     payload = bytes(2 * 8 * 4)  # 2 rows of 8 float32 features
 
     async def call():
-        async with grpc.aio.insecure_channel(s.address("drafter")) as channel:
+        async with s.internal_channel("drafter") as channel:
             stub = drafter_pb2_grpc.DrafterServiceStub(channel)
             await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=["finished-1"]), timeout=30)
             return await stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=8, rows=[drafter_pb2.FeatureRows(
@@ -133,7 +133,7 @@ def test_a_shared_buffer_the_drafter_cannot_open_is_failed_precondition(stack):
     s, _ = stack
 
     async def call():
-        async with grpc.aio.insecure_channel(s.address("drafter")) as channel:
+        async with s.internal_channel("drafter") as channel:
             await drafter_pb2_grpc.DrafterServiceStub(channel).PushFeatures(drafter_pb2.FeatureBatch(
                 feature_dim=8, shared=drafter_pb2.SharedBuffer(kind="shm", buffer_id="b", size_bytes=4096,
                                                                shm_name="ddtree-not-on-this-host"),
@@ -152,7 +152,7 @@ def test_a_transport_the_target_cannot_use_is_refused_at_attach(stack, transport
     s, _ = stack
 
     async def call():
-        async with grpc.aio.insecure_channel(s.address("target")) as channel:
+        async with s.internal_channel("target") as channel:
             await target_pb2_grpc.TargetServiceStub(channel).AttachDrafter(target_pb2.AttachDrafterRequest(
                 drafter_address=s.address("drafter"), target_layer_ids=[0], transport=transport), timeout=30)
 

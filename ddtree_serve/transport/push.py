@@ -45,8 +45,10 @@ class PushSender(FeatureSender):
 
     def _ensure_started(self) -> None:
         if self._task is None:
-            self._channel = grpc.aio.insecure_channel(self.drafter_address, options=CHANNEL_OPTIONS,
-                                                      interceptors=self.interceptors)
+            from ddtree_serve import auth
+
+            self._channel = auth.internal_channel(self.drafter_address, options=CHANNEL_OPTIONS,
+                                                  interceptors=self.interceptors)
             self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
             self._queue = asyncio.Queue()
             self._task = asyncio.create_task(self._run())

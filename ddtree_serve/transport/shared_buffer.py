@@ -10,7 +10,9 @@ from __future__ import annotations
 import _posixshmem
 import mmap
 import os
+import re
 import uuid
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -24,6 +26,10 @@ from ddtree_serve.transport.base import FeatureRows, dtype_name, wire_dtype
 SHARED_KINDS = SHARED_BUFFER_TRANSPORTS
 ROW_ALIGN = 256                # byte alignment of every run of rows (any dtype view is aligned)
 OPENED_BUFFERS = 4             # buffers a drafter keeps open (a restarted target brings a new one)
+SHM_PREFIX = "ddtree-"
+# The only shm names a drafter opens: the ones StagingBuffer makes. Anything else (another program's segment,
+# /dev/shm paths) is refused before shm_open.
+SHM_NAME = re.compile(r"ddtree-[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,8 @@ class StagingBuffer:
         self._shm: shared_memory.SharedMemory | None = None
         desc = drafter_pb2.SharedBuffer(kind=kind, buffer_id=uuid.uuid4().hex, size_bytes=size_bytes)
         if kind == "shm":
-            self._shm = shared_memory.SharedMemory(create=True, size=size_bytes)
+            self._shm = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{uuid.uuid4().hex}", create=True,
+                                                   size=size_bytes)
             self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=size_bytes)
             desc.shm_name = self._shm.name
         else:
@@ -123,16 +130,20 @@ class StagingBuffer:
             self._shm = None
 
 
-def _map_shm(name: str, size: int) -> mmap.mmap:
-    """Maps the target's shared memory without registering it with this process's resource tracker (which would
-    unlink it at exit: only its creator owns it). The tensor built on the map keeps it alive."""
-    fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+def _map_shm(name: str, size: int) -> tuple[mmap.mmap, int]:
+    """Maps the target's shared memory read-only, without registering it with this process's resource tracker
+    (which would unlink it at exit: only its creator owns it). Returns the map and its open descriptor, kept to
+    re-check the size before every read: a segment truncated under a map raises SIGBUS on access."""
+    if not SHM_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a ddtree staging buffer name")
+    fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
     try:
         if os.fstat(fd).st_size < size:
             raise ValueError(f"shared memory {name!r} has {os.fstat(fd).st_size} bytes, not {size}")
-        return mmap.mmap(fd, size)
-    finally:
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ), fd
+    except BaseException:
         os.close(fd)
+        raise
 
 
 class OpenedBuffers:
@@ -141,6 +152,7 @@ class OpenedBuffers:
     def __init__(self, capacity: int = OPENED_BUFFERS):
         self.capacity = capacity
         self._open: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._fds: dict[str, int] = {}   # buffer id -> shm descriptor (size re-checked before reads)
 
     def get(self, desc: drafter_pb2.SharedBuffer) -> torch.Tensor:
         """The uint8 tensor of a described buffer, opening it on first use."""
@@ -151,22 +163,46 @@ class OpenedBuffers:
             raise ValueError(f"shared buffer {desc.buffer_id!r} has no size")
         if desc.kind == "shm":
             try:
-                mapped = _map_shm(desc.shm_name, desc.size_bytes)
-            except OSError as exc:
+                mapped, fd = _map_shm(desc.shm_name, desc.size_bytes)
+            except (OSError, ValueError) as exc:
                 raise ValueError(f"cannot open shared memory {desc.shm_name!r} (is the target on this host?): "
                                  f"{exc}") from None
-            tensor = torch.frombuffer(mapped, dtype=torch.uint8, count=desc.size_bytes)
+            with warnings.catch_warnings():   # read-only on purpose: the drafter never writes the target's rows
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.frombuffer(mapped, dtype=torch.uint8, count=desc.size_bytes)
+            self._fds[desc.buffer_id] = fd
         elif desc.kind == "cuda-ipc":
             tensor = _open_cuda_ipc(desc)
         else:
             raise ValueError(f"unknown shared-buffer kind {desc.kind!r}")
         self._open[desc.buffer_id] = tensor
         while len(self._open) > self.capacity:
-            self._open.popitem(last=False)   # unmapped once no view of it is left
+            old, _ = self._open.popitem(last=False)   # unmapped once no view of it is left
+            self._close_fd(old)
         return tensor
+
+    def rows(self, desc: drafter_pb2.SharedBuffer, offset: int, num_rows: int, feature_dim: int,
+             dtype: str) -> torch.Tensor:
+        """A copy of rows of a described buffer; ValueError (never SIGBUS) if the segment shrank under the map."""
+        buffer = self.get(desc)
+        view = rows_view(buffer, offset, num_rows, feature_dim, dtype)
+        fd = self._fds.get(desc.buffer_id)
+        if fd is not None:
+            size = os.fstat(fd).st_size
+            if size < offset + view.numel() * view.element_size():
+                raise ValueError(f"shared memory {desc.shm_name!r} shrank to {size} bytes under its mapping")
+            return view.clone()
+        return view
+
+    def _close_fd(self, buffer_id: str) -> None:
+        fd = self._fds.pop(buffer_id, None)
+        if fd is not None:
+            os.close(fd)
 
     def close(self) -> None:
         """Forgets every opened buffer (each is unmapped once no view of it is left)."""
+        for buffer_id in list(self._fds):
+            self._close_fd(buffer_id)
         self._open.clear()
 
 
