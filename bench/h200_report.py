@@ -101,7 +101,8 @@ def plot(speed: dict, path: Path) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("DDTree budget (nodes)")
     ax.set_ylabel("tokens/s (batch 1)")
-    ax.set_title(speed.get("title", "Qwen3-8B shape, H200, bf16"))
+    calibrated = " (calibrated acceptance, bench-only)" if speed.get("calibration") else ""
+    ax.set_title("Qwen3-8B shape, H200, bf16" + calibrated, fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -116,6 +117,7 @@ def main(argv=None) -> None:
     p.add_argument("--hybrid-step-cost")
     p.add_argument("--hybrid-speed")
     p.add_argument("--budget", type=int, default=64, help="the budget the headline ratios use")
+    p.add_argument("--note", action="append", default=[], help="a line for the report's Notes section")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     args = p.parse_args(argv)
     step, speed = _load(args.step_cost), _load(args.speed)
@@ -144,6 +146,8 @@ def main(argv=None) -> None:
                                                     if k not in ("commands", "calibration", "command")])]
     if speed and plot(speed, out / "h200-tokens-per-s.png"):
         lines += ["", "![tokens/s against budget](h200-tokens-per-s.png)"]
+    if args.note:
+        lines += ["", "## Notes", "", *[f"- {n}" for n in args.note]]
     (out / "h200.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

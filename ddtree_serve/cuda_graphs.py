@@ -27,6 +27,26 @@ def pick_bucket(buckets: Sequence[int], size: int) -> int:
     raise ValueError(f"size {size} exceeds the largest bucket {buckets[-1]}")
 
 
+# Attended cache rows are bucketed from here up: below it, attending over the whole bucket costs less (a few
+# hundred MB of K/V reads per step for an 8B model) than the captures that finer buckets would need mid-run.
+MIN_KEY_BUCKET = 4096
+
+
+def key_buckets(capacity: int) -> tuple[int, ...]:
+    """Buckets of attended cache rows: one up to MIN_KEY_BUCKET, then powers of two, ending at the capacity."""
+    return power_of_two_buckets(capacity, start=min(capacity, MIN_KEY_BUCKET))
+
+
+def tree_node_buckets(max_nodes: int) -> tuple[int, ...]:
+    """1 (a decode step), then 2^k + 1 (a budget-2^k tree has 2^k + 1 nodes; a 16-node chain rounds to 17)."""
+    out, b = [1], 1
+    while b + 1 < max_nodes:
+        out.append(b + 1)
+        b *= 2
+    out.append(max_nodes)
+    return tuple(sorted(set(out)))
+
+
 def power_of_two_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
     """start, 2*start, 4*start, ... below limit, then limit itself (so every size up to limit has a bucket)."""
     if limit < 1:

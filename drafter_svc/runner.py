@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree_serve.cuda_graphs import GraphCache, pick_bucket, power_of_two_buckets
+from ddtree_serve.cuda_graphs import GraphCache, key_buckets, pick_bucket, power_of_two_buckets
 from drafter_svc.dflash_model import ContextKV, DFlashDraftModel, load_target_embeddings
 
 
@@ -37,7 +37,7 @@ class DraftGraphs:
 
     def __init__(self, max_batch: int, max_seq_len: int) -> None:
         self.batch_buckets = power_of_two_buckets(max_batch)
-        self.key_buckets = power_of_two_buckets(max_seq_len, start=256)
+        self.key_buckets = key_buckets(max_seq_len)
         self.cache = GraphCache("drafter block forward")
 
     def shape_for(self, batch: int, key_len: int) -> tuple[int, int] | None:
@@ -245,15 +245,19 @@ class DrafterRunner:
                 values, indices = self._draft_forward(packed, lmax, depth, k)
             else:
                 batch, keys = shape
+                # One graph per (batch, context, k bucket): every depth is computed and the wanted ones sliced, so
+                # the shrinking depths at the end of a request need no new captures; top-k of a larger k, sliced,
+                # is the top-k (sorted).
+                full, kb = bs - 1, min(pick_bucket(power_of_two_buckets(self.vocab_size), k), self.vocab_size)
                 packed = self._pack(rows, batch).to(self.device, non_blocking=True)
                 fn = self.graphs.cache.get(
-                    (batch, keys, depth, k), lambda p: self._draft_forward(p, keys, depth, k),
+                    (batch, keys, kb), lambda p: self._draft_forward(p, keys, full, kb),
                     lambda: [self._pack([], batch).to(self.device)],
                 )
                 values, indices = fn(packed)
             n = len(items)
             # Copies: a graph's outputs are overwritten by its next replay.
-            return values[:n].clone(), indices[:n].clone()
+            return values[:n, :depth, :k].clone(), indices[:n, :depth, :k].clone()
 
     def _pack(self, rows: list[tuple[int, int, int]], batch: int) -> torch.Tensor:
         """[batch, 3] (bonus token, context length, slot); padding rows draft from the empty scratch slot."""

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ddtree_serve.acceptance import accept_batch
-from ddtree_serve.cuda_graphs import GraphCache, pick_bucket, power_of_two_buckets
+from ddtree_serve.cuda_graphs import GraphCache, key_buckets, pick_bucket, power_of_two_buckets, tree_node_buckets
 from target_svc.model import TargetModel
 
 
@@ -99,10 +99,8 @@ class VerifyGraphs:
     def __init__(self, model: TargetModel, max_batch: int, max_nodes: int, capacity: int) -> None:
         self.model = model
         self.batch_buckets = power_of_two_buckets(max_batch)
-        # Powers of two and one more (a budget-B tree has B + 1 nodes; a 15-deep chain plus its root has 16).
-        nodes = {n for b in power_of_two_buckets(max_nodes) for n in (b, b + 1)}
-        self.node_buckets = tuple(sorted(n for n in nodes if n <= max_nodes) or [max_nodes])
-        self.key_buckets = power_of_two_buckets(capacity, start=256)
+        self.node_buckets = tree_node_buckets(max_nodes)
+        self.key_buckets = key_buckets(capacity)
         self.forwards = GraphCache("target verify forward")
         self.commits = GraphCache("target verify commit")
         self._feature_layers: tuple[int, ...] | None = None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddtree_serve.config import SamplingParams
-from ddtree_serve.cuda_graphs import pick_bucket, power_of_two_buckets
+from ddtree_serve.cuda_graphs import key_buckets, pick_bucket, power_of_two_buckets, tree_node_buckets
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
 from target_svc.verify import VerifyBatch, VerifyShape, unpack, verify_commit, verify_forward
 from tests.fixtures import make_tiny_qwen3, make_tiny_qwen3_5
@@ -23,6 +23,17 @@ def test_power_of_two_buckets_end_at_the_limit():
     assert power_of_two_buckets(8) == (1, 2, 4, 8)
     assert power_of_two_buckets(6) == (1, 2, 4, 6)
     assert power_of_two_buckets(2305, start=256) == (256, 512, 1024, 2048, 2305)
+
+
+def test_tree_nodes_bucket_as_decode_steps_and_budget_trees():
+    assert tree_node_buckets(257) == (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
+    assert tree_node_buckets(65) == (1, 2, 3, 5, 9, 17, 33, 65)
+    assert pick_bucket(tree_node_buckets(65), 16) == 17  # a 15-deep chain and its root
+
+
+def test_attended_rows_use_one_bucket_up_to_4096_then_powers_of_two():
+    assert key_buckets(2305) == (2305,)
+    assert key_buckets(32768 + 257) == (4096, 8192, 16384, 32768, 33025)
 
 
 def test_pick_bucket_takes_the_smallest_that_fits_and_refuses_oversize():
