@@ -33,12 +33,22 @@ class DrafterConfig:
 
 
 class DraftGraphs:
-    """Draft forwards captured per (batch, context-length bucket, depth, k)."""
+    """Captured drafter steps: the block forward per (batch, context bucket, k bucket), and the storing of a
+    push's context rows per row bucket."""
 
     def __init__(self, max_batch: int, max_seq_len: int) -> None:
         self.batch_buckets = power_of_two_buckets(max_batch)
         self.key_buckets = key_buckets(max_seq_len)
+        # A step pushes each sequence's accepted rows (at most a block): up to max_batch * 16 rows together.
+        self.row_buckets = power_of_two_buckets(16 * max_batch)
         self.cache = GraphCache("drafter block forward")
+
+    def rows_bucket(self, rows: int) -> int | None:
+        """Bucket of a push's context rows (a step's accepted rows); None past it (prompt pushes run eagerly)."""
+        try:
+            return pick_bucket(self.row_buckets, rows)
+        except ValueError:
+            return None
 
     def shape_for(self, batch: int, key_len: int) -> tuple[int, int] | None:
         """(batch bucket, context bucket), or None when larger than every bucket."""
@@ -187,10 +197,29 @@ class DrafterRunner:
     def _project_into_cache(self, accepted: list[tuple[int, int, torch.Tensor]]) -> None:
         """One K/V projection over all accepted rows, scattered to their (slot, position) cache rows."""
         dev = self.device
-        x = torch.cat([f.to(device=dev, dtype=self.dtype) for _, _, f in accepted]).unsqueeze(0)  # [1, N, F]
-        pos = torch.cat([torch.arange(st, st + f.shape[0]) for _, st, f in accepted]).to(dev)
-        slots = torch.cat([torch.full((f.shape[0],), slot) for slot, _, f in accepted]).to(dev)
-        ctx = self.model.project_context(x, pos.unsqueeze(0))
+        n = sum(f.shape[0] for _, _, f in accepted)
+        rows = self.graphs.rows_bucket(n) if self.graphs is not None else None
+        width = rows or n
+        # Padding rows (graph buckets) are zeros for position 0 of the scratch slot, which nothing reads.
+        pad = width - n
+        x = torch.cat([f.to(device=dev, dtype=self.dtype) for _, _, f in accepted]
+                      + ([torch.zeros(pad, self.feature_dim, device=dev, dtype=self.dtype)] if pad else []))
+        pos = torch.cat([torch.arange(st, st + f.shape[0]) for _, st, f in accepted] + [torch.zeros(pad, dtype=torch.long)])
+        slots = torch.cat([torch.full((f.shape[0],), slot) for slot, _, f in accepted]
+                          + [torch.full((pad,), self.cfg.max_batch)])
+        pos, slots = pos.to(dev), slots.to(dev)
+        if rows is None:
+            self._store_rows(x, pos, slots)
+            return
+        fn = self.graphs.cache.get(("context", rows), self._store_rows, lambda: [
+            torch.zeros(rows, self.feature_dim, device=dev, dtype=self.dtype),
+            torch.zeros(rows, dtype=torch.long, device=dev),
+            torch.full((rows,), self.cfg.max_batch, dtype=torch.long, device=dev)])
+        fn(x, pos, slots)
+
+    def _store_rows(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """Context K/V of feature rows x [N, F] at positions pos [N] into cache slots [N] (no host sync)."""
+        ctx = self.model.project_context(x.unsqueeze(0), pos.unsqueeze(0))
         for i in range(len(self.k_cache)):
             # [1, n_kv, N, D] -> [N, n_kv, D], the layout of cache[slots, :, positions]
             self.k_cache[i][slots, :, pos] = ctx.keys[i][0].transpose(0, 1)

@@ -164,3 +164,20 @@ def test_one_batched_add_contexts_equals_separate_calls_and_a_bad_entry_fails_al
     # and the drafts agree
     items = [DraftItem(s, 9, f.shape[0]) for s, f in feats.items()]
     torch.testing.assert_close(batched.draft(items, top_k=4)[0], one.draft(items, top_k=4)[0], atol=1e-5, rtol=0)
+
+
+def test_padding_rows_of_a_bucketed_store_land_in_the_scratch_slot_only(dirs):
+    """What a captured store does with a bucket larger than the push: the extra rows change no sequence's cache."""
+    gen = torch.Generator().manual_seed(5)
+    exact, padded = _runner(dirs, "full", max_batch=2), _runner(dirs, "full", max_batch=2)
+    f = torch.randn(3, exact.feature_dim, generator=gen)
+    for r in (exact, padded):
+        r.add_context("a", 0, f)
+    rows = torch.randn(2, exact.feature_dim, generator=gen)
+    slot = exact._slot["a"]
+    exact._store_rows(rows, torch.tensor([3, 4]), torch.tensor([slot, slot]))
+    scratch = padded.cfg.max_batch
+    padded._store_rows(torch.cat([rows, torch.zeros(6, padded.feature_dim)]), torch.tensor([3, 4] + [0] * 6),
+                       torch.tensor([slot, slot] + [scratch] * 6))
+    for a, b in zip(exact.k_cache + exact.v_cache, padded.k_cache + padded.v_cache):
+        torch.testing.assert_close(b[:scratch], a[:scratch], atol=1e-6, rtol=0)
