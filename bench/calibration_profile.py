@@ -73,8 +73,8 @@ def run_prompt(target, drafter, seq_id: str, prompt: list[int], args, eos: set[i
     accepted)]) where the step's bonus is output[length - 1]."""
     import torch
 
-    from ddtree_serve.config import SamplingParams
-    from ddtree_serve.tree import build_ddtree_reference
+    from ddtree_serve.decoding.config import SamplingParams
+    from ddtree_serve.decoding.ddtree import build_ddtree_reference
     from drafter_svc.runner import DraftItem
     from target_svc.runner import PrefillItem, VerifyItem
 

@@ -195,7 +195,7 @@ def start_stack(model: str, drafter: str, device: str, dtype: str, threads: int 
     """The three services as processes, with Prometheus endpoints; returns a started LocalStack.
     drafter_device puts the drafter elsewhere (e.g. cuda:1; the last --device on its command line wins);
     gateway_args are extra gateway flags (e.g. the bench-only calibration flags)."""
-    from ddtree_serve.local_stack import LocalStack
+    from launch.local_stack import LocalStack
 
     model_args = ["--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len)]
     drafter_args = model_args + (["--device", drafter_device] if drafter_device else [])
@@ -327,14 +327,14 @@ def tokenize_chat(address: str, texts: list[str]) -> list[list[int]]:
 
 def chat_request(text: str, max_tokens: int, mode: str, budget: int = 0):
     """A greedy chat GenerateRequest (one user message, the target's chat template)."""
-    from ddtree_serve.cli import build_request
+    from launch.cli import build_request
 
     return build_request(text, None, max_tokens, 0.0, None, mode, budget if mode == "ddtree" else 0, chat=True)
 
 
 def ids_request(prompt_ids: list[int], max_tokens: int, mode: str, budget: int = 0):
     """A greedy GenerateRequest over token ids (EOS honoured)."""
-    from ddtree_serve.cli import build_request
+    from launch.cli import build_request
 
     return build_request(None, ",".join(map(str, prompt_ids)), max_tokens, 0.0, None, mode,
                          budget if mode == "ddtree" else 0, chat=False)

@@ -83,7 +83,7 @@ def main() -> None:
     stack = None
     base_url = args.url
     if base_url is None:
-        from ddtree_serve.local_stack import LocalStack
+        from launch.local_stack import LocalStack
 
         stack = LocalStack(model=resolve_model(args.model), drafter=resolve_drafter(args.drafter), budget=0,
                            device=args.device, threads=args.threads, http=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree_serve.config import SamplingParams
+from ddtree_serve.decoding.config import SamplingParams
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -146,7 +146,7 @@ def main(argv=None) -> Tally:
     ap.add_argument("--out", default=str(common.RESULTS_DIR))
     args = ap.parse_args(argv)
 
-    from ddtree_serve.local_stack import LocalStack
+    from launch.local_stack import LocalStack
 
     if args.tiny:
         import tempfile

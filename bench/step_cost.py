@@ -27,7 +27,7 @@ import torch
 
 from bench import common
 from bench.shapes import SHAPES, build_drafter, build_target
-from ddtree_serve.config import SamplingParams
+from ddtree_serve.decoding.config import SamplingParams
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from target_svc.verify import VerifyBatch, VerifyShape, verify_forward

@@ -37,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 async def _time_pushes(kind: str, drafter_address: str, features: torch.Tensor, repeats: int) -> list[float]:
     """Seconds from submit to the drafter's answer, per push (after one warm-up push)."""
     from ddtree_serve.proto import drafter_pb2, drafter_pb2_grpc
-    from ddtree_serve.rpc import CHANNEL_OPTIONS
+    from ddtree_serve.plumbing.rpc import CHANNEL_OPTIONS
     from ddtree_serve.transport import FeatureRows, make_sender
 
     sender = make_sender(kind, drafter_address)

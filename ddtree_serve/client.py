@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
-from ddtree_serve.rpc import CHANNEL_OPTIONS
+from ddtree_serve.plumbing.rpc import CHANNEL_OPTIONS
 
 MODES = {None: gateway_pb2.DECODE_MODE_DEFAULT, "ddtree": gateway_pb2.DECODE_MODE_DDTREE,
          "dflash": gateway_pb2.DECODE_MODE_DFLASH, "ar": gateway_pb2.DECODE_MODE_AR}

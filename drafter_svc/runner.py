@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree_serve.cuda_graphs import GraphCache, key_buckets, pick_bucket, power_of_two_buckets
+from ddtree_serve.plumbing.cuda_graphs import GraphCache, key_buckets, pick_bucket, power_of_two_buckets
 from drafter_svc.dflash_model import ContextKV, DFlashDraftModel, load_target_embeddings
 
 

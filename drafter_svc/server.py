@@ -15,7 +15,7 @@ import torch
 from ddtree_serve import auth
 from ddtree_serve.leases import LeaseTable
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from ddtree_serve.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
+from ddtree_serve.plumbing.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
                               require_ready, run_service)
 from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
@@ -247,7 +247,7 @@ async def serve(cfg: DrafterServerConfig, host: str, port: int, metrics_port: in
     registry, interceptors, _ = metrics_hooks("drafter", metrics_port)
     metrics = None
     if registry is not None:
-        from ddtree_serve.metrics import DrafterMetrics
+        from ddtree_serve.plumbing.metrics import DrafterMetrics
 
         metrics = DrafterMetrics(registry, model_name=Path(cfg.drafter_dir).name)
     servicer = DrafterServicer(cfg, metrics)

@@ -215,7 +215,7 @@ def simulated_tree_tau(profile: CalibrationProfile, budget: int, trials: int = 2
                        k: int | None = None, depth: int | None = None) -> float:
     """Expected acceptance length of DDTree-`budget` on calibrated drafts (Monte Carlo over the profile's ranks).
     The calibrated log-probs are the same every step, so the tree's rank structure is fixed: only the ranks vary."""
-    from ddtree_serve.tree import build_ddtree_reference
+    from ddtree_serve.decoding.ddtree import build_ddtree_reference
 
     depth = min(depth or profile.depths, profile.depths)
     k = k or profile.top_k

@@ -14,7 +14,7 @@ from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
 from gateway.scheduler import PairQueue, plan_prefill_chunks
 from gateway.sequence import Sequence, Status
-from gateway.trees import build_step_trees
+from gateway.step_trees import build_step_trees
 
 if TYPE_CHECKING:
     from gateway.calibrated_drafts import DraftCalibrator

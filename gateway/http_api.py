@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ddtree_serve.proto import common_pb2, gateway_pb2
-from ddtree_serve.rpc import status_for
+from ddtree_serve.plumbing.rpc import status_for
 
 log = logging.getLogger(__name__)
 

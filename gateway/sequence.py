@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ddtree_serve.config import SamplingParams
+from ddtree_serve.decoding.config import SamplingParams
 from gateway.detokenizer import IncrementalDetokenizer
 
 MODES = ("ddtree", "dflash", "ar")

@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 from transformers import AutoTokenizer
 
-from ddtree_serve.config import SamplingParams, default_budget
+from ddtree_serve.decoding.config import SamplingParams, default_budget
 from gateway import limits
-from ddtree_serve.request_context import get_request_id, set_request_id
+from ddtree_serve.plumbing.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
-from ddtree_serve.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
+from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
 from gateway.backends import BackendPair, PairAddress
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine import EngineConfig, PairEngine
@@ -39,7 +39,7 @@ class GatewayConfig:
 
     pairs: list[PairAddress]
     mode: str = "ddtree"
-    budget: int = 0               # 0: chosen for the first target's device (ddtree_serve.config.default_budget)
+    budget: int = 0               # 0: chosen for the first target's device (ddtree_serve.decoding.config.default_budget)
     tokenizer_dir: str | None = None
     max_waiting: int = 4096
     transport: str = "inline"
@@ -289,7 +289,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - map to a status like the unary methods
-            from ddtree_serve.rpc import status_for
+            from ddtree_serve.plumbing.rpc import status_for
 
             code, message = status_for(exc)
             log.warning("GenerateStream failed: %s %s", code.name, message)
@@ -356,7 +356,7 @@ async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | No
                                                                 else (0 if want_registry else None))
     metrics_factory = None
     if registry is not None:
-        from ddtree_serve.metrics import GatewayMetrics
+        from ddtree_serve.plumbing.metrics import GatewayMetrics
 
         metrics_factory = lambda model_name: GatewayMetrics(registry, model_name=model_name)  # noqa: E731
     servicer = GatewayServicer(cfg, metrics_factory, client_interceptors)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ddtree_serve.tree_mask import ancestor_mask_batch, depths_from_parents_batch
+from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, depths_from_parents_batch
 from target_svc.gated_deltanet import (
     LinearAttnStateShape,
     _conv_taps,

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ddtree_serve.acceptance import compaction_indices_batch
-from ddtree_serve.tree_mask import depths_from_parents_batch, tree_attention_mask
+from ddtree_serve.decoding.acceptance import compaction_indices_batch
+from ddtree_serve.decoding.tree_mask import depths_from_parents_batch, tree_attention_mask
 from target_svc.gated_deltanet import (
     GdnTreeTrace,
     LinearAttnStateShape,

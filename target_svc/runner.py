@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree_serve.config import SamplingParams
-from ddtree_serve.sampling import choose_tokens, make_generator
-from ddtree_serve.tree_mask import depths_from_parents
+from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.sampling import choose_tokens, make_generator
+from ddtree_serve.decoding.tree_mask import depths_from_parents
 from target_svc.loader import load_target
 from target_svc.model import TargetModel
 from target_svc.verify import VerifyBatch, VerifyGraphs, VerifyShape, verify_commit, verify_forward

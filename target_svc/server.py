@@ -12,10 +12,10 @@ import grpc
 import torch
 
 from ddtree_serve import auth
-from ddtree_serve.config import SamplingParams
+from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.leases import LeaseTable
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
-from ddtree_serve.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
+from ddtree_serve.plumbing.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
                               require_ready, run_service)
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
@@ -262,7 +262,7 @@ async def serve(cfg: TargetServerConfig, host: str, port: int, metrics_port: int
     registry, interceptors, client_interceptors = metrics_hooks("target", metrics_port)
     metrics = None
     if registry is not None:
-        from ddtree_serve.metrics import TargetMetrics
+        from ddtree_serve.plumbing.metrics import TargetMetrics
 
         metrics = TargetMetrics(registry, model_name=Path(cfg.model_dir).name)
     servicer = TargetServicer(cfg, metrics, client_interceptors)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree_serve.acceptance import accept_batch
-from ddtree_serve.cuda_graphs import GraphCache, key_buckets, pick_bucket, power_of_two_buckets, tree_node_buckets
+from ddtree_serve.decoding.acceptance import accept_batch
+from ddtree_serve.plumbing.cuda_graphs import GraphCache, key_buckets, pick_bucket, power_of_two_buckets, tree_node_buckets
 from target_svc.model import TargetModel
 
 

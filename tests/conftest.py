@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from ddtree_serve.local_stack import LocalStack
+from launch.local_stack import LocalStack
 from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 from tests.fixtures.tiny_drafter import make_tiny_drafter

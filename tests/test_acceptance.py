@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_serve.acceptance import (
+from ddtree_serve.decoding.acceptance import (
     accept_batch,
     accept_reference,
     accept_tree,
     compaction_indices,
     compaction_indices_batch,
 )
-from ddtree_serve.tree import build_ddtree_reference, pad_trees
+from ddtree_serve.decoding.ddtree import build_ddtree_reference, pad_trees
 
 #          0 (tok 5)
 #       /      \

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from ddtree_serve import cli
-from ddtree_serve.config import default_budget
-from ddtree_serve.local_stack import free_port
+from ddtree_serve.decoding.config import default_budget
+from launch.local_stack import free_port
 
 BAD_ARGS = {
     "token ids that are not numbers": ["generate", "--prompt-ids", "abc"],
@@ -40,7 +40,7 @@ def test_a_bad_argument_is_one_line_and_exit_code_2(name, capsys):
 
 
 def test_the_installed_command_reports_a_bad_argument_without_a_traceback():
-    out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", "generate", "--prompt-ids", "1,x"],
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--prompt-ids", "1,x"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
@@ -61,7 +61,7 @@ def test_every_option_is_described_and_shows_its_default(command, capsys):
 
 def test_generate_without_a_gateway_says_how_to_start_one():
     port = free_port()
-    out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", "generate", "--gateway", f"127.0.0.1:{port}",
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--gateway", f"127.0.0.1:{port}",
                           "hi"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "UNAVAILABLE" in out.stderr and "ddtree-serve up" in out.stderr and "Traceback" not in out.stderr

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ddtree_serve import healthcheck, metrics
+from ddtree_serve.plumbing import healthcheck, metrics
 from ddtree_serve.proto import drafter_pb2, gateway_pb2, target_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def command(svc: dict[str, Any]) -> list[str]:
 
 def cli_parser():
     """The real `ddtree-serve` argument parser, so deploy files break when a flag is renamed."""
-    from ddtree_serve.cli import build_parser
+    from launch.cli import build_parser
 
     return build_parser()
 
@@ -122,7 +122,7 @@ def test_compose_structure() -> None:
         assert f["metrics-port"] in [str(p) for p in svc["expose"]]
         # Healthcheck: our gRPC health probe, on the service's own port, for its named service.
         test = svc["healthcheck"]["test"]
-        assert test[0] == "CMD" and test[1:4] == ["python", "-m", "ddtree_serve.healthcheck"], test
+        assert test[0] == "CMD" and test[1:4] == ["python", "-m", "ddtree_serve.plumbing.healthcheck"], test
         assert f"127.0.0.1:{f['port']}" in test and test[-1] == HEALTH_NAMES[name]
         assert svc["restart"] == "unless-stopped"
 
@@ -450,7 +450,7 @@ def test_healthcheck_exit_codes(health_server) -> None:
     rc, status = healthcheck.check(address, "no.such.Service")
     assert rc == 2 and "NOT_FOUND" in status
     # As the container healthcheck runs it: a fresh interpreter, exit status only.
-    res = subprocess.run([sys.executable, "-m", "ddtree_serve.healthcheck", address, name], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "ddtree_serve.plumbing.healthcheck", address, name], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert res.returncode == 0 and res.stdout.strip() == "SERVING"
 

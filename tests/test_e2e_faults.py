@@ -186,7 +186,7 @@ def test_text_prompt_stop_string_and_model_info(stack):
 def test_cli_generate_json_prints_ids_text_and_stats(stack):
     s, target = stack
     prompt = prompts_for(target, [4], seed=5)[0]
-    out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", "generate", "--gateway", s.gateway,
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "--gateway", s.gateway,
                           "--max-tokens", "12", "--ignore-eos", "--json", "--prompt-ids", ",".join(map(str, prompt))],
                          capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(out.stdout)

@@ -167,7 +167,7 @@ def test_cli_generate_finds_the_running_up_and_streams_a_chat_answer(stack, tmp_
     (tmp_path / "up.json").write_text(json.dumps({"gateway": stack.gateway, "pid": os.getpid()}))
     env = dict(os.environ, DDTREE_SERVE_CACHE=str(tmp_path))
     env.pop("DDTREE_GATEWAY", None)
-    out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", "generate", "Name a prime number.",
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "Name a prime number.",
                           "--max-tokens", "24"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     expected = grpc_client.generate(messages=CHAT, max_tokens=24)  # the chat template is the default

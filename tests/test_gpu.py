@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from ddtree_serve.config import SamplingParams
-from ddtree_serve.tree import build_ddtree_batch
+from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.ddtree import build_ddtree_batch
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.conftest import make_request, prompts_for, reference_model, run_streams, start_stack

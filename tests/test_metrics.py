@@ -15,8 +15,8 @@ from grpc import aio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree_serve import metrics as M
-from ddtree_serve import request_context as rc
+from ddtree_serve.plumbing import metrics as M
+from ddtree_serve.plumbing import request_context as rc
 
 VLLM_COUNTERS = ["vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:spec_decode_num_drafts",
                  "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",

@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from ddtree_serve.config import SamplingParams
-from ddtree_serve.sampling import choose_tokens, filter_logits, make_generator, target_probs
+from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.sampling import choose_tokens, filter_logits, make_generator, target_probs
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

@@ -13,8 +13,8 @@ import torch
 import transformers
 from scipy.stats import chisquare
 
-from ddtree_serve.config import SamplingParams
-from ddtree_serve.tree import build_chain, build_ddtree_batch
+from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.ddtree import build_chain, build_ddtree_batch
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.fixtures.tiny_drafter import make_tiny_drafter

@@ -1,7 +1,7 @@
 """Admission and prefill planning in the gateway (no server): FCFS within the pair's limits, chunked prompts."""
 from __future__ import annotations
 
-from ddtree_serve.config import SamplingParams
+from ddtree_serve.decoding.config import SamplingParams
 from gateway.scheduler import AdmissionLimits, PairQueue, plan_prefill_chunks
 from gateway.sequence import Sequence, Status
 

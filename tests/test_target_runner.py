@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from ddtree_serve.config import SamplingParams
+from ddtree_serve.decoding.config import SamplingParams
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_serve.tree_mask import (
+from ddtree_serve.decoding.tree_mask import (
     ancestor_mask,
     ancestor_mask_batch,
     depths_from_parents,

@@ -393,7 +393,7 @@ def test_a_restarted_target_serves_speculative_requests_again_within_10s(fault_s
 
 
 async def _wait_target(s):
-    from ddtree_serve.rpc import wait_until_serving
+    from ddtree_serve.plumbing.rpc import wait_until_serving
 
     await wait_until_serving(s.address("target"), timeout_s=120)
 

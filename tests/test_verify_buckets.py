@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_serve.config import SamplingParams
-from ddtree_serve.cuda_graphs import key_buckets, pick_bucket, power_of_two_buckets, tree_node_buckets
+from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.plumbing.cuda_graphs import key_buckets, pick_bucket, power_of_two_buckets, tree_node_buckets
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
 from target_svc.verify import VerifyBatch, VerifyShape, unpack, verify_commit, verify_forward
 from tests.fixtures import make_tiny_qwen3, make_tiny_qwen3_5

@@ -1,20 +1,42 @@
-"""Context-feature transports, target -> drafter (see base.py for the interface)."""
-from ddtree_serve.config import TRANSPORTS
-from ddtree_serve.transport.base import FeatureRows, FeatureSender, decode_rows, encode_rows, payload_bytes
-from ddtree_serve.transport.inline import InlineFeatureSender
-from ddtree_serve.transport.shared import SharedBufferFeatureSender
-from ddtree_serve.transport.shared_buffer import SHARED_KINDS, OpenedBuffers, rows_view
+"""Context-feature transports, target -> drafter (see base.py for the interface).
+
+The transport names live here, importable without torch or gRPC (the launcher's argument parser needs
+only them); the implementations load on first use of one of their names.
+"""
+from __future__ import annotations
+
+import importlib
+
+SHARED_BUFFER_TRANSPORTS = ("shm", "cuda-ipc")
+TRANSPORTS = ("inline", *SHARED_BUFFER_TRANSPORTS)
+
+_LAZY = {
+    "FeatureRows": "base", "FeatureSender": "base", "decode_rows": "base", "encode_rows": "base",
+    "payload_bytes": "base", "InlineFeatureSender": "inline", "SharedBufferFeatureSender": "shared",
+    "OpenedBuffers": "shared_buffer", "rows_view": "shared_buffer",
+}
 
 
+def __getattr__(name: str):
+    """Loads an implementation name on first access (PEP 562)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-def make_sender(kind: str, drafter_address: str, interceptors=(), on_sent=None) -> FeatureSender:
+
+def make_sender(kind: str, drafter_address: str, interceptors=(), on_sent=None):
     """Builds the sender for a transport name chosen at start-up (client interceptors, delivery callback)."""
     if kind == "inline":
+        from ddtree_serve.transport.inline import InlineFeatureSender
+
         return InlineFeatureSender(drafter_address, interceptors=list(interceptors), on_sent=on_sent)
-    if kind in SHARED_KINDS:
+    if kind in SHARED_BUFFER_TRANSPORTS:
+        from ddtree_serve.transport.shared import SharedBufferFeatureSender
+
         return SharedBufferFeatureSender(drafter_address, interceptors=list(interceptors), on_sent=on_sent, name=kind)
     raise ValueError(f"unknown transport {kind!r}; available: {', '.join(TRANSPORTS)}")
 
 
-__all__ = ["FeatureRows", "FeatureSender", "InlineFeatureSender", "OpenedBuffers", "SharedBufferFeatureSender",
-           "TRANSPORTS", "decode_rows", "encode_rows", "make_sender", "payload_bytes", "rows_view"]
+__all__ = ["SHARED_BUFFER_TRANSPORTS", "TRANSPORTS", "FeatureRows", "FeatureSender", "InlineFeatureSender",
+           "OpenedBuffers", "SharedBufferFeatureSender", "decode_rows", "encode_rows", "make_sender",
+           "payload_bytes", "rows_view"]

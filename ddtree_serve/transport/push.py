@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ddtree_serve.proto import drafter_pb2_grpc
-from ddtree_serve.rpc import CHANNEL_OPTIONS
+from ddtree_serve.plumbing.rpc import CHANNEL_OPTIONS
 from ddtree_serve.transport.base import FeatureRows, FeatureSender
 
 log = logging.getLogger(__name__)

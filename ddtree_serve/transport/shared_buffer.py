@@ -19,8 +19,8 @@ from multiprocessing import shared_memory
 
 import torch
 
-from ddtree_serve.config import SHARED_BUFFER_TRANSPORTS
 from ddtree_serve.proto import drafter_pb2
+from ddtree_serve.transport import SHARED_BUFFER_TRANSPORTS
 from ddtree_serve.transport.base import FeatureRows, dtype_name, wire_dtype
 
 SHARED_KINDS = SHARED_BUFFER_TRANSPORTS

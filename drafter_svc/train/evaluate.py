@@ -6,7 +6,7 @@ own greedy tokens x[p+1], x[p+2], ...; it commits those plus one bonus token, an
 the last committed token. At T=0 the target's choice at any node of that path is known in advance (it is
 the greedy continuation), so the walk needs no target calls: the drafter's outputs at every possible root
 are computed in batched forwards (one anchor per position, the training layout), trees and chains are built
-by ddtree_serve.tree's builders and walked by ddtree_serve.acceptance, exactly as the gateway and the target
+by ddtree_serve.decoding.ddtree's builders and walked by ddtree_serve.decoding.acceptance, exactly as the gateway and the target
 service do. Reported: mean acceptance length (tokens committed per verify step, bonus included) and the
 per-position acceptance rates (share of steps whose draft token at depth k was accepted).
 """
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddtree_serve.acceptance import accept_batch
-from ddtree_serve.tree import build_chain, build_ddtree_batch
+from ddtree_serve.decoding.acceptance import accept_batch
+from ddtree_serve.decoding.ddtree import build_chain, build_ddtree_batch
 from drafter_svc.dflash_model import DFlashDraftModel
 from drafter_svc.train.data import Sample
 from drafter_svc.train.trainer import block_attention_mask, block_inputs_and_labels, block_position_ids, target_features

@@ -11,14 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-from ddtree_serve.config import TRANSPORTS
+from ddtree_serve.transport import TRANSPORTS
 
 log = logging.getLogger("ddtree_serve")
 
 
 def _setup_logging(service: str, level: str) -> None:
     try:
-        from ddtree_serve.request_context import configure_logging
+        from ddtree_serve.plumbing.request_context import configure_logging
 
         configure_logging(service, level)
     except ImportError:
@@ -266,7 +266,7 @@ def _check_up_args(args) -> None:
 
 
 def cmd_up(args) -> None:
-    from ddtree_serve.local_stack import LocalStack
+    from launch.local_stack import LocalStack
 
     _check_up_args(args)
     model, drafter = args.model, args.drafter

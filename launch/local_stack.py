@@ -74,7 +74,7 @@ class LocalStack:
 
     def commands(self) -> dict[str, list[str]]:
         """The three command lines."""
-        py = [sys.executable, "-m", "ddtree_serve.cli"]
+        py = [sys.executable, "-m", "launch.cli"]
         threads = ["--threads", str(self.threads)] if self.threads else []
 
         def m(name):
@@ -118,7 +118,7 @@ class LocalStack:
         return self.procs[name]
 
     async def _wait_ready(self, timeout_s: float) -> None:
-        from ddtree_serve.rpc import wait_until_serving
+        from ddtree_serve.plumbing.rpc import wait_until_serving
 
         task = asyncio.create_task(wait_until_serving(self.gateway, timeout_s=timeout_s))
         while not task.done():

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
-from ddtree_serve.request_context import outgoing_metadata, wrap_rpc_handler
+from ddtree_serve.plumbing.request_context import outgoing_metadata, wrap_rpc_handler
 
 ENGINE = "ddtree-serve"
 

@@ -197,7 +197,7 @@ def metrics_hooks(service: str, metrics_port: int | None):
     """(registry, server interceptors, client interceptors) of a service; (None, [], []) when metrics are off."""
     if metrics_port is None:
         return None, [], []
-    from ddtree_serve import metrics as m
+    from ddtree_serve.plumbing import metrics as m
 
     registry = m.new_registry()
     return registry, [m.ServerMetricsInterceptor(registry, service=service)], m.client_interceptors(registry, service)
@@ -213,7 +213,7 @@ async def run_service(label: str, service_name: str, servicer, add_to_server: Ca
 
     `public` picks the credential check (API key vs internal secret) and reflection's default (on only there)."""
     from ddtree_serve import auth
-    from ddtree_serve.request_context import RequestIdServerInterceptor
+    from ddtree_serve.plumbing.request_context import RequestIdServerInterceptor
 
     # The credential check runs first: an unauthenticated call is refused before metrics or servicer code.
     host_ = ServiceHost([service_name], [*auth.server_interceptors(public), *interceptors,
@@ -224,7 +224,7 @@ async def run_service(label: str, service_name: str, servicer, add_to_server: Ca
         on_host(host_)
     bound = await host_.start(host, port)
     if metrics_port is not None:
-        from ddtree_serve.metrics import start_metrics_server
+        from ddtree_serve.plumbing.metrics import start_metrics_server
 
         # Same interface as the gRPC port: --host 127.0.0.1 keeps /metrics on loopback too.
         log.info("%s metrics on %s:%d", label, host, start_metrics_server(metrics_port, registry, host=host))

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_up_answers_a_prompt_prints_json_and_stops_all(checkpoints):
     target, drafter = checkpoints("llama")
-    out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", "up", "--model", str(target), "--drafter",
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "up", "--model", str(target), "--drafter",
                           str(drafter), "--prompt", "hello there", "--max-tokens", "12", "--json"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -37,7 +37,7 @@ def test_up_answers_a_prompt_prints_json_and_stops_all(checkpoints):
 def test_up_prints_a_generate_command_that_works_as_copied_and_cleans_up_on_ctrl_c(checkpoints, tmp_path):
     target, drafter = checkpoints("llama")
     env = dict(os.environ, DDTREE_SERVE_CACHE=str(tmp_path), PYTHONUNBUFFERED="1")
-    up = subprocess.Popen([sys.executable, "-m", "ddtree_serve.cli", "up", "--model", str(target), "--drafter",
+    up = subprocess.Popen([sys.executable, "-m", "launch.cli", "up", "--model", str(target), "--drafter",
                            str(drafter)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         printed = []
@@ -48,7 +48,7 @@ def test_up_prints_a_generate_command_that_works_as_copied_and_cleans_up_on_ctrl
         command = shlex.split(printed[-1])
         assert command[:3] == ["ddtree-serve", "generate", "--gateway"], "".join(printed)
         assert (tmp_path / "up.json").exists()        # so that a plain `generate` finds this `up`
-        out = subprocess.run([sys.executable, "-m", "ddtree_serve.cli", *command[1:], "--max-tokens", "8"],
+        out = subprocess.run([sys.executable, "-m", "launch.cli", *command[1:], "--max-tokens", "8"],
                              capture_output=True, text=True, timeout=120, env=env)
         assert out.returncode == 0, out.stderr
         assert "tau (mean acceptance length)" in out.stdout

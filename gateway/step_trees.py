@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_serve.tree import DraftTree, build_chain, build_ddtree_batch, build_ddtree_reference, root_tree
+from ddtree_serve.decoding.ddtree import DraftTree, build_chain, build_ddtree_batch, build_ddtree_reference, root_tree
 from gateway.sequence import Sequence
 
 
@@ -21,7 +21,7 @@ def build_step_trees(seqs: list[Sequence], drafts: dict[str, tuple[torch.Tensor,
         depths = [max_depths[s.seq_id] for s in group]
         if kind == "ddtree" and logprobs.device.type == "cpu":
             # On the host the heap algorithm beats the batched tensor builder 3-10x (per-op overhead dominates:
-            # 0.7 vs 3.6 ms for 4 sequences at budget 64); both give identical trees (tests/test_tree.py).
+            # 0.7 vs 3.6 ms for 4 sequences at budget 64); both give identical trees (tests/test_ddtree.py).
             trees.update((s.seq_id, build_ddtree_reference(lp, tk, s.budget, d, s.bonus))
                          for s, lp, tk, d in zip(group, logprobs, ids, depths))
             continue

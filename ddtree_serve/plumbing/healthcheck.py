@@ -1,4 +1,4 @@
-"""`python -m ddtree_serve.healthcheck HOST:PORT [SERVICE]`: exit 0 iff the gRPC health service says SERVING."""
+"""`python -m ddtree_serve.plumbing.healthcheck HOST:PORT [SERVICE]`: exit 0 iff the gRPC health service says SERVING."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +28,7 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[int,
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: prints the status and returns the exit code (0 SERVING, 1 other status, 2 unreachable)."""
-    p = argparse.ArgumentParser(prog="python -m ddtree_serve.healthcheck", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m ddtree_serve.plumbing.healthcheck", description=__doc__)
     p.add_argument("address", help="HOST:PORT of a gRPC server")
     p.add_argument("service", nargs="?", default="", help="health service name ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")

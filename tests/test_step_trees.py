@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_serve.config import SamplingParams
-from ddtree_serve.tree import build_chain, build_ddtree_batch
+from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.ddtree import build_chain, build_ddtree_batch
 from gateway.sequence import Sequence
-from gateway.trees import build_step_trees
+from gateway.step_trees import build_step_trees
 
 
 def _seq(seq_id: str, mode: str, budget: int, bonus: int) -> Sequence:

@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from ddtree_serve.tree_mask import ancestor_mask, as_index_tensor
+from ddtree_serve.decoding.tree_mask import ancestor_mask, as_index_tensor
 
 __all__ = [
     "DraftTree",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddtree_serve.config import SamplingParams
+from ddtree_serve.decoding.config import SamplingParams
 
 __all__ = ["make_generator", "filter_logits", "target_probs", "choose_tokens"]
 

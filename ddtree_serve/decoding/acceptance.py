@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree_serve.tree_mask import ancestor_mask_batch, as_index_tensor
+from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, as_index_tensor
 
 __all__ = [
     "AcceptResult",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ddtree_serve.tree import (
+from ddtree_serve.decoding.ddtree import (
     DraftTree,
     build_chain,
     build_ddtree_batch,

@@ -23,7 +23,7 @@ import grpc
 import pytest
 import yaml
 
-from ddtree_serve.local_stack import LocalStack, free_port
+from launch.local_stack import LocalStack, free_port
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc
 from tests.conftest import make_request, prompts_for, reference_greedy, run_streams
 
@@ -207,7 +207,7 @@ class Procs:
 
     def start(self, name: str, args: list[str]) -> None:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives with the process
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "ddtree_serve.cli", *args], stdout=log,
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
 
     def logs(self) -> str:
@@ -215,7 +215,7 @@ class Procs:
                          for p in sorted(self.log_dir.glob("*.log")))
 
     def wait_serving(self, address: str, timeout_s: float = 180) -> None:
-        from ddtree_serve.rpc import wait_until_serving
+        from ddtree_serve.plumbing.rpc import wait_until_serving
 
         async def wait() -> None:
             task = asyncio.create_task(wait_until_serving(address, timeout_s=timeout_s))

@@ -1,12 +1,9 @@
-"""Typed configuration shared by the services."""
+"""SamplingParams: how the target picks each committed token."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-# Context-feature transports, target -> drafter (implemented in ddtree_serve/transport/).
-SHARED_BUFFER_TRANSPORTS = ("shm", "cuda-ipc")
-TRANSPORTS = ("inline", *SHARED_BUFFER_TRANSPORTS)
 # Below this, logits / temperature overflow to inf and softmax yields NaN; vLLM treats such temperatures as greedy.
 GREEDY_TEMPERATURE = 1e-5
 

@@ -1,0 +1,1 @@
+"""Speculative-decoding algorithms: DDTree/chain builders, tree masks, the acceptance walk, token choice."""
