@@ -14,9 +14,10 @@ import torch
 
 from ddtree_serve import auth
 from ddtree_serve.leases import LeaseTable
+from ddtree_serve.plumbing.metrics import DrafterMetrics
+from ddtree_serve.plumbing.model_servicer import ModelServicer, serve_model_service
+from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from ddtree_serve.plumbing.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
-                              require_ready, run_service)
 from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 
@@ -42,15 +43,14 @@ class DrafterServerConfig:
     lease_s: float = 60.0
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
     """Holds the DrafterRunner; a Draft waits until the target's features for its context have arrived."""
 
+    runner: DrafterRunner
+
     def __init__(self, cfg: DrafterServerConfig, metrics=None):
+        super().__init__("drafter-model", metrics)
         self.cfg = cfg
-        self.metrics = metrics
-        self.runner: DrafterRunner | None = None
-        self.ready = asyncio.Event()
-        self.model_thread = ModelThread("drafter-model")
         self.rows_held: dict[str, int] = {}
         self.rows_changed = asyncio.Condition()
         self.released: OrderedDict[str, None] = OrderedDict()
@@ -67,13 +67,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                                    device=self.cfg.device, dtype=getattr(torch, self.cfg.dtype),
                                    max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
                                    enforce_eager=self.cfg.enforce_eager)
-        t0 = time.perf_counter()
-        self.runner = await self.model_thread.run(DrafterRunner, runner_cfg)
-        if self.metrics is not None:
-            self.metrics.track_gpu_memory(self.cfg.device)
-        log.info("drafter %s loaded in %.1f s", self.cfg.drafter_dir, time.perf_counter() - t0)
+        await self.load_runner(DrafterRunner, runner_cfg, self.cfg.device, f"drafter {self.cfg.drafter_dir}")
         self._reaper = asyncio.create_task(self._reap_lapsed_leases())
-        self.ready.set()
 
     async def _reap_lapsed_leases(self) -> None:
         """Frees sequences nobody fed or drafted for a lease (gateway gone, or slots squatted by pushes)."""
@@ -85,16 +80,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 log.warning("freed %d sequences whose lease lapsed", released)
 
     async def close(self) -> None:
+        """Stops the lease reaper and the model thread, and unmaps the target's staging buffers."""
         if self._reaper is not None:
             self._reaper.cancel()
         self.model_thread.shutdown()
         self.opened_buffers.close()
-
-    def _cache(self) -> common_pb2.CacheUsage:
-        usage = self.runner.cache_usage()
-        if self.metrics is not None:
-            self.metrics.set_cache(*usage)
-        return cache_usage_proto(usage)
 
     @grpc_errors
     async def Info(self, request, context):
@@ -105,7 +95,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             model_name=Path(self.cfg.drafter_dir).name, block_size=r.block_size,
             target_layer_ids=list(r.target_layer_ids), mask_token_id=r.mask_token_id, vocab_size=r.vocab_size,
             hidden_size=r.hidden_size, max_seq_len=self.cfg.max_seq_len, max_batch=self.cfg.max_batch,
-            cache=self._cache(), device=self.cfg.device, dtype=self.cfg.dtype)
+            cache=self.observe_cache(), device=self.cfg.device, dtype=self.cfg.dtype)
 
     @grpc_errors
     async def PushFeatures(self, request, context):
@@ -223,7 +213,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         require_ready(self.ready)
         ids = list(self.leases.check(auth.session_of(context), request.seq_ids))
         released = await self._release_ids(ids)
-        return drafter_pb2.DrafterReleaseResponse(released=released, cache=self._cache())
+        return drafter_pb2.DrafterReleaseResponse(released=released, cache=self.observe_cache())
 
     async def _release_ids(self, ids: list[str]) -> int:
         # Tombstones first, before any await: a feature push checked after this point is dropped, and one
@@ -244,14 +234,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 async def serve(cfg: DrafterServerConfig, host: str, port: int, metrics_port: int | None = None,
                 ready_file: str | None = None, reflection: bool | None = None) -> None:
     """Runs the drafter service until SIGTERM."""
-    registry, interceptors, _ = metrics_hooks("drafter", metrics_port)
-    metrics = None
-    if registry is not None:
-        from ddtree_serve.plumbing.metrics import DrafterMetrics
-
-        metrics = DrafterMetrics(registry, model_name=Path(cfg.drafter_dir).name)
-    servicer = DrafterServicer(cfg, metrics)
-    log.info("drafter service: loading %s", cfg.drafter_dir)
-    await run_service("drafter service", SERVICE_NAME, servicer, drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
-                      interceptors, host, port, start=servicer.load, on_stop=servicer.close, registry=registry,
-                      metrics_port=metrics_port, ready_file=ready_file, reflection=reflection)
+    await serve_model_service("drafter", SERVICE_NAME, cfg.drafter_dir, DrafterMetrics,
+                              lambda metrics, _client_interceptors: DrafterServicer(cfg, metrics),
+                              drafter_pb2_grpc.add_DrafterServiceServicer_to_server, host, port, metrics_port,
+                              ready_file, reflection=reflection)

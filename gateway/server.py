@@ -14,11 +14,12 @@ from pathlib import Path
 import grpc
 from transformers import AutoTokenizer
 
-from ddtree_serve.decoding.config import SamplingParams, default_budget
-from gateway import limits
+from ddtree_serve.decoding.config import default_budget
+from ddtree_serve.plumbing.messages import sampling_from_proto
 from ddtree_serve.plumbing.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
+from gateway import limits
 from gateway.backends import BackendPair, PairAddress
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine import EngineConfig, PairEngine
@@ -218,8 +219,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if len(prompt_ids) + request.max_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the "
                              f"model's context limit of {self.max_seq_len} tokens")
-        sp = request.sampling
-        sampling = SamplingParams.from_wire(sp.temperature, sp.top_p, sp.top_k, sp.seed if sp.has_seed else None)
+        sampling = sampling_from_proto(request.sampling)
         if request.mode == gateway_pb2.DECODE_MODE_DEFAULT:
             mode = self.cfg.mode
         elif request.mode in MODE_BY_ENUM:

@@ -12,11 +12,12 @@ import grpc
 import torch
 
 from ddtree_serve import auth
-from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.leases import LeaseTable
+from ddtree_serve.plumbing.messages import sampling_from_proto
+from ddtree_serve.plumbing.metrics import TargetMetrics
+from ddtree_serve.plumbing.model_servicer import ModelServicer, serve_model_service
+from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
-from ddtree_serve.plumbing.rpc import (ModelThread, RequestError, cache_usage_proto, grpc_errors, metrics_hooks,
-                              require_ready, run_service)
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 
@@ -26,11 +27,6 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "generation_config.json", "config.json")
-
-
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """Proto -> validated SamplingParams (0 means 'off' for top_p / top_k)."""
-    return SamplingParams.from_wire(p.temperature, p.top_p, p.top_k, p.seed if p.has_seed else None)
 
 
 @dataclass
@@ -49,16 +45,15 @@ class TargetServerConfig:
     lease_s: float = 60.0
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     """Holds the TargetRunner; model work runs on one dedicated thread so the event loop stays responsive."""
 
+    runner: TargetRunner
+
     def __init__(self, cfg: TargetServerConfig, metrics=None, client_interceptors=()):
+        super().__init__("target-model", metrics)
         self.cfg = cfg
-        self.metrics = metrics
         self.client_interceptors = list(client_interceptors)
-        self.runner: TargetRunner | None = None
-        self.ready = asyncio.Event()
-        self.model_thread = ModelThread("target-model")
         self.sender: FeatureSender | None = None
         self.sender_address = ""
         self.feature_seqs: set[str] = set()   # sequences whose features go to the drafter (not AR ones)
@@ -73,16 +68,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
                                   max_tree_nodes=self.cfg.max_tree_nodes, prefill_chunk=self.cfg.prefill_chunk,
                                   enforce_eager=self.cfg.enforce_eager)
-        t0 = time.perf_counter()
-        self.runner = await self.model_thread.run(TargetRunner, runner_cfg)
-        if self.metrics is not None:
-            self.metrics.track_gpu_memory(self.cfg.device)
-        log.info("target model %s loaded in %.1f s", self.cfg.model_dir, time.perf_counter() - t0)
+        await self.load_runner(TargetRunner, runner_cfg, self.cfg.device, f"target model {self.cfg.model_dir}")
         if self.runner.max_seq_len < self.cfg.max_seq_len:
             log.warning("--max-seq-len %d exceeds the model's context (%d positions): serving %d", self.cfg.max_seq_len,
                         self.runner.max_seq_len, self.runner.max_seq_len)
         self._reaper = asyncio.create_task(self._reap_lapsed_leases())
-        self.ready.set()
 
     async def _reap_lapsed_leases(self) -> None:
         """Frees sequences whose gateway session went silent (crashed gateway, squatted slots)."""
@@ -94,7 +84,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 self.feature_seqs.difference_update(lapsed)
                 self.leases.drop(lapsed)
                 log.warning("freed %d sequences whose lease lapsed (their gateway went silent)", released)
-                self._observe_cache()
+                self.observe_cache()
 
     async def close(self) -> None:
         """Delivers queued features and stops the model thread."""
@@ -103,12 +93,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if self.sender is not None:
             await self.sender.close()
         self.model_thread.shutdown()
-
-    def _observe_cache(self) -> common_pb2.CacheUsage:
-        usage = self.runner.cache_usage()
-        if self.metrics is not None:
-            self.metrics.set_cache(*usage)
-        return cache_usage_proto(usage)
 
     @grpc_errors
     async def Info(self, request, context):
@@ -120,7 +104,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             model_name=Path(self.cfg.model_dir).name, model_type=r.model_type, vocab_size=r.vocab_size,
             max_seq_len=r.max_seq_len, eos_token_ids=r.eos_token_ids, hidden_size=r.hidden_size,
             num_layers=r.num_layers, max_batch=self.cfg.max_batch, max_tree_nodes=self.cfg.max_tree_nodes,
-            cache=self._observe_cache(), device=self.cfg.device, dtype=self.cfg.dtype, instance_id=self.instance_id)
+            cache=self.observe_cache(), device=self.cfg.device, dtype=self.cfg.dtype, instance_id=self.instance_id)
 
     @grpc_errors
     async def TokenizerFiles(self, request, context):
@@ -203,8 +187,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         nbytes = self._push([FeatureRows(o.seq_id, o.context_len - o.features.shape[0], o.features)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if self.metrics is not None:
-            self.metrics.observe_forward("prefill", len(items), (t2 - t1) / 1e9)
-        self._observe_cache()
+            self.metrics.observe_forward("prefill", len(items), (t2 - t1) / 1e9,
+                                         num_tokens=sum(len(it.prompt_ids) for it in items))
+        self.observe_cache()
         results = [target_pb2.PrefillResult(seq_id=o.seq_id, next_token=o.next_token, context_len=o.context_len)
                    for o in outputs]
         return target_pb2.PrefillResponse(results=results, timings=common_pb2.Timings(
@@ -229,7 +214,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if self.metrics is not None:
-            self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9)
+            self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9,
+                                         num_tokens=sum(len(it.tokens) for it in items))
         results = [target_pb2.VerifyResult(seq_id=o.seq_id, accepted_nodes=o.accepted_nodes,
                                            accepted_tokens=o.accepted_tokens, next_token=o.next_token,
                                            context_len=o.context_len) for o in outputs]
@@ -243,7 +229,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         released = await self.model_thread.run(self._release_all, list(request.seq_ids))
         self.feature_seqs.difference_update(request.seq_ids)
         self.leases.drop(request.seq_ids)
-        return target_pb2.ReleaseResponse(released=released, cache=self._observe_cache())
+        return target_pb2.ReleaseResponse(released=released, cache=self.observe_cache())
 
     def _release_all(self, seq_ids: list[str]) -> int:
         released = 0
@@ -259,14 +245,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 async def serve(cfg: TargetServerConfig, host: str, port: int, metrics_port: int | None = None,
                 ready_file: str | None = None, reflection: bool | None = None) -> None:
     """Runs the target service until SIGTERM."""
-    registry, interceptors, client_interceptors = metrics_hooks("target", metrics_port)
-    metrics = None
-    if registry is not None:
-        from ddtree_serve.plumbing.metrics import TargetMetrics
-
-        metrics = TargetMetrics(registry, model_name=Path(cfg.model_dir).name)
-    servicer = TargetServicer(cfg, metrics, client_interceptors)
-    log.info("target service: loading %s", cfg.model_dir)
-    await run_service("target service", SERVICE_NAME, servicer, target_pb2_grpc.add_TargetServiceServicer_to_server,
-                      interceptors, host, port, start=servicer.load, on_stop=servicer.close, registry=registry,
-                      metrics_port=metrics_port, ready_file=ready_file, reflection=reflection)
+    await serve_model_service("target", SERVICE_NAME, cfg.model_dir, TargetMetrics,
+                              lambda metrics, client_interceptors: TargetServicer(cfg, metrics, client_interceptors),
+                              target_pb2_grpc.add_TargetServiceServicer_to_server, host, port, metrics_port, ready_file,
+                              reflection=reflection)

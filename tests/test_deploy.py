@@ -21,7 +21,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ddtree_serve.plumbing import healthcheck, metrics
+from ddtree_serve.plumbing import healthcheck
+from ddtree_serve.plumbing.metrics import names as metric_names
 from ddtree_serve.proto import drafter_pb2, gateway_pb2, target_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,7 +217,7 @@ def exported_series() -> set[str]:
     """Every series name the three services expose: families from fresh registries, plus exposition suffixes."""
     out: set[str] = set()
     for svc in DDTREE_SERVICES:
-        out |= metrics.exposed_series_names(svc)
+        out |= metric_names.exposed_series_names(svc)
     return out
 
 

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree_serve.plumbing import metrics as M
+from ddtree_serve.plumbing.metrics import names
 from ddtree_serve.plumbing import request_context as rc
 
 VLLM_COUNTERS = ["vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:spec_decode_num_drafts",
@@ -152,14 +153,15 @@ def test_target_and_drafter_metrics() -> None:
 
 
 def test_metric_names_helper_and_colons_are_valid() -> None:
-    assert set(M.METRIC_NAMES) == {"gateway", "target", "drafter"}
+    families = {svc: set(names.metric_families(svc)) for svc in names.SERVICES}
+    assert set(families) == {"gateway", "target", "drafter"}
     for name in VLLM_COUNTERS + VLLM_HISTOGRAMS + VLLM_GAUGES:
-        assert name in M.METRIC_NAMES["gateway"]
+        assert name in families["gateway"]
     for svc in ("gateway", "target", "drafter"):
-        assert {"ddtree_rpc_server_latency_seconds", "ddtree_rpc_client_latency_seconds"} <= M.METRIC_NAMES[svc]
-    assert "ddtree_kv_cache_used_tokens" in M.METRIC_NAMES["target"]
-    assert "vllm:generation_tokens_total" in M.exposed_series_names("gateway")
-    assert "ddtree_rpc_server_latency_seconds_bucket" in M.exposed_series_names("drafter")
+        assert {"ddtree_rpc_server_latency_seconds", "ddtree_rpc_client_latency_seconds"} <= families[svc]
+    assert "ddtree_kv_cache_used_tokens" in families["target"]
+    assert "vllm:generation_tokens_total" in names.exposed_series_names("gateway")
+    assert "ddtree_rpc_server_latency_seconds_bucket" in names.exposed_series_names("drafter")
     # Two registries are independent: no global state.
     M.GatewayMetrics(CollectorRegistry(), "a")
     M.GatewayMetrics(CollectorRegistry(), "a")

@@ -96,15 +96,6 @@ class ModelThread:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def cache_usage_proto(usage: tuple[int, int, int, int]):
-    """A runner's (running, max sequences, used tokens, capacity tokens) as the CacheUsage message."""
-    from ddtree_serve.proto import common_pb2
-
-    running, max_seqs, used, capacity = usage
-    return common_pb2.CacheUsage(running_sequences=running, max_sequences=max_seqs, used_tokens=used,
-                                 capacity_tokens=capacity)
-
-
 @dataclass
 class ServiceHost:
     """One grpc.aio server with health (NOT_SERVING until `mark_serving`), reflection and graceful stop."""

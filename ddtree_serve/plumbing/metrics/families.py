@@ -1,4 +1,4 @@
-"""Prometheus metrics of the three services, gRPC metric interceptors and the /metrics HTTP server.
+"""The Prometheus metric families of the three services (gateway, target, drafter).
 
 Every service builds its own CollectorRegistry and passes it in; nothing here registers into the global one.
 Names follow vLLM where vLLM has one (`vllm:*`, counters declared without `_total`, which the client appends),
@@ -6,25 +6,11 @@ and use the `ddtree_` prefix otherwise.
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
-import threading
-import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from socketserver import ThreadingMixIn
-from types import MappingProxyType
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-import grpc
-from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.process_collector import ProcessCollector
-
-from ddtree_serve.plumbing.request_context import outgoing_metadata, wrap_rpc_handler
 
 ENGINE = "ddtree-serve"
 
@@ -53,7 +39,7 @@ def new_registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
-def _get_or_create(registry: CollectorRegistry, name: str, make: Callable[[], _C]) -> _C:
+def get_or_create(registry: CollectorRegistry, name: str, make: Callable[[], _C]) -> _C:
     """The collector called `name` in registry, made on first use.
 
     Several interceptors of one service share a registry (e.g. one client interceptor per backend channel);
@@ -78,7 +64,7 @@ class _ServiceMetrics:
         self.registry = registry
         self.model_name = model_name
         # Process CPU/RSS/fds; a custom registry does not get them by default.
-        _get_or_create(registry, "process_cpu_seconds", lambda: ProcessCollector(registry=registry))
+        get_or_create(registry, "process_cpu_seconds", lambda: ProcessCollector(registry=registry))
         self.gpu_memory_allocated = Gauge("ddtree_gpu_memory_allocated_bytes",
                                           "GPU memory held by tensors of this process (torch.cuda.memory_allocated).",
                                           ["model_name", "device"], registry=registry)
@@ -261,14 +247,34 @@ class _TransportMetrics:
             self.transport_seconds.labels(*labels).observe(seconds)
 
 
-class TargetMetrics(_ServiceMetrics, _TransportMetrics):
+class _CacheMetrics:
+    """The four cache gauges a model service exports (KV cache on the target, context cache on the drafter)."""
+
+    def _init_cache(self, registry: CollectorRegistry, used: tuple[str, str], capacity: tuple[str, str],
+                    running: tuple[str, str], slots: tuple[str, str]) -> None:
+        lm = ["model_name"]
+        self.cache_used = Gauge(*used, lm, registry=registry)
+        self.cache_capacity = Gauge(*capacity, lm, registry=registry)
+        self.running_sequences = Gauge(*running, lm, registry=registry)
+        self.max_sequences = Gauge(*slots, lm, registry=registry)
+
+    def set_cache(self, running: int, max_sequences: int, used_tokens: int, capacity_tokens: int) -> None:
+        """Cache occupancy, as the runners' cache_usage() returns it."""
+        name = self.model_name  # type: ignore[attr-defined]
+        self.running_sequences.labels(name).set(running)
+        self.max_sequences.labels(name).set(max_sequences)
+        self.cache_used.labels(name).set(used_tokens)
+        self.cache_capacity.labels(name).set(capacity_tokens)
+
+
+class TargetMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
     """Forward passes, KV-cache use, GPU memory and feature transport of the target service."""
 
     service = "target"
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         super().__init__(registry, model_name)
-        r, lo, lm = registry, ["model_name", "op"], ["model_name"]
+        r, lo = registry, ["model_name", "op"]
         self.forward_seconds = Histogram("ddtree_target_forward_seconds",
                                          "Target forward (op = prefill | verify), seconds.", lo,
                                          buckets=STEP_BUCKETS, registry=r)
@@ -277,12 +283,10 @@ class TargetMetrics(_ServiceMetrics, _TransportMetrics):
         self.forward_tokens = Histogram("ddtree_target_forward_tokens",
                                         "Tokens (prompt tokens or tree nodes incl. roots) per target forward.", lo,
                                         buckets=TOKEN_COUNT_BUCKETS, registry=r)
-        self.kv_cache_used = Gauge("ddtree_kv_cache_used_tokens", "KV-cache tokens in use.", lm, registry=r)
-        self.kv_cache_capacity = Gauge("ddtree_kv_cache_capacity_tokens", "KV-cache capacity in tokens.", lm,
-                                       registry=r)
-        self.running_sequences = Gauge("ddtree_target_running_sequences", "Sequences holding a KV-cache slot.", lm,
-                                       registry=r)
-        self.max_sequences = Gauge("ddtree_target_max_sequences", "KV-cache slots.", lm, registry=r)
+        self._init_cache(r, used=("ddtree_kv_cache_used_tokens", "KV-cache tokens in use."),
+                         capacity=("ddtree_kv_cache_capacity_tokens", "KV-cache capacity in tokens."),
+                         running=("ddtree_target_running_sequences", "Sequences holding a KV-cache slot."),
+                         slots=("ddtree_target_max_sequences", "KV-cache slots."))
         self._init_transport(r)
 
     def observe_forward(self, op: str, batch_size: int, seconds: float, num_tokens: int | None = None) -> None:
@@ -292,19 +296,12 @@ class TargetMetrics(_ServiceMetrics, _TransportMetrics):
         if num_tokens is not None:
             self.forward_tokens.labels(self.model_name, op).observe(num_tokens)
 
-    def set_cache(self, running: int, max_sequences: int, used_tokens: int, capacity_tokens: int) -> None:
-        """KV-cache occupancy, as TargetRunner.cache_usage() returns it."""
-        self.running_sequences.labels(self.model_name).set(running)
-        self.max_sequences.labels(self.model_name).set(max_sequences)
-        self.kv_cache_used.labels(self.model_name).set(used_tokens)
-        self.kv_cache_capacity.labels(self.model_name).set(capacity_tokens)
-
     def observe_transport(self, transport: str, nbytes: int, seconds: float | None = None) -> None:
         """Features pushed to the drafter over `transport` ("inline" | "cuda-ipc" | "nccl"); seconds if timed."""
         self._observe_transport(transport, nbytes, seconds, "send")
 
 
-class DrafterMetrics(_ServiceMetrics, _TransportMetrics):
+class DrafterMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
     """Draft forwards, context-cache use, GPU memory and received feature bytes of the drafter service."""
 
     service = "drafter"
@@ -316,13 +313,12 @@ class DrafterMetrics(_ServiceMetrics, _TransportMetrics):
                                          buckets=STEP_BUCKETS, registry=r)
         self.batch_size = Histogram("ddtree_drafter_batch_size", "Sequences per draft call.", lm,
                                     buckets=BATCH_BUCKETS, registry=r)
-        self.context_cache_used = Gauge("ddtree_drafter_context_cache_used_tokens",
-                                        "Context-feature rows held in the drafter's cache.", lm, registry=r)
-        self.context_cache_capacity = Gauge("ddtree_drafter_context_cache_capacity_tokens",
-                                            "Context-feature rows the drafter's cache can hold.", lm, registry=r)
-        self.running_sequences = Gauge("ddtree_drafter_running_sequences", "Sequences with a drafter context cache.",
-                                       lm, registry=r)
-        self.max_sequences = Gauge("ddtree_drafter_max_sequences", "Drafter context-cache slots.", lm, registry=r)
+        self._init_cache(r, used=("ddtree_drafter_context_cache_used_tokens",
+                                  "Context-feature rows held in the drafter's cache."),
+                         capacity=("ddtree_drafter_context_cache_capacity_tokens",
+                                   "Context-feature rows the drafter's cache can hold."),
+                         running=("ddtree_drafter_running_sequences", "Sequences with a drafter context cache."),
+                         slots=("ddtree_drafter_max_sequences", "Drafter context-cache slots."))
         self._init_transport(r)
 
     def observe_draft(self, batch_size: int, seconds: float) -> None:
@@ -330,314 +326,6 @@ class DrafterMetrics(_ServiceMetrics, _TransportMetrics):
         self.forward_seconds.labels(self.model_name).observe(seconds)
         self.batch_size.labels(self.model_name).observe(batch_size)
 
-    def set_cache(self, running: int, max_sequences: int, used_tokens: int, capacity_tokens: int) -> None:
-        """Context-cache occupancy, as DrafterRunner.cache_usage() returns it."""
-        self.running_sequences.labels(self.model_name).set(running)
-        self.max_sequences.labels(self.model_name).set(max_sequences)
-        self.context_cache_used.labels(self.model_name).set(used_tokens)
-        self.context_cache_capacity.labels(self.model_name).set(capacity_tokens)
-
     def observe_transport_received(self, transport: str, nbytes: int, seconds: float | None = None) -> None:
         """Features received from the target over `transport`; seconds if timed."""
         self._observe_transport(transport, nbytes, seconds, "recv")
-
-
-# -- gRPC interceptors ---------------------------------------------------------------------------------------
-
-def short_method(full_method: str | bytes) -> str:
-    """'/ddtree.v1.TargetService/Verify' -> 'TargetService/Verify' (package dropped to keep labels short)."""
-    if isinstance(full_method, bytes):
-        full_method = full_method.decode()
-    service, _, method = full_method.lstrip("/").rpartition("/")
-    return f"{service.rsplit('.', 1)[-1]}/{method}" if service else method
-
-
-def _code_name(code: Any) -> str | None:
-    if code is None:
-        return None
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    for sc in grpc.StatusCode:  # aio contexts may hand back the raw integer
-        if sc.value[0] == code:
-            return sc.name
-    return None
-
-
-@dataclass(frozen=True)
-class _RpcFamilies:
-    latency: Histogram
-    calls: Counter
-    in_flight: Gauge | None
-
-
-def _server_families(registry: CollectorRegistry) -> _RpcFamilies:
-    ls = ["service", "method", "code"]
-    return _RpcFamilies(
-        _get_or_create(registry, "ddtree_rpc_server_latency_seconds", lambda: Histogram(
-            "ddtree_rpc_server_latency_seconds", "Server-side RPC latency (to the end of the stream), seconds.", ls,
-            buckets=RPC_BUCKETS, registry=registry)),
-        _get_or_create(registry, "ddtree_rpc_server_calls", lambda: Counter(
-            "ddtree_rpc_server_calls", "RPCs handled, by final status code.", ls, registry=registry)),
-        _get_or_create(registry, "ddtree_rpc_server_in_flight", lambda: Gauge(
-            "ddtree_rpc_server_in_flight", "RPCs being handled.", ["service", "method"], registry=registry)))
-
-
-def _client_families(registry: CollectorRegistry) -> _RpcFamilies:
-    ls = ["service", "peer", "method", "code"]
-    return _RpcFamilies(
-        _get_or_create(registry, "ddtree_rpc_client_latency_seconds", lambda: Histogram(
-            "ddtree_rpc_client_latency_seconds", "Client-side RPC latency (to the final status), seconds.", ls,
-            buckets=RPC_BUCKETS, registry=registry)),
-        _get_or_create(registry, "ddtree_rpc_client_calls", lambda: Counter(
-            "ddtree_rpc_client_calls", "RPCs issued, by final status code.", ls, registry=registry)),
-        None)
-
-
-class ServerMetricsInterceptor(aio.ServerInterceptor):
-    """Observes ddtree_rpc_server_latency_seconds / _calls{service, method, code} for every handler shape."""
-
-    def __init__(self, registry: CollectorRegistry, service: str) -> None:
-        self.service = service
-        self._f = _server_families(registry)
-
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        return wrap_rpc_handler(handler, short_method(handler_call_details.method), self._observe)
-
-    @contextlib.contextmanager
-    def _observe(self, method: str, context: Any) -> Iterator[None]:
-        start = time.perf_counter()
-        gauge = self._f.in_flight.labels(self.service, method)  # type: ignore[union-attr]
-        gauge.inc()
-        code: str | None = None
-        try:
-            yield
-            code = _context_code(context) or "OK"
-        except (asyncio.CancelledError, GeneratorExit):
-            code = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
-            raise
-        except aio.AbortError:
-            code = _context_code(context) or "UNKNOWN"
-            raise
-        except BaseException as exc:
-            # grpc turns a raised exception into UNKNOWN unless the handler aborted (sync servers raise Exception).
-            code = _context_code(context) if _is_sync_abort(exc) else "UNKNOWN"
-            code = code or "UNKNOWN"
-            raise
-        finally:
-            gauge.dec()
-            self._f.latency.labels(self.service, method, code).observe(time.perf_counter() - start)
-            self._f.calls.labels(self.service, method, code).inc()
-
-
-def _context_code(context: Any) -> str | None:
-    try:
-        return _code_name(context.code())
-    except Exception:  # noqa: BLE001 - older contexts lack code(); the status then is the default
-        return None
-
-
-def _deadline_passed(context: Any) -> bool:
-    try:
-        remaining = context.time_remaining()
-    except Exception:  # noqa: BLE001
-        return False
-    return remaining is not None and remaining <= 0
-
-
-def _is_sync_abort(exc: BaseException) -> bool:
-    # grpc's sync ServicerContext.abort raises a bare Exception after setting the code.
-    return type(exc) is Exception
-
-
-class _ClientBase:
-    def __init__(self, registry: CollectorRegistry, service: str, peer: str = "") -> None:
-        self.service = service
-        self.peer = peer
-        self._f = _client_families(registry)
-        self._pending: set[asyncio.Task[None]] = set()
-
-    def _details(self, details: aio.ClientCallDetails) -> aio.ClientCallDetails:
-        return aio.ClientCallDetails(details.method, details.timeout,
-                                     aio.Metadata(*outgoing_metadata(details.metadata)),
-                                     details.credentials, details.wait_for_ready)
-
-    def _record(self, method: str, code: str, start: float) -> None:
-        labels = (self.service, self.peer, method, code)
-        self._f.latency.labels(*labels).observe(time.perf_counter() - start)
-        self._f.calls.labels(*labels).inc()
-
-    async def _finish(self, call: Any, method: str, start: float) -> None:
-        try:
-            code = _code_name(await call.code()) or "UNKNOWN"
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-        self._record(method, code, start)
-
-    def _watch(self, call: Any, method: str, start: float) -> None:
-        # Streams finish later than the interceptor returns; a task waits for the status (kept alive in _pending).
-        task = asyncio.ensure_future(self._finish(call, method, start))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-
-class ClientMetricsInterceptor(_ClientBase, aio.UnaryUnaryClientInterceptor):
-    """Observes ddtree_rpc_client_latency_seconds / _calls{service, peer, method, code} of unary calls and adds
-    x-request-id/traceparent. `service` is the calling service (the method label names the callee); `peer` is
-    optional (empty when one interceptor serves several channels). grpc.aio files an interceptor under one RPC kind only, so pass `all()` to the
-    channel to cover the streaming kinds too."""
-
-    def __init__(self, registry: CollectorRegistry, service: str, peer: str = "") -> None:
-        super().__init__(registry, service, peer)
-        self._companions = [_UnaryStreamMetrics(self), _StreamUnaryMetrics(self), _StreamStreamMetrics(self)]
-
-    def all(self) -> list[aio.ClientInterceptor]:
-        """This interceptor and its unary-stream, stream-unary and stream-stream companions (shared families)."""
-        return [self, *self._companions]
-
-    async def intercept_unary_unary(self, continuation: Any, client_call_details: aio.ClientCallDetails,
-                                    request: Any) -> Any:
-        start, method = time.perf_counter(), short_method(client_call_details.method)
-        try:
-            call = await continuation(self._details(client_call_details), request)
-            # Waiting here costs nothing extra: the caller awaits the same response right after.
-            code = _code_name(await call.code()) or "UNKNOWN"
-        except asyncio.CancelledError:
-            self._record(method, "CANCELLED", start)
-            raise
-        self._record(method, code, start)
-        return call
-
-
-class _Companion:
-    def __init__(self, owner: ClientMetricsInterceptor) -> None:
-        self._owner = owner
-
-    async def _intercept(self, continuation: Any, details: aio.ClientCallDetails, request: Any) -> Any:
-        start, method = time.perf_counter(), short_method(details.method)
-        call = await continuation(self._owner._details(details), request)  # noqa: SLF001
-        self._owner._watch(call, method, start)  # noqa: SLF001
-        return call
-
-
-class _UnaryStreamMetrics(_Companion, aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, client_call_details: aio.ClientCallDetails,
-                                     request: Any) -> Any:
-        return await self._intercept(continuation, client_call_details, request)
-
-
-class _StreamUnaryMetrics(_Companion, aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, client_call_details: aio.ClientCallDetails,
-                                     request_iterator: Any) -> Any:
-        return await self._intercept(continuation, client_call_details, request_iterator)
-
-
-class _StreamStreamMetrics(_Companion, aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, client_call_details: aio.ClientCallDetails,
-                                      request_iterator: Any) -> Any:
-        return await self._intercept(continuation, client_call_details, request_iterator)
-
-
-def client_interceptors(registry: CollectorRegistry, service: str, peer: str = "") -> list[aio.ClientInterceptor]:
-    """Client interceptors for every RPC kind (service = the caller, e.g. "gateway"); reusable across channels."""
-    return ClientMetricsInterceptor(registry, service, peer).all()
-
-
-# -- /metrics HTTP server ------------------------------------------------------------------------------------
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes every second would flood logs
-        pass
-
-
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _ThreadingWSGIServerV6(_ThreadingWSGIServer):
-    address_family = socket.AF_INET6
-
-
-def metrics_wsgi_app(registry: CollectorRegistry) -> Callable[..., list[bytes]]:
-    """WSGI app serving the classic Prometheus text format whatever the scraper's Accept header says.
-
-    prometheus_client (0.2x) answers an OpenMetrics Accept header, which Prometheus sends by default, with
-    "underscores" escaping that rewrites `vllm:x` to `vllm_x` in sample lines (client_python issue #1177), breaking
-    vLLM-named queries and dashboards. The 0.0.4 text format keeps the names exactly as declared.
-    """
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found; try /metrics\n"]
-        body = generate_latest(registry)
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE_PLAIN_0_0_4), ("Content-Length", str(len(body)))])
-        return [body]
-    return app
-
-
-@dataclass
-class MetricsHTTPServer:
-    """A running /metrics endpoint; close() stops it."""
-
-    port: int
-    _server: WSGIServer
-    _thread: threading.Thread
-
-    def close(self) -> None:
-        """Stops serving and frees the port."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsHTTPServer:
-    """Serves registry on http://host:port/metrics in a daemon thread (port 0 = ephemeral)."""
-    server_cls = _ThreadingWSGIServerV6 if ":" in host else _ThreadingWSGIServer
-    server = make_server(host, port, metrics_wsgi_app(registry), server_class=server_cls, handler_class=_QuietHandler)
-    thread = threading.Thread(target=server.serve_forever, name=f"metrics-http-{server.server_port}", daemon=True)
-    thread.start()
-    return MetricsHTTPServer(int(server.server_port), server, thread)
-
-
-def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> int:
-    """Serves registry on host:port in a daemon thread for the life of the process; returns the bound port."""
-    return serve_metrics(port, registry, host).port
-
-
-# -- names exported per service (dashboard checks) -----------------------------------------------------------
-
-def _family_names(registry: CollectorRegistry) -> frozenset[str]:
-    return frozenset(m.name for m in registry.collect())
-
-
-def metric_families(service: str) -> dict[str, str]:
-    """{family name: type} that a service exports ("gateway" | "target" | "drafter"), as collected."""
-    registry = CollectorRegistry()
-    if service == "gateway":
-        GatewayMetrics(registry, "m")
-    elif service == "target":
-        TargetMetrics(registry, "m")
-    elif service == "drafter":
-        DrafterMetrics(registry, "m")
-    else:
-        raise ValueError(f"unknown service {service!r}")
-    # Every service is a gRPC server, and gateway/target are clients of the next hop.
-    ServerMetricsInterceptor(registry, service)
-    ClientMetricsInterceptor(registry, service)
-    return {m.name: m.type for m in registry.collect()}
-
-
-def exposed_series_names(service: str) -> frozenset[str]:
-    """Every series name a scrape of the service can show (counter _total, histogram _bucket/_sum/_count, ...)."""
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
-                "summary": ("", "_sum", "_count"), "gauge": ("",), "info": ("_info",)}
-    out: set[str] = set()
-    for name, kind in metric_families(service).items():
-        out.update(name + s for s in suffixes.get(kind, ("",)))
-    return frozenset(out)
-
-
-METRIC_NAMES: Mapping[str, frozenset[str]] = MappingProxyType(
-    {s: frozenset(metric_families(s)) for s in ("gateway", "target", "drafter")})
-"""Family names each service exports (immutable, built once at import from fresh registries)."""

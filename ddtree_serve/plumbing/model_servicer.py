@@ -1,0 +1,60 @@
+"""What the two model services (target, drafter) share: a runner on one model thread, readiness, cache gauges."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ddtree_serve.plumbing.messages import cache_usage_proto
+from ddtree_serve.plumbing.rpc import ModelThread, metrics_hooks, run_service
+from ddtree_serve.proto import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+class ModelServicer:
+    """Base of a model servicer: `runner` is built on the model thread so the event loop stays responsive."""
+
+    def __init__(self, thread_name: str, metrics=None) -> None:
+        self.metrics = metrics
+        self.runner: Any = None
+        self.ready = asyncio.Event()
+        self.model_thread = ModelThread(thread_name)
+
+    async def load_runner(self, make_runner: Callable[[Any], Any], runner_cfg: Any, device: str, what: str) -> None:
+        """Builds the runner on the model thread, starts the GPU-memory gauges and marks the servicer ready."""
+        t0 = time.perf_counter()
+        self.runner = await self.model_thread.run(make_runner, runner_cfg)
+        if self.metrics is not None:
+            self.metrics.track_gpu_memory(device)
+        log.info("%s loaded in %.1f s", what, time.perf_counter() - t0)
+        self.ready.set()
+
+    def observe_cache(self) -> common_pb2.CacheUsage:
+        """The runner's cache usage as a message, exported to the cache gauges on the way."""
+        usage = self.runner.cache_usage()
+        if self.metrics is not None:
+            self.metrics.set_cache(*usage)
+        return cache_usage_proto(usage)
+
+
+async def serve_model_service(service: str, service_name: str, model_dir: str, metrics_class: type,
+                              make_servicer: Callable[..., Any], add_to_server: Callable, host: str, port: int,
+                              metrics_port: int | None, ready_file: str | None, **run_options: Any) -> None:
+    """Runs a model servicer until SIGTERM: metrics (when a port is given), load, SERVING.
+
+    make_servicer(metrics, client_interceptors) builds the servicer, which must have async load() and close();
+    run_options go to run_service (e.g. reflection).
+    """
+    registry, interceptors, client_interceptors = metrics_hooks(service, metrics_port)
+    metrics = None
+    if registry is not None:
+        metrics = metrics_class(registry, model_name=Path(model_dir).name)
+    servicer = make_servicer(metrics, client_interceptors)
+    log.info("%s service: loading %s", service, model_dir)
+    await run_service(f"{service} service", service_name, servicer, add_to_server, interceptors, host, port,
+                      start=servicer.load, on_stop=servicer.close, registry=registry, metrics_port=metrics_port,
+                      ready_file=ready_file, **run_options)
