@@ -14,6 +14,7 @@ import torch
 
 from ddtree_serve import auth
 from ddtree_serve.leases import LeaseTable
+from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.plumbing.metrics import DrafterMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
@@ -24,7 +25,6 @@ from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
-MAX_TOP_K = 1024          # per-position candidates returned; DDTree needs at most min(budget, vocab)
 RELEASED_MEMORY = 65536   # released ids remembered, so late feature pushes don't resurrect a sequence
 
 

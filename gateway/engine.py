@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
 from gateway.scheduler import PairQueue, plan_prefill_chunks
@@ -30,7 +31,6 @@ class EngineConfig:
     # A Draft slower than this turns its sequences autoregressive: a stalled drafter (SIGSTOP, overload, a drafter
     # waiting for features that never come) must not hold up the target's verify steps.
     draft_timeout_s: float = 10.0
-    max_top_k: int = 1024
     # Prompt tokens prefilled per step, over all sequences (0: no limit). A long prompt is prefilled in chunks
     # over several steps, so the running batch keeps decoding meanwhile (vLLM's chunked prefill).
     max_prefill_tokens: int = 2048
@@ -170,7 +170,7 @@ class PairEngine:
                 s.drafting = False
             return {}
         top_k = max((s.budget if s.mode == "ddtree" else 1) for s in drafting)
-        top_k = max(1, min(top_k, self.vocab_size, self.cfg.max_top_k))
+        top_k = max(1, min(top_k, self.vocab_size, MAX_TOP_K))
         depth = max(self._max_depth(s) for s in drafting)
         request = drafter_pb2.DraftRequest(
             items=[drafter_pb2.DraftItem(seq_id=s.seq_id, bonus_token=s.bonus, context_len=s.context_len)

@@ -35,9 +35,12 @@ __all__ = [
     "tree_log_probs",
     "expected_acceptance_length",
     "expected_acceptance_lengths",
-    "validate_tree",
+    "MAX_TOP_K",
 ]
 
+# Candidates per draft position a step asks the drafter for: a DDTree of budget N uses at most min(N, vocab)
+# per position, and the drafter refuses to return more (one limit for gateway and drafter).
+MAX_TOP_K = 1024
 _SCALE_BITS = 40  # fixed-point resolution 2**-40 (~1e-12) in log space
 _LOGP_FLOOR = 1024.0  # exp(-1024) is 0 in any float; keeps L * floor * 2**40 far inside int64
 _MAX_DEPTH = 4096
@@ -379,25 +382,3 @@ def expected_acceptance_length(
 def expected_acceptance_lengths(batch: DraftTreeBatch) -> Tensor:
     """FloatTensor[B]: expected_acceptance_length of each tree of a batch (no host sync)."""
     return 1.0 + batch.log_probs[:, 1:].to(torch.float64).exp().sum(1)
-
-
-def validate_tree(tokens: Tensor, parents: Tensor, vocab_size: int | None = None) -> None:
-    """Raises ValueError (user-facing message) unless (tokens, parents) follow the tree convention."""
-    if tokens.dim() != 1 or parents.dim() != 1 or tokens.shape != parents.shape:
-        raise ValueError(f"tokens and parents must be 1-D of equal length, got {tuple(tokens.shape)} "
-                         f"and {tuple(parents.shape)}")
-    t = tokens.shape[0]
-    if t == 0:
-        raise ValueError("a tree needs at least the root node")
-    tokens, parents = tokens.long().cpu(), parents.long().cpu()
-    if int(parents[0]) != -1:
-        raise ValueError("parents[0] must be -1 (node 0 is the root)")
-    idx = torch.arange(t)
-    if t > 1 and not bool(((parents[1:] >= 0) & (parents[1:] < idx[1:])).all()):
-        raise ValueError("every non-root node needs a parent with a smaller index")
-    if vocab_size is not None and not bool(((tokens >= 0) & (tokens < vocab_size)).all()):
-        raise ValueError(f"token ids must be in [0, {vocab_size})")
-    if t > 1:
-        pairs = torch.stack([parents[1:], tokens[1:]], 1)
-        if torch.unique(pairs, dim=0).shape[0] != t - 1:
-            raise ValueError("sibling nodes must carry distinct tokens")

@@ -39,11 +39,6 @@ def get_request_id() -> str | None:
     return _request_id.get()
 
 
-def get_traceparent() -> str | None:
-    """The incoming W3C traceparent of the current context, or None."""
-    return _traceparent.get()
-
-
 def set_request_id(request_id: str | None, traceparent: str | None = None) -> contextvars.Token:
     """Sets the current request id (and traceparent); returns the token for reset_request_id."""
     _traceparent.set(traceparent)

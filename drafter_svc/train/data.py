@@ -13,7 +13,6 @@ import gzip
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import re
@@ -754,8 +753,3 @@ class BatchSampler:
     def tokens_per_epoch(self) -> int:
         """Anchor-eligible tokens in one epoch over all ranks."""
         return sum(min(len(s.input_ids), self.max_len) - s.loss_start for s in self.samples)
-
-
-def approx_epochs(total_anchor_tokens: int, anchors_per_step: int, steps: int) -> float:
-    """How many times each anchor position is drawn on average over a run."""
-    return steps * anchors_per_step / max(1, total_anchor_tokens) if total_anchor_tokens else math.nan

@@ -166,12 +166,6 @@ def load_target(model_dir: str | os.PathLike, device: torch.device | str, dtype:
     return model
 
 
-def target_num_layers(model_dir: str | os.PathLike) -> int:
-    """num_hidden_layers of the target (its text config for multimodal wrappers)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int({**cfg, **(cfg.get("text_config") or {})}["num_hidden_layers"])
-
-
 @torch.no_grad()
 def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
     """Context features [B, L, len(ids)*H]: outputs of layers layer_ids (HF hidden_states[i + 1]), concatenated.
@@ -481,13 +475,6 @@ def _atomic_dir_write(final: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, final)
     if old.exists():
         shutil.rmtree(old)
-
-
-def save_drafter(model: DFlashDraftModel, out_dir: str | os.PathLike, dtype: torch.dtype) -> None:
-    """Saves a copy of the drafter in dtype (z-lab format), leaving the training weights untouched."""
-    copy = DFlashDraftModel(model.config)
-    copy.load_state_dict({k: v.detach().to("cpu", dtype=torch.float32) for k, v in model.state_dict().items()})
-    copy.to(dtype).save_pretrained(out_dir)
 
 
 def _full_state_dict(module: nn.Module, fsdp: bool) -> dict[str, torch.Tensor]:
