@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from drafter_svc.train.cli import _eos_ids
-    from drafter_svc.train.data import chat_prompt_ids_batch, generate_greedy
+    from drafter_svc.train.samples import chat_prompt_ids_batch, generate_greedy
     from drafter_svc.train.fast_generate import generate_greedy_fast, supports_fast_greedy
 
     args = parse_args(argv)

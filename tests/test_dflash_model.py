@@ -10,13 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from drafter_svc.dflash_model import (
-    DFlashConfig,
-    DFlashDraftModel,
-    build_target_layer_ids,
-    load_target_embeddings,
-    rope_inv_freq,
-)
+from drafter_svc.dflash_config import DFlashConfig, build_target_layer_ids, rope_inv_freq
+from drafter_svc.dflash_model import DFlashDraftModel, load_target_embeddings
 from tests.fixtures import make_tiny_qwen3, make_tiny_qwen3_5
 from tests.fixtures.tiny_drafter import make_tiny_drafter
 

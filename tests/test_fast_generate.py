@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafter_svc.train.data import generate_greedy
+from drafter_svc.train.samples import generate_greedy
 from drafter_svc.train.fast_generate import generate_greedy_batch, generate_greedy_fast, supports_fast_greedy
 
 

@@ -11,18 +11,18 @@ import torch
 
 from drafter_svc.dflash_model import DFlashDraftModel
 from drafter_svc.train import cli
-from drafter_svc.train.data import PromptRecord, Sample, collate, drop_overlapping, load_samples
-from drafter_svc.train.trainer import (
-    DrafterShape,
+from drafter_svc.train.batching import collate
+from drafter_svc.train.blocks import (
     block_attention_mask,
     block_inputs_and_labels,
     block_position_ids,
-    init_drafter,
-    new_drafter_config,
     sample_anchors,
     slot_weights,
     valid_label_index,
 )
+from drafter_svc.train.new_drafter import DrafterShape, init_drafter, new_drafter_config
+from drafter_svc.train.prompts import PromptRecord, drop_overlapping
+from drafter_svc.train.samples import Sample, load_samples
 from tests.fixtures.tiny_models import make_tiny_llama
 
 
@@ -200,12 +200,12 @@ def test_offline_eval_drafts_like_the_drafter_service(tiny_target: Path, tmp_pat
     """The evaluation's per-root top-k equals what DrafterRunner returns for the same context (serving path)."""
     from drafter_svc.runner import DrafterConfig, DrafterRunner, DraftItem
     from drafter_svc.train.evaluate import draft_topk_all_roots
-    from drafter_svc.train.trainer import load_target, target_features
+    from drafter_svc.train.target_features import load_frozen_target, target_features
 
     cfg = new_drafter_config(tiny_target, DrafterShape(num_layers=2))
     init_drafter(cfg, seed=5).save_pretrained(tmp_path / "d")
     runner = DrafterRunner(DrafterConfig(str(tmp_path / "d"), str(tiny_target)))
-    target = load_target(tiny_target, "cpu", torch.float32)
+    target = load_frozen_target(tiny_target, "cpu", torch.float32)
     x = torch.randint(5, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
     feats = target_features(target, x[None], runner.target_layer_ids)
     roots = torch.tensor([3, 17, 38])

@@ -150,7 +150,7 @@ def _eos_ids(target_dir: Path, tokenizer) -> list[int]:
 
 def _prompt_token_lists(tokenizer, prompts, max_prompt_tokens: int):
     """(kept prompts, their chat-templated ids) without prompts over max_prompt_tokens."""
-    from drafter_svc.train.data import chat_prompt_ids_batch
+    from drafter_svc.train.samples import chat_prompt_ids_batch
 
     kept, ids = [], []
     for p, t in zip(prompts, chat_prompt_ids_batch(tokenizer, [p.text for p in prompts])):
@@ -163,14 +163,14 @@ def _prompt_token_lists(tokenizer, prompts, max_prompt_tokens: int):
 def _generate_shard(args, target_dir: Path, device: str, dtype: torch.dtype, prompts, max_new: int,
                     time_budget: float | None, rank: int, world: int, model=None, desc: str = "generate"):
     """This rank's share of greedy continuations -> samples (prompt ids + response)."""
-    from drafter_svc.train.data import distill_samples, generate_greedy
+    from drafter_svc.train.samples import distill_samples, generate_greedy
     from drafter_svc.train.fast_generate import generate_greedy_fast, supports_fast_greedy
-    from drafter_svc.train.trainer import load_target
+    from drafter_svc.train.target_features import load_frozen_target
 
     tok = _load_tokenizer(target_dir)
     kept, ids = _prompt_token_lists(tok, prompts[rank::world], args.max_prompt_tokens)
     if model is None:
-        model = load_target(target_dir, device, dtype)
+        model = load_frozen_target(target_dir, device, dtype)
     eos = _eos_ids(target_dir, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     bar = None
@@ -212,9 +212,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the pipeline described by args; returns (and writes) the metrics of the run."""
     from ddtree_serve.default_model import ensure_default_model
     from drafter_svc.dflash_model import DFlashDraftModel, load_target_embeddings
-    from drafter_svc.train import data as D
+    from drafter_svc.train import corpora as C, prompts as P, samples as S
     from drafter_svc.train.evaluate import evaluate_acceptance, format_result
-    from drafter_svc.train.trainer import DrafterShape, TrainConfig, init_distributed, load_target, train
+    from drafter_svc.train.new_drafter import DrafterShape
+    from drafter_svc.train.target_features import load_frozen_target
+    from drafter_svc.train.trainer import TrainConfig, init_distributed, train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rank, world, device = init_distributed(_resolve_device(args.device))
@@ -237,12 +239,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     need_heldout = not args.no_eval and args.heldout_samples is None
     if args.data == "distill" and (need_train_data or need_heldout):
         if args.prompts:
-            train_prompts = D.load_prompts(args.prompts)
+            train_prompts = P.load_prompts(args.prompts)
         if args.heldout_prompts:
-            heldout_prompts = D.load_prompts(args.heldout_prompts)
+            heldout_prompts = P.load_prompts(args.heldout_prompts)
         if (train_prompts is None and need_train_data) or (heldout_prompts is None and need_heldout):
-            corpora = D.discover_corpora(args.corpus, use_system=not args.no_system_corpora)
-            built_train, built_held = D.build_prompts(corpora, args.num_prompts, args.num_heldout, seed=args.seed)
+            corpora = C.discover_corpora(args.corpus, use_system=not args.no_system_corpora)
+            built_train, built_held = P.build_prompts(corpora, args.num_prompts, args.num_heldout, seed=args.seed)
             train_prompts = train_prompts or built_train
             heldout_prompts = heldout_prompts or built_held
             if args.max_prompt_tokens:
@@ -251,31 +253,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 train_prompts = _prompt_token_lists(tok, train_prompts, args.max_prompt_tokens)[0]
                 heldout_prompts = _prompt_token_lists(tok, heldout_prompts, args.max_prompt_tokens)[0]
             if is_main:
-                D.save_prompts(work / "prompts_train.json.gz", train_prompts, {"corpora": corpora.counts()})
-                D.save_prompts(work / "prompts_heldout.json", heldout_prompts, {"corpora": corpora.counts()})
+                P.save_prompts(work / "prompts_train.json.gz", train_prompts, {"corpora": corpora.counts()})
+                P.save_prompts(work / "prompts_heldout.json", heldout_prompts, {"corpora": corpora.counts()})
         if is_main and args.heldout_out and heldout_prompts:
-            D.write_heldout_bench_file(args.heldout_out, heldout_prompts, args.eval_max_new_tokens, str(target_dir))
+            P.write_heldout_bench_file(args.heldout_out, heldout_prompts, args.eval_max_new_tokens, str(target_dir))
     if train_prompts is not None and args.exclude_prompts:
-        excluded = [p for f in args.exclude_prompts for p in D.load_prompts(f)]
+        excluded = [p for f in args.exclude_prompts for p in P.load_prompts(f)]
         before = len(train_prompts)
-        train_prompts = D.drop_overlapping(train_prompts, excluded)
+        train_prompts = P.drop_overlapping(train_prompts, excluded)
         log.info("dropped %d training prompts overlapping %d excluded prompts", before - len(train_prompts),
                  len(excluded))
         if is_main and args.build_prompts_only:
-            D.save_prompts(work / "prompts_train.json.gz", train_prompts, {"excluded": list(args.exclude_prompts)})
+            P.save_prompts(work / "prompts_train.json.gz", train_prompts, {"excluded": list(args.exclude_prompts)})
     if args.build_prompts_only:
         return {"train_prompts": len(train_prompts or []), "heldout_prompts": len(heldout_prompts or [])}
 
     # --- training samples ----------------------------------------------------------------------------------
-    samples: list[D.Sample] = []
+    samples: list[S.Sample] = []
     target_model = None
     if args.samples:
-        samples = D.load_samples(args.samples)
+        samples = S.load_samples(args.samples)
     elif not args.eval_only:
         if args.data == "corpus":
-            corpora = D.discover_corpora(args.corpus, use_system=not args.no_system_corpora)
+            corpora = C.discover_corpora(args.corpus, use_system=not args.no_system_corpora)
             texts, total = [], 0
-            for kind in D.KINDS:
+            for kind in C.KINDS:
                 for f in getattr(corpora, kind):
                     try:
                         t = f.read_text(encoding="utf-8", errors="replace")
@@ -285,41 +287,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     total += len(t)
                     if total >= args.corpus_max_chars:
                         break
-            samples = D.corpus_samples(_load_tokenizer(target_dir), texts, args.seq_len)
+            samples = S.corpus_samples(_load_tokenizer(target_dir), texts, args.seq_len)
             metrics["data"] = {"mode": "corpus", "chars": total, "sequences": len(samples)}
         else:
-            target_model = load_target(target_dir, device, target_dtype)
+            target_model = load_frozen_target(target_dir, device, target_dtype)
             shard, used, gstats = _generate_shard(args, target_dir, device, target_dtype, train_prompts,
                                                   args.max_new_tokens, args.gen_time_budget, rank, world,
                                                   model=target_model, desc="distill")
-            D.save_samples(work / f"samples.rank{rank}.pt", shard, {"rank": rank})
+            S.save_samples(work / f"samples.rank{rank}.pt", shard, {"rank": rank})
             _barrier(world)
-            samples = [s for r in range(world) for s in D.load_samples(work / f"samples.rank{r}.pt")]
+            samples = [s for r in range(world) for s in S.load_samples(work / f"samples.rank{r}.pt")]
             metrics["data"] = {"mode": "distill", "prompts_available": len(train_prompts),
                                "generation_rank0": gstats, "sequences": len(samples),
                                "tokens": sum(len(s.input_ids) for s in samples),
                                "response_tokens": sum(len(s.input_ids) - s.loss_start for s in samples)}
             if is_main:
-                D.save_samples(work / "samples.pt", samples, {"prompts": len(train_prompts)})
+                S.save_samples(work / "samples.pt", samples, {"prompts": len(train_prompts)})
 
     # --- held-out samples ----------------------------------------------------------------------------------
-    heldout: list[D.Sample] = []
+    heldout: list[S.Sample] = []
     if not args.no_eval:
         if args.heldout_samples:
-            heldout = D.load_samples(args.heldout_samples)
+            heldout = S.load_samples(args.heldout_samples)
         elif is_main:
             if args.data == "distill":
                 if target_model is None:
-                    target_model = load_target(target_dir, device, target_dtype)
+                    target_model = load_frozen_target(target_dir, device, target_dtype)
                 heldout, used_h, hstats = _generate_shard(args, target_dir, device, target_dtype, heldout_prompts,
                                                           args.eval_max_new_tokens, None, 0, 1, model=target_model,
                                                           desc="held-out")
-                D.save_prompts(work / "prompts_heldout_used.json", used_h,
+                P.save_prompts(work / "prompts_heldout_used.json", used_h,
                                {"max_new_tokens": args.eval_max_new_tokens})
             else:
                 heldout = samples[-max(1, args.num_heldout):]
                 samples = samples[: -len(heldout)] if len(samples) > len(heldout) else samples
-            D.save_samples(work / "heldout_samples.pt", heldout)
+            S.save_samples(work / "heldout_samples.pt", heldout)
 
     # --- training ------------------------------------------------------------------------------------------
     if not args.eval_only:
@@ -345,7 +347,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f.write(json.dumps(rec) + "\n")
 
         if target_model is None:
-            target_model = load_target(target_dir, device, target_dtype)
+            target_model = load_frozen_target(target_dir, device, target_dtype)
         if args.deadline is not None:
             left = max(0.0, args.deadline - time.time())
             cfg.stop_after_s = left if cfg.stop_after_s is None else min(cfg.stop_after_s, left)
@@ -369,7 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         drafter = DFlashDraftModel.from_pretrained(src, device=device, dtype=torch.float32)
         embed, head = load_target_embeddings(target_dir, device=device, dtype=torch.float32)
         if target_model is None:
-            target_model = load_target(target_dir, device, target_dtype)
+            target_model = load_frozen_target(target_dir, device, target_dtype)
         t0 = time.perf_counter()
         ev = evaluate_acceptance(drafter, target_model, embed, head, heldout, budgets=args.eval_budgets, amp=amp,
                                  chunk=args.eval_chunk)

@@ -25,8 +25,9 @@ from torch import nn
 from ddtree_serve.decoding.acceptance import accept_batch
 from ddtree_serve.decoding.ddtree import build_chain, build_ddtree_batch
 from drafter_svc.dflash_model import DFlashDraftModel
-from drafter_svc.train.data import Sample
-from drafter_svc.train.trainer import block_attention_mask, block_inputs_and_labels, block_position_ids, target_features
+from drafter_svc.train.samples import Sample
+from drafter_svc.train.blocks import block_attention_mask, block_inputs_and_labels, block_position_ids
+from drafter_svc.train.target_features import target_features
 
 
 @dataclass

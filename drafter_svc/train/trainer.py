@@ -11,11 +11,9 @@ One step, per sequence of a batch:
     with weight exp(-(k-1)/gamma).
 The drafter is saved in the z-lab format (config.json + model.safetensors); training state beside it.
 """
-
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -29,347 +27,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from drafter_svc.dflash_model import DFlashConfig, DFlashDraftModel, build_target_layer_ids, load_target_embeddings
-from drafter_svc.train.data import Batch, BatchSampler, Sample, collate
+from drafter_svc.dflash_model import DFlashDraftModel, load_target_embeddings
+from drafter_svc.train.batching import Batch, BatchSampler, collate
+from drafter_svc.train.blocks import default_gamma, sample_anchors, valid_label_index
+from drafter_svc.train.loss import DFlashTrainModule
+from drafter_svc.train.new_drafter import DrafterShape, count_parameters, init_drafter, new_drafter_config
+from drafter_svc.train.samples import Sample
+from drafter_svc.train.target_features import load_frozen_target, target_features
 
 log = logging.getLogger(__name__)
 
 STATE_NAME = "trainer_state.pt"
-
-# ----------------------------------------------------------------------------------------------------------
-# Anchors, masks, labels
-# ----------------------------------------------------------------------------------------------------------
-
-
-def sample_anchors(
-    lengths: torch.Tensor,
-    loss_start: torch.Tensor,
-    num_anchors: int,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random distinct anchors per row, sorted: positions in [loss_start, length - 2] (each has >= 1 label).
-
-    Returns (anchors LongTensor[B, N], keep BoolTensor[B, N]); rows with fewer valid positions than N are
-    padded with anchor 0 and keep False.
-    """
-    device = lengths.device
-    width = int(lengths.max().item())
-    pos = torch.arange(width, device=device)[None, :]
-    valid = (pos >= loss_start[:, None]) & (pos <= lengths[:, None] - 2)
-    counts = valid.sum(1)
-    n = min(num_anchors, int(counts.max().item()))
-    if n <= 0:
-        raise ValueError("batch has no anchor position (sequences too short after loss_start)")
-    # Uniform random order of the valid positions (invalid ones sort last), first n kept.
-    noise = torch.rand(valid.shape, generator=generator, device="cpu" if generator is None else generator.device)
-    noise = noise.to(device).masked_fill(~valid, 2.0)
-    picked = noise.topk(n, dim=1, largest=False).indices
-    keep = torch.arange(n, device=device)[None, :] < counts.clamp(max=n)[:, None]
-    anchors = torch.where(keep, picked, torch.zeros_like(picked))
-    # Sorted anchors keep blocks in sequence order (nicer to debug; attention does not care).
-    anchors, order = torch.sort(torch.where(keep, anchors, torch.full_like(anchors, width + 1)), dim=1)
-    keep = keep.gather(1, order)
-    return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
-
-
-def block_attention_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Bool mask [B, 1, N*bs, ctx_len + N*bs]: block b sees context < anchor_b and its own block only.
-
-    Dropped blocks (keep False) see only themselves, so no attention row is empty (an all-False row would
-    make SDPA return NaN, which would poison the gradients even under a zero loss weight).
-    """
-    b, n = anchors.shape
-    device = anchors.device
-    q_block = torch.arange(n * block_size, device=device) // block_size  # [Q]
-    kv = torch.arange(ctx_len + n * block_size, device=device)  # [K]
-    anchor_q = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
-    keep_q = keep.repeat_interleave(block_size, dim=1)
-    ctx_ok = (kv[None, None, :] < ctx_len) & (kv[None, None, :] < anchor_q[:, :, None]) & keep_q[:, :, None]
-    kv_block = (kv - ctx_len).div(block_size, rounding_mode="floor")
-    own = (kv[None, :] >= ctx_len) & (kv_block[None, :] == q_block[:, None])  # [Q, K]
-    return (ctx_ok | own[None]).unsqueeze(1)
-
-
-def block_position_ids(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Position ids [B, ctx_len + N*bs]: context 0..ctx_len-1, then anchor + k for each block slot."""
-    b, n = anchors.shape
-    device = anchors.device
-    ctx = torch.arange(ctx_len, device=device)[None, :].expand(b, -1)
-    blocks = (anchors[:, :, None] + torch.arange(block_size, device=device)[None, None, :]).reshape(b, -1)
-    return torch.cat([ctx, blocks], dim=1)
-
-
-def block_inputs_and_labels(
-    input_ids: torch.Tensor,
-    lengths: torch.Tensor,
-    anchors: torch.Tensor,
-    keep: torch.Tensor,
-    block_size: int,
-    mask_token_id: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(noise ids [B, N*bs], labels [B, N, bs], label_valid [B, N, bs]) for the anchored blocks.
-
-    Slot 0 holds the anchor token (no label); slot k >= 1 holds MASK and is labelled with token anchor + k
-    when that position exists in the sequence.
-    """
-    b, n = anchors.shape
-    device = input_ids.device
-    k = torch.arange(block_size, device=device)
-    idx = anchors[:, :, None] + k[None, None, :]  # [B, N, bs]
-    inside = idx < lengths[:, None, None]
-    labels = input_ids.gather(1, idx.clamp(max=input_ids.shape[1] - 1).reshape(b, -1)).reshape(b, n, block_size)
-    valid = inside & keep[:, :, None] & (k >= 1)[None, None, :]
-    noise = torch.full((b, n, block_size), mask_token_id, dtype=torch.long, device=device)
-    noise[:, :, 0] = torch.where(keep, labels[:, :, 0], torch.full_like(labels[:, :, 0], mask_token_id))
-    return noise.reshape(b, -1), labels, valid
-
-
-def valid_label_index(
-    lengths: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Flat indices into [B * N * bs] of the labelled slots (the `valid` of block_inputs_and_labels)."""
-    k = torch.arange(block_size, device=anchors.device)
-    inside = anchors[:, :, None] + k[None, None, :] < lengths[:, None, None]
-    valid = inside & keep[:, :, None] & (k >= 1)[None, None, :]
-    return valid.reshape(-1).nonzero().squeeze(1)
-
-
-def slot_weights(block_size: int, gamma: float | None, device: torch.device | str) -> torch.Tensor:
-    """Loss weight per slot: 0 for slot 0, exp(-(k-1)/gamma) for k >= 1 (1 when gamma is None or <= 0)."""
-    k = torch.arange(block_size, device=device, dtype=torch.float32)
-    w = torch.ones(block_size, device=device) if not gamma or gamma <= 0 else torch.exp(-(k - 1).clamp(min=0) / gamma)
-    w[0] = 0.0
-    return w
-
-
-def default_gamma(block_size: int) -> float:
-    """The recipe's decay: 7 for block 16 (scaled for other block sizes)."""
-    return 7.0 * (block_size - 1) / 15.0
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Target features
-# ----------------------------------------------------------------------------------------------------------
-
-
-def load_target(model_dir: str | os.PathLike, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
-    """The target as a frozen transformers causal LM (eval mode, no grad)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-    model.to(device).eval()
-    model.requires_grad_(False)
-    return model
-
-
-@torch.no_grad()
-def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
-    """Context features [B, L, len(ids)*H]: outputs of layers layer_ids (HF hidden_states[i + 1]), concatenated.
-
-    Right padding needs no mask: the target is causal, so padded tail positions never reach real ones.
-    """
-    out = target(input_ids=input_ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    hs = out.hidden_states
-    return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Loss module
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StepStats:
-    """Sums over one step's valid label slots (sums so that ranks and steps add up)."""
-
-    loss: torch.Tensor  # weighted mean CE (the optimised value)
-    weight_sum: torch.Tensor
-    correct: torch.Tensor  # top-1 hits over valid slots
-    n_labels: torch.Tensor  # valid label slots
-    correct_per_slot: torch.Tensor  # [bs]
-    n_per_slot: torch.Tensor  # [bs]
-
-
-class DFlashTrainModule(nn.Module):
-    """Drafter + frozen target embedding/head (buffers, so DDP and the optimiser leave them alone)."""
-
-    def __init__(
-        self,
-        drafter: DFlashDraftModel,
-        embed_weight: torch.Tensor,
-        lm_head_weight: torch.Tensor,
-        gamma: float | None,
-        ce_chunk: int = 0,
-    ) -> None:
-        super().__init__()
-        self.drafter = drafter
-        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
-        tied = lm_head_weight.data_ptr() == embed_weight.data_ptr()
-        self.register_buffer("lm_head_weight", embed_weight.detach() if tied else lm_head_weight.detach(), persistent=False)
-        self.gamma = gamma
-        self.ce_chunk = ce_chunk
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        lengths: torch.Tensor,
-        features: torch.Tensor,
-        anchors: torch.Tensor,
-        keep: torch.Tensor,
-        valid_index: torch.Tensor | None = None,
-    ) -> StepStats:
-        """Weighted CE over all anchored blocks of a batch.
-
-        valid_index (flat indices of the labelled slots, see `valid_label_index`) may come precomputed from the
-        host, so that the step never waits on the device to learn how many labels it has.
-        """
-        cfg = self.drafter.config
-        bs = cfg.block_size
-        b, s = input_ids.shape
-        noise_ids, labels, valid = block_inputs_and_labels(input_ids, lengths, anchors, keep, bs, cfg.mask_token_id)
-        noise = self.drafter.embed(noise_ids, self.embed_weight)
-        pos = block_position_ids(anchors, s, bs)
-        mask = block_attention_mask(anchors, keep, s, bs)
-        hidden = self.drafter(noise, features.to(noise.dtype), pos, attention_mask=mask)  # [B, N*bs, H]
-        w_slot = slot_weights(bs, self.gamma, hidden.device)
-        if valid_index is None:
-            valid_index = valid.reshape(-1).nonzero().squeeze(1)
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid_index)
-        tgt = labels.reshape(-1).index_select(0, valid_index)
-        slot = valid_index % bs
-        w = w_slot[slot]
-        ce, hit = self._ce(rows, tgt)
-        wsum = w.sum()
-        loss = (ce * w).sum() / wsum.clamp(min=1e-6)
-        with torch.no_grad():
-            hits = hit.float()
-            correct_per_slot = torch.zeros(bs, device=hidden.device).index_add_(0, slot, hits)
-            n_per_slot = torch.zeros(bs, device=hidden.device).index_add_(0, slot, torch.ones_like(hits))
-        return StepStats(loss, wsum.detach(), hits.sum(), n_per_slot.sum(), correct_per_slot, n_per_slot)
-
-    def _ce(self, rows: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row CE (float32 softmax) and top-1 hits; optionally in recomputed chunks to bound memory."""
-
-        def piece(r: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = self.drafter.compute_logits(r, self.lm_head_weight.to(r.dtype)).float()
-            return F.cross_entropy(logits, t, reduction="none"), logits.argmax(-1) == t
-
-        if not self.ce_chunk or rows.shape[0] <= self.ce_chunk:
-            return piece(rows, tgt)
-        ces, hits = [], []
-        for i in range(0, rows.shape[0], self.ce_chunk):
-            r, t = rows[i : i + self.ce_chunk], tgt[i : i + self.ce_chunk]
-            if torch.is_grad_enabled():
-                # Logits of a chunk are rebuilt in backward instead of kept: [rows, vocab] floats dominate memory.
-                c, h = checkpoint(piece, r, t, use_reentrant=False)
-            else:
-                c, h = piece(r, t)
-            ces.append(c)
-            hits.append(h)
-        return torch.cat(ces), torch.cat(hits)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Drafter construction
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DrafterShape:
-    """Architecture choices for a new drafter (hidden size, heads, vocab and RoPE come from the target)."""
-
-    num_layers: int = 4
-    intermediate_size: int | None = None  # None: the target's
-    block_size: int = 16
-    mask_token_id: int | None = None  # None: chosen from the tokenizer (see choose_mask_token_id)
-    target_layer_ids: list[int] | None = None  # None: build_target_layer_ids(n_target, num_layers)
-
-
-def choose_mask_token_id(target_dir: str | os.PathLike) -> int:
-    """A vocabulary row to use as MASK: an existing <|MASK|>-like token, else an unused special token."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    vocab = tok.get_vocab()
-    for name in ("<|MASK|>", "<mask>", "<|mask|>", "[MASK]"):
-        if name in vocab:
-            return int(vocab[name])
-    # SmolLM2-style vocabularies carry code-dataset markers that chat never produces.
-    for name in ("<empty_output>", "<jupyter_script>", "<gh_stars>", "<reponame>"):
-        if name in vocab:
-            return int(vocab[name])
-    specials = set(tok.all_special_ids)
-    reserved = [i for t, i in vocab.items() if "reserved" in t.lower() and i not in specials]
-    if reserved:
-        return int(min(reserved))
-    raise ValueError("no token to use as MASK found; pass --mask-token-id")
-
-
-def new_drafter_config(target_dir: str | os.PathLike, shape: DrafterShape) -> DFlashConfig:
-    """A DFlash config sized for the target at target_dir (z-lab config.json layout)."""
-    target_dir = Path(target_dir)
-    raw = json.loads((target_dir / "config.json").read_text())
-    t = {**raw, **(raw.get("text_config") or {})}
-    n_target = int(t["num_hidden_layers"])
-    hidden, n_heads = int(t["hidden_size"]), int(t["num_attention_heads"])
-    head_dim = int(t.get("head_dim") or hidden // n_heads)
-    rope = dict(t.get("rope_parameters") or {})
-    theta = float(rope.pop("rope_theta", t.get("rope_theta", 10000.0)))
-    if rope.get("rope_type", "default") == "default":
-        rope = {}
-    mask_id = shape.mask_token_id if shape.mask_token_id is not None else choose_mask_token_id(target_dir)
-    ids = shape.target_layer_ids or build_target_layer_ids(n_target, shape.num_layers)
-    if any(not 0 <= i < n_target for i in ids):
-        raise ValueError(f"target_layer_ids {ids} out of range for a {n_target}-layer target")
-    d: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": hidden,
-        "intermediate_size": int(shape.intermediate_size or t["intermediate_size"]),
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(t.get("num_key_value_heads") or n_heads),
-        "head_dim": head_dim,
-        "vocab_size": int(t["vocab_size"]),
-        "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(t.get("max_position_embeddings", 40960)),
-        "rope_theta": theta,
-        "rope_scaling": ({"rope_type": rope.pop("rope_type"), **rope} if rope else None),
-        "attention_bias": False,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "block_size": shape.block_size,
-        "num_target_layers": n_target,
-        "dflash_config": {"mask_token_id": int(mask_id), "target_layer_ids": [int(i) for i in ids]},
-    }
-    return DFlashConfig.from_dict(d)
-
-
-def init_drafter(cfg: DFlashConfig, seed: int, std: float = 0.02) -> DFlashDraftModel:
-    """A freshly initialised float32 drafter: N(0, std) linear weights, unit norms."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DFlashDraftModel(cfg)
-        for m in model.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, mean=0.0, std=std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-    return model
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of parameters."""
-    return sum(p.numel() for p in model.parameters())
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Training loop
-# ----------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -528,7 +198,7 @@ def train(
     embed, head = load_target_embeddings(cfg.target_dir, device=device, dtype=torch.float32)
     module = DFlashTrainModule(drafter, embed, head, gamma, ce_chunk=cfg.ce_chunk)
     if target is None:
-        target = load_target(cfg.target_dir, device, _dtype(cfg.target_dtype))
+        target = load_frozen_target(cfg.target_dir, device, _dtype(cfg.target_dtype))
     n_params = count_parameters(drafter)
 
     wrapped: nn.Module = module
