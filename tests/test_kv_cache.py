@@ -1,0 +1,102 @@
+"""The target's per-slot cache on its own: slots, capacity, K/V rows, compaction moves, linear-state reset."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from target_svc.gated_deltanet import LinearAttnStateShape
+from target_svc.kv_cache import CacheSpec, KVCache
+
+LINEAR = LinearAttnStateShape(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4, conv_kernel=3)
+
+
+def cache(max_batch: int = 2, full_layers: int = 2, linear: tuple = ()) -> KVCache:
+    return KVCache.allocate(CacheSpec(max_batch=max_batch, max_seq_len=8, max_tree_nodes=4, num_full_layers=full_layers,
+                                      num_kv_heads=2, head_dim=3, linear_shapes=linear, device=torch.device("cpu"),
+                                      dtype=torch.float32))
+
+
+def test_capacity_per_slot_is_context_plus_one_verify_block() -> None:
+    c = cache()
+    assert c.spec.capacity == 12
+    assert c.k.shape == c.v.shape == (2, 2, 12, 2, 3)
+
+
+def test_slots_are_handed_out_from_zero_and_reused_after_release() -> None:
+    c = cache()
+    assert c.add_sequence("a") == 0
+    assert c.add_sequence("b") == 1
+    c.release("a")
+    assert c.add_sequence("c") == 0
+    assert c.num_sequences == 2 and c.slot("b") == 1
+
+
+def test_a_full_cache_refuses_with_a_capacity_error() -> None:
+    c = cache(max_batch=1)
+    c.add_sequence("a")
+    with pytest.raises(RuntimeError, match="capacity"):
+        c.add_sequence("b")
+
+
+def test_a_sequence_cannot_take_two_slots() -> None:
+    c = cache()
+    c.add_sequence("a")
+    with pytest.raises(ValueError, match="already"):
+        c.add_sequence("a")
+
+
+def test_unknown_sequences_raise_key_error() -> None:
+    c = cache()
+    with pytest.raises(KeyError):
+        c.slot("nope")
+    with pytest.raises(KeyError):
+        c.release("nope")
+
+
+def test_used_tokens_count_live_slots_only() -> None:
+    c = cache()
+    a, b = c.add_sequence("a"), c.add_sequence("b")
+    c.ctx_len[a], c.ctx_len[b] = 5, 3
+    assert c.used_tokens() == 8
+    c.release("a")
+    assert c.used_tokens() == 3
+
+
+def test_written_rows_read_back_in_their_slot_and_layer() -> None:
+    c = cache()
+    slots = torch.tensor([1, 0])
+    rows = torch.tensor([[0, 1, 2], [4, 5, 6]])
+    k = torch.randn(2, 3, 2, 3)
+    v = torch.randn(2, 3, 2, 3)
+    c.write_kv(1, slots, rows, k, v)
+    rk, rv = c.read_kv(1, slots, key_len=7)
+    assert torch.equal(rk[0, :3], k[0]) and torch.equal(rv[1, 4:7], v[1])
+    assert torch.count_nonzero(c.k[0]) == 0   # the other layer is untouched
+
+
+def test_move_rows_compacts_overlapping_rows_in_every_layer() -> None:
+    c = cache()
+    c.k[:, 0, :6] = torch.arange(6, dtype=torch.float32)[None, :, None, None]
+    c.v.copy_(c.k)
+    # accepted tree rows 2, 4, 5 move to 1, 2, 3 (row 2 is both read and written)
+    c.move_rows(torch.tensor([0]), torch.tensor([[2, 4, 5]]), torch.tensor([[1, 2, 3]]))
+    for buf in (c.k, c.v):
+        for layer in range(2):
+            assert buf[layer, 0, :4, 0, 0].tolist() == [0.0, 2.0, 4.0, 5.0]
+
+
+def test_a_new_sequence_starts_from_zero_linear_state() -> None:
+    c = cache(linear=(LINEAR,))
+    slot = c.add_sequence("a")
+    c.linear[0].conv[slot].fill_(1.0)
+    c.linear[0].rec[slot].fill_(1.0)
+    c.release("a")
+    assert c.add_sequence("b") == slot
+    assert torch.count_nonzero(c.linear[0].conv[slot]) == 0 and torch.count_nonzero(c.linear[0].rec[slot]) == 0
+    assert c.linear[0].rec.dtype == torch.float32
+
+
+def test_move_rows_without_full_attention_layers_is_a_no_op() -> None:
+    c = cache(full_layers=0, linear=(LINEAR,))
+    c.move_rows(torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[0]]))
+    assert c.k.numel() == 0
