@@ -120,13 +120,16 @@ class FakeDrafter:
             if it.seq_id in self.error_for:
                 results.append(drafter_pb2.DraftResult(seq_id=it.seq_id, error=self.error_for[it.seq_id]))
                 continue
-            chain = greedy(it.bonus_token, depth) if self.right else [(t + 1) % VOCAB for t in greedy(it.bonus_token, depth)]
+            chain = greedy(it.bonus_token, depth)
+            if not self.right:
+                chain = [(t + 1) % VOCAB for t in chain]
             ids, logprobs = [], []
             for tok in chain:
                 row = [tok] + [(tok + 7 * j) % VOCAB for j in range(1, k)]
                 ids += row
                 logprobs += [-0.1 * (j + 1) for j in range(k)]
-            results.append(drafter_pb2.DraftResult(seq_id=it.seq_id, depth=depth, k=k, token_ids=ids, logprobs=logprobs))
+            results.append(drafter_pb2.DraftResult(seq_id=it.seq_id, depth=depth, k=k, token_ids=ids,
+                                                   logprobs=logprobs))
         return drafter_pb2.DraftResponse(results=results)
 
     async def Release(self, request, timeout=None):
