@@ -4,10 +4,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import torch
@@ -16,7 +14,7 @@ from ddtree_serve import auth
 from ddtree_serve.leases import LeaseTable
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.plumbing.metrics import DrafterMetrics
-from ddtree_serve.plumbing.model_servicer import ModelServicer, serve_model_service
+from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes
@@ -28,16 +26,12 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 RELEASED_MEMORY = 65536   # released ids remembered, so late feature pushes don't resurrect a sequence
 
 
-@dataclass
-class DrafterServerConfig:
+@dataclass(kw_only=True)
+class DrafterServerConfig(ModelServiceConfig):
     """What `ddtree-serve drafter` was started with."""
 
     drafter_dir: str
     target_model_dir: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_batch: int = 8
-    max_seq_len: int = 2048
     feature_wait_s: float = 30.0
     enforce_eager: bool = False
     lease_s: float = 60.0
@@ -58,7 +52,6 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.opened_buffers = OpenedBuffers()   # the target's staging buffers (shm / cuda-ipc transports)
         # Pushed rows renew a sequence; a Draft leases it to the calling gateway session.
         self.leases = LeaseTable(cfg.lease_s)
-        self.instance_id = uuid.uuid4().hex
         self._reaper: asyncio.Task | None = None
 
     async def load(self) -> None:
@@ -91,11 +84,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         require_ready(self.ready)
         self.leases.heard_from(auth.session_of(context))
         r = self.runner
-        return drafter_pb2.DrafterInfo(instance_id=self.instance_id,
-            model_name=Path(self.cfg.drafter_dir).name, block_size=r.block_size,
-            target_layer_ids=list(r.target_layer_ids), mask_token_id=r.mask_token_id, vocab_size=r.vocab_size,
-            hidden_size=r.hidden_size, max_seq_len=self.cfg.max_seq_len, max_batch=self.cfg.max_batch,
-            cache=self.observe_cache(), device=self.cfg.device, dtype=self.cfg.dtype)
+        return drafter_pb2.DrafterInfo(**self.common_info(self.cfg.drafter_dir, self.cfg), block_size=r.block_size,
+                                       target_layer_ids=list(r.target_layer_ids), mask_token_id=r.mask_token_id)
 
     @grpc_errors
     async def PushFeatures(self, request, context):

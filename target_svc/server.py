@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from ddtree_serve import auth
 from ddtree_serve.leases import LeaseTable
 from ddtree_serve.plumbing.messages import sampling_from_proto
 from ddtree_serve.plumbing.metrics import TargetMetrics
-from ddtree_serve.plumbing.model_servicer import ModelServicer, serve_model_service
+from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
@@ -29,15 +28,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "config.json")
 
 
-@dataclass
-class TargetServerConfig:
+@dataclass(kw_only=True)
+class TargetServerConfig(ModelServiceConfig):
     """What `ddtree-serve target` was started with."""
 
     model_dir: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_batch: int = 8
-    max_seq_len: int = 2048
     max_tree_nodes: int = 257
     prefill_chunk: int = 512
     enforce_eager: bool = False
@@ -58,7 +53,6 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.sender_address = ""
         self.feature_seqs: set[str] = set()   # sequences whose features go to the drafter (not AR ones)
         self.leases = LeaseTable(cfg.lease_s)
-        self.instance_id = uuid.uuid4().hex     # a restarted target is a new instance: its sequences are gone
         self._reaper: asyncio.Task | None = None
 
     async def load(self) -> None:
@@ -100,11 +94,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.leases.heard_from(auth.session_of(context))   # the gateway's health watch keeps its leases alive
         r = self.runner
         # max_seq_len is what the runner really serves (the model's context may be shorter than --max-seq-len).
-        return target_pb2.TargetInfo(
-            model_name=Path(self.cfg.model_dir).name, model_type=r.model_type, vocab_size=r.vocab_size,
-            max_seq_len=r.max_seq_len, eos_token_ids=r.eos_token_ids, hidden_size=r.hidden_size,
-            num_layers=r.num_layers, max_batch=self.cfg.max_batch, max_tree_nodes=self.cfg.max_tree_nodes,
-            cache=self.observe_cache(), device=self.cfg.device, dtype=self.cfg.dtype, instance_id=self.instance_id)
+        return target_pb2.TargetInfo(**self.common_info(self.cfg.model_dir, self.cfg, max_seq_len=r.max_seq_len),
+                                     model_type=r.model_type, eos_token_ids=r.eos_token_ids, num_layers=r.num_layers,
+                                     max_tree_nodes=self.cfg.max_tree_nodes)
 
     @grpc_errors
     async def TokenizerFiles(self, request, context):

@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,16 @@ from ddtree_serve.proto import common_pb2
 log = logging.getLogger(__name__)
 
 
+@dataclass(kw_only=True)
+class ModelServiceConfig:
+    """What both model services are started with: where the model runs and how much it holds."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 8
+    max_seq_len: int = 2048
+
+
 class ModelServicer:
     """Base of a model servicer: `runner` is built on the model thread so the event loop stays responsive."""
 
@@ -23,6 +35,7 @@ class ModelServicer:
         self.runner: Any = None
         self.ready = asyncio.Event()
         self.model_thread = ModelThread(thread_name)
+        self.instance_id = uuid.uuid4().hex   # a restarted service is a new instance: its sequences are gone
 
     async def load_runner(self, make_runner: Callable[[Any], Any], runner_cfg: Any, device: str, what: str) -> None:
         """Builds the runner on the model thread, starts the GPU-memory gauges and marks the servicer ready."""
@@ -32,6 +45,14 @@ class ModelServicer:
             self.metrics.track_gpu_memory(device)
         log.info("%s loaded in %.1f s", what, time.perf_counter() - t0)
         self.ready.set()
+
+    def common_info(self, model_dir: str, cfg: ModelServiceConfig, max_seq_len: int | None = None) -> dict[str, Any]:
+        """The Info fields both model services report: name, sizes, limits (max_seq_len when the runner serves
+        less than configured), cache usage, device, dtype and instance id."""
+        r = self.runner
+        return dict(model_name=Path(model_dir).name, vocab_size=r.vocab_size, hidden_size=r.hidden_size,
+                    max_seq_len=cfg.max_seq_len if max_seq_len is None else max_seq_len, max_batch=cfg.max_batch,
+                    cache=self.observe_cache(), device=cfg.device, dtype=cfg.dtype, instance_id=self.instance_id)
 
     def observe_cache(self) -> common_pb2.CacheUsage:
         """The runner's cache usage as a message, exported to the cache gauges on the way."""
