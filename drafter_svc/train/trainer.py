@@ -160,6 +160,57 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def _load_or_init_drafter(cfg: TrainConfig, latest: Path) -> tuple[DFlashDraftModel, dict[str, Any] | None]:
+    """The drafter to train, on CPU in float32: the latest checkpoint (with its state) when resuming, else
+    cfg.init_from, else a fresh one for the target."""
+    if cfg.resume and (latest / STATE_NAME).is_file():
+        drafter = DFlashDraftModel.from_pretrained(latest, device="cpu", dtype=torch.float32)
+        resume_state = torch.load(str(latest / STATE_NAME), map_location="cpu", weights_only=False)
+        log.info("resuming from %s at step %d", latest, resume_state["step"])
+        return drafter, resume_state
+    if cfg.init_from:
+        return DFlashDraftModel.from_pretrained(cfg.init_from, device="cpu", dtype=torch.float32), None
+    return init_drafter(new_drafter_config(cfg.target_dir, cfg.shape), cfg.seed), None
+
+
+def _distribute(module: nn.Module, drafter: DFlashDraftModel, cfg: TrainConfig, world: int,
+                device: torch.device) -> nn.Module:
+    """The step function over ranks: FSDP or DDP when world > 1, compiled when asked."""
+    wrapped: nn.Module = module
+    if world > 1 and cfg.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        # One FSDP unit for the whole drafter: its forward calls into layers outside their own forward
+        # (context K/V projection), which per-layer units would leave sharded.
+        fully_shard(drafter)
+    elif world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # Buffers (frozen embedding/head) are identical everywhere: no per-step broadcast.
+        wrapped = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    return torch.compile(wrapped) if cfg.compile else wrapped
+
+
+def _make_optimizer(drafter: DFlashDraftModel, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norms and other vectors are not decayed)."""
+    decay, no_decay = [], []
+    for p in drafter.parameters():
+        (no_decay if p.ndim < 2 else decay).append(p)
+    opt_kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=cfg.betas)
+    if device.type == "cuda" and not cfg.fsdp:
+        opt_kwargs["fused"] = True
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], **opt_kwargs
+    )
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is true on any (all ranks must take the same branch)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
 def train(
     cfg: TrainConfig,
     samples: Sequence[Sample],
@@ -177,17 +228,8 @@ def train(
     random.seed(cfg.seed + 17 * rank)
 
     # --- model -------------------------------------------------------------------------------------------
-    ckpt_root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else Path(cfg.out_dir) / "checkpoints"
-    latest = ckpt_root / "latest"
-    resume_state: dict[str, Any] | None = None
-    if cfg.resume and (latest / STATE_NAME).is_file():
-        drafter = DFlashDraftModel.from_pretrained(latest, device="cpu", dtype=torch.float32)
-        resume_state = torch.load(str(latest / STATE_NAME), map_location="cpu", weights_only=False)
-        log.info("resuming from %s at step %d", latest, resume_state["step"])
-    elif cfg.init_from:
-        drafter = DFlashDraftModel.from_pretrained(cfg.init_from, device="cpu", dtype=torch.float32)
-    else:
-        drafter = init_drafter(new_drafter_config(cfg.target_dir, cfg.shape), cfg.seed)
+    latest = (Path(cfg.ckpt_dir) if cfg.ckpt_dir else Path(cfg.out_dir) / "checkpoints") / "latest"
+    drafter, resume_state = _load_or_init_drafter(cfg, latest)
     drafter.train()
     drafter.gradient_checkpointing = cfg.grad_checkpointing
     dcfg = drafter.config
@@ -201,31 +243,8 @@ def train(
         target = load_frozen_target(cfg.target_dir, device, _dtype(cfg.target_dtype))
     n_params = count_parameters(drafter)
 
-    wrapped: nn.Module = module
-    if world > 1 and cfg.fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        # One FSDP unit for the whole drafter: its forward calls into layers outside their own forward
-        # (context K/V projection), which per-layer units would leave sharded.
-        fully_shard(drafter)
-    elif world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # Buffers (frozen embedding/head) are identical everywhere: no per-step broadcast.
-        wrapped = DDP(module, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    step_fn: nn.Module = wrapped
-    if cfg.compile:
-        step_fn = torch.compile(wrapped)
-
-    decay, no_decay = [], []
-    for name, p in drafter.named_parameters():
-        (no_decay if p.ndim < 2 else decay).append(p)
-    opt_kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=cfg.betas)
-    if device.type == "cuda" and not cfg.fsdp:
-        opt_kwargs["fused"] = True
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], **opt_kwargs
-    )
+    step_fn = _distribute(module, drafter, cfg, world, device)
+    optimizer = _make_optimizer(drafter, cfg, device)
 
     # --- data --------------------------------------------------------------------------------------------
     sampler = BatchSampler(samples, cfg.max_tokens, cfg.max_len, seed=cfg.seed, rank=rank, world_size=world,
@@ -316,9 +335,7 @@ def train(
         if cfg.stop_after_s is not None and now - t_start >= cfg.stop_after_s:
             stop = True
         if world > 1:  # every rank must stop at the same step (time differs slightly between ranks)
-            flag = torch.tensor([1.0 if stop else 0.0], device=device if device.type == "cuda" else "cpu")
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item() > 0)
+            stop = _any_rank(stop, device)
         if stop:
             break
         for g in optimizer.param_groups:
@@ -378,9 +395,7 @@ def train(
         due = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or (
             cfg.ckpt_every_s is not None and now - last_ckpt_t >= cfg.ckpt_every_s)
         if world > 1 and cfg.ckpt_every_s is not None:
-            flag = torch.tensor([1.0 if due else 0.0], device=device if device.type == "cuda" else "cpu")
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            due = bool(flag.item() > 0)
+            due = _any_rank(due, device)
         if due:
             label_tokens += int(label_sum)
             label_sum.zero_()
