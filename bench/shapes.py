@@ -110,7 +110,8 @@ def _successor_head(model, seed: int) -> None:
 def build_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int = 5, block_size: int = 16,
                   device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 1) -> Path:
     """Writes a random DFlash drafter for the target at target_dir (z-lab layout: hidden = the target's)."""
-    from drafter_svc.dflash_model import DFlashConfig, DFlashDraftModel, build_target_layer_ids
+    from drafter_svc.dflash_config import DFlashConfig, build_target_layer_ids
+    from drafter_svc.dflash_model import DFlashDraftModel
 
     out_dir = Path(out_dir)
     t = json.loads((Path(target_dir) / "config.json").read_text())

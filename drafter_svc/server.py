@@ -33,8 +33,6 @@ class DrafterServerConfig(ModelServiceConfig):
     drafter_dir: str
     target_model_dir: str
     feature_wait_s: float = 30.0
-    enforce_eager: bool = False
-    lease_s: float = 60.0
 
 
 class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):

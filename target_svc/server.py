@@ -35,9 +35,7 @@ class TargetServerConfig(ModelServiceConfig):
     model_dir: str
     max_tree_nodes: int = 257
     prefill_chunk: int = 512
-    enforce_eager: bool = False
     allowed_drafters: tuple[str, ...] = ()   # AttachDrafter targets allowed (empty: any, for secret holders)
-    lease_s: float = 60.0
 
 
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):

@@ -19,7 +19,15 @@ def cache(max_batch: int = 2, full_layers: int = 2, linear: tuple = ()) -> KVCac
 def test_capacity_per_slot_is_context_plus_one_verify_block() -> None:
     c = cache()
     assert c.spec.capacity == 12
-    assert c.k.shape == c.v.shape == (2, 2, 12, 2, 3)
+    assert c.k.shape == c.v.shape == (2, 2 + 1, 12, 2, 3)   # + the scratch slot of padding rows
+
+
+def test_the_scratch_slot_is_never_handed_out() -> None:
+    c = cache(max_batch=2)
+    taken = {c.add_sequence("a"), c.add_sequence("b")}
+    assert c.spec.scratch_slot == 2 and c.spec.scratch_slot not in taken
+    with pytest.raises(RuntimeError, match="capacity"):
+        c.add_sequence("c")
 
 
 def test_slots_are_handed_out_from_zero_and_reused_after_release() -> None:

@@ -25,6 +25,8 @@ class ModelServiceConfig:
     dtype: str = "float32"
     max_batch: int = 8
     max_seq_len: int = 2048
+    enforce_eager: bool = False   # no CUDA-graph capture (debugging, or to compare against eager)
+    lease_s: float = 60.0          # a sequence nobody touched for this long is freed (its gateway went silent)
 
 
 class ModelServicer:
