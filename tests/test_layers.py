@@ -1,7 +1,7 @@
 """The layering of the non-test code: every import points down (shared -> services -> launcher), no circles.
 
 Layers, lowest first: ddtree_serve.decoding (algorithms) < ddtree_serve.proto < ddtree_serve.plumbing <
-ddtree_serve.transport (the shared package; default_model sits beside them) < the services (target_svc,
+ddtree_serve.transport < the shared package's own modules (client, default_model) < the services (target_svc,
 drafter_svc, gateway: none imports another) < launch (the composition root). Imports inside functions count.
 """
 from __future__ import annotations
@@ -47,7 +47,9 @@ def layer(module: str) -> tuple[int, str]:
     for rank, prefix in enumerate(SHARED_ORDER):
         if module == prefix or module.startswith(prefix + "."):
             return rank, prefix
-    return 0, module   # ddtree_serve itself, default_model: leaves that import nothing of the project
+    if module == "ddtree_serve":
+        return 0, module   # the package's __init__ imports nothing of the project
+    return len(SHARED_ORDER), "ddtree_serve"   # client.py, default_model.py: built on the subpackages
 
 
 def test_every_import_points_down_and_no_service_imports_another() -> None:
