@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ddtree_serve.rope import rotate_half
 from drafter_svc.dflash_config import CONFIG_NAME, DFlashConfig, rope_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -97,15 +98,10 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, L, D] rotated by cos/sin [B, L, D]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 @dataclass

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ddtree_serve.rope import rotate_half
+
 log = logging.getLogger(__name__)
 
 # The norm and MLP classes whose forward the functions below reproduce exactly.
@@ -34,12 +36,6 @@ def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float) ->
     """(residual + delta, rms_norm(residual + delta)): the residual stream and the next sublayer's input."""
     h = residual + delta
     return h, rms_norm(h, weight, eps)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    """(x1, x2) -> (-x2, x1) over the last dim, the HF/NeoX rotary layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float, cos: Tensor,

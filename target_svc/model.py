@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ddtree_serve.decoding.acceptance import compaction_indices_batch
 from ddtree_serve.decoding.tree_mask import depths_from_parents_batch, tree_attention_mask
+from ddtree_serve.rope import rotate_half
 from target_svc.gated_deltanet import (
     GdnTreeTrace,
     LinearAttnStateShape,
@@ -18,7 +19,7 @@ from target_svc.gated_deltanet import (
     gdn_commit_path,
     gdn_tree_forward_lean,
 )
-from target_svc.dense_layers import DenseKernels, DenseLayerWeights, fusable, fuse_weights, rotate_half
+from target_svc.dense_layers import DenseKernels, DenseLayerWeights, fusable, fuse_weights
 from target_svc.gdn_tree_wy import GdnTreeWYTrace, gdn_commit_path_wy, gdn_tree_forward_wy
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget

@@ -1,7 +1,7 @@
 """The layering of the non-test code: every import points down (shared -> services -> launcher), no circles.
 
 Layers, lowest first: ddtree_serve.decoding (algorithms) < ddtree_serve.proto < ddtree_serve.plumbing <
-ddtree_serve.transport < the shared package's own modules (client, default_model) < the services (target_svc,
+ddtree_serve.transport < the shared package's own modules (client, default_model, rope) < the services (target_svc,
 drafter_svc, gateway: none imports another) < launch (the composition root). Imports inside functions count.
 """
 from __future__ import annotations
