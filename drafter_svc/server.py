@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from ddtree_serve import auth
-from ddtree_serve.leases import LeaseTable
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
+from ddtree_serve.plumbing import auth
+from ddtree_serve.plumbing.leases import LeaseTable
 from ddtree_serve.plumbing.metrics import DrafterMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ddtree_serve import auth
+from ddtree_serve.plumbing import auth
 from ddtree_serve.proto import drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.plumbing.rpc import CHANNEL_OPTIONS, wait_until_serving
 

@@ -1,7 +1,7 @@
 """The gateway's watch over one target/drafter pair: notices outages and restarts, re-attaches, reports health.
 
 Every `interval_s` it asks both services for their Info. That call also renews this gateway's sequence leases
-(ddtree_serve/leases.py). A new instance id means the service restarted and lost its sequences: a restarted
+(ddtree_serve/plumbing/leases.py). A new instance id means the service restarted and lost its sequences: a restarted
 target fails the pair's running requests (their KV cache is gone) and a restarted drafter turns them
 autoregressive; either way the drafter is re-attached so new requests speculate again.
 """

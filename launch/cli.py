@@ -57,7 +57,7 @@ def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def _security(args, public: bool = False) -> None:
-    from ddtree_serve import auth
+    from ddtree_serve.plumbing import auth
 
     auth.security_from_args(args, public=public)
     auth.check_bind(args.host, public, args.allow_unauthenticated)

@@ -142,7 +142,7 @@ class LocalStack:
         """An aio channel to the target or drafter that carries the stack's secret (tests, tools)."""
         import grpc
 
-        from ddtree_serve.auth import MetadataInterceptor, secret_metadata
+        from ddtree_serve.plumbing.auth import MetadataInterceptor, secret_metadata
 
         return grpc.aio.insecure_channel(self.address(name), interceptors=[MetadataInterceptor(
             secret_metadata(self.secret))])

@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from ddtree_serve import auth
-from ddtree_serve.leases import LeaseTable
+from ddtree_serve.plumbing import auth
+from ddtree_serve.plumbing.leases import LeaseTable
 from ddtree_serve.plumbing.messages import sampling_from_proto
 from ddtree_serve.plumbing.metrics import TargetMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service

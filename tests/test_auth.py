@@ -1,4 +1,4 @@
-"""ddtree_serve/auth.py and leases.py on in-process servers: credentials, TLS, bind policy, lease lapses."""
+"""ddtree_serve/plumbing/auth.py and leases.py on in-process servers: credentials, TLS, bind policy, lease lapses."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ddtree_serve import auth
-from ddtree_serve.leases import LeaseError, LeaseTable
+from ddtree_serve.plumbing import auth
+from ddtree_serve.plumbing.leases import LeaseError, LeaseTable
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc
 
 

@@ -155,6 +155,8 @@ class Rig:
         pair.target_info = target_pb2.TargetInfo(vocab_size=VOCAB, max_seq_len=512, max_batch=8,
                                                  cache=common_pb2.CacheUsage())
         pair.drafter_info = drafter_pb2.DrafterInfo(block_size=BLOCK)
+        pair.target_ok = pair.drafter_ok = True   # what a connected pair starts with (the watch flips them)
+        self.pair = pair
         self.queue = PairQueue(AdmissionLimits(max_running=8, max_reserved_tokens=10_000))
         self.engine = PairEngine(pair, self.queue, EngineConfig(max_prefill_tokens=max_prefill_tokens))
 
@@ -254,7 +256,7 @@ def test_a_failing_verify_fails_the_batch_with_the_targets_status_and_frees_it(t
     rig.step()
     for s in (a, b):
         [(code, message)] = errors(s)
-        assert code == grpc.StatusCode.UNAVAILABLE and "target down" in message
+        assert code == grpc.StatusCode.UNAVAILABLE and "verify" in message
         assert s.status == Status.FINISHED
     assert not rig.queue.running
     assert sorted(rig.target.released) == sorted(rig.drafter.released) == sorted([a.seq_id, b.seq_id])
@@ -292,6 +294,37 @@ def test_a_cancelled_sequence_is_released_at_the_next_step_boundary(tokenizer) -
     rig.step()
     assert gone.finish_reason == "abort" and gone.seq_id in rig.target.released and gone.seq_id in rig.drafter.released
     assert [it.seq_id for it in rig.target.verified[verifies].items] == [stays.seq_id]
+
+
+def test_an_unavailable_target_fails_the_running_batch_and_keeps_the_waiting_queue(tokenizer) -> None:
+    rig = Rig(tokenizer)
+    running = rig.add([5], max_tokens=20)
+    rig.step()
+    rig.pair.target_ok = False
+    waiting = rig.add([6])
+    calls = len(rig.log)
+    rig.step()
+    [(code, _)] = errors(running)
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert "Prefill" not in rig.log[calls:] and "Verify" not in rig.log[calls:]
+    assert waiting in rig.queue.waiting and not errors(waiting)
+
+
+def test_a_drafter_marked_down_is_not_asked_and_its_sequences_go_autoregressive(tokenizer) -> None:
+    rig = Rig(tokenizer)
+    rig.pair.drafter_ok = False
+    s = rig.add([5], max_tokens=5)
+    rig.run_to_end()
+    assert "Draft" not in rig.log and not s.drafting
+    assert s.output_ids == greedy(5, 5)
+
+
+def test_a_timed_out_draft_marks_the_drafter_down_until_the_watch_restores_it(tokenizer) -> None:
+    rig = Rig(tokenizer)
+    rig.drafter.fail = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "stalled")
+    rig.add([5], max_tokens=5)
+    rig.step()
+    assert rig.pair.drafter_ok is False
 
 
 def test_a_failing_release_is_logged_not_fatal(tokenizer) -> None:

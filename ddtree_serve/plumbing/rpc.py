@@ -116,7 +116,7 @@ class ServiceHost:
 
     async def start(self, host: str, port: int) -> int:
         """Binds and starts; returns the bound port (0 picks a free one)."""
-        from ddtree_serve import auth
+        from ddtree_serve.plumbing import auth
 
         if self.reflection:
             reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME, health.SERVICE_NAME],
@@ -167,7 +167,7 @@ class ServiceHost:
 
 async def wait_until_serving(address: str, timeout_s: float = 120.0, service: str = "") -> None:
     """Polls a server's gRPC health until SERVING (raises TimeoutError)."""
-    from ddtree_serve import auth
+    from ddtree_serve.plumbing import auth
 
     deadline = asyncio.get_running_loop().time() + timeout_s
     async with auth.internal_channel(address) as channel:
@@ -203,7 +203,7 @@ async def run_service(label: str, service_name: str, servicer, add_to_server: Ca
     """Serves one servicer: bind, metrics endpoint, `start()` (load/connect), SERVING, then until SIGTERM.
 
     `public` picks the credential check (API key vs internal secret) and reflection's default (on only there)."""
-    from ddtree_serve import auth
+    from ddtree_serve.plumbing import auth
     from ddtree_serve.plumbing.request_context import RequestIdServerInterceptor
 
     # The credential check runs first: an unauthenticated call is refused before metrics or servicer code.

@@ -45,7 +45,7 @@ class PushSender(FeatureSender):
 
     def _ensure_started(self) -> None:
         if self._task is None:
-            from ddtree_serve import auth
+            from ddtree_serve.plumbing import auth
 
             self._channel = auth.internal_channel(self.drafter_address, options=CHANNEL_OPTIONS,
                                                   interceptors=self.interceptors)

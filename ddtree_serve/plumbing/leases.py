@@ -1,7 +1,7 @@
 """Sequence leases: each sequence in a target or drafter belongs to the gateway session that created it, and is
 freed once that session has not been heard from for `lease_s` (the gateway died, or someone squatted a slot).
 
-A session is the `x-ddtree-session` metadata of the caller (ddtree_serve/auth.py). Any call from a session
+A session is the `x-ddtree-session` metadata of the caller (ddtree_serve/plumbing/auth.py). Any call from a session
 renews all of its sequences, so a gateway keeps its leases alive simply by stepping, or by its health watch
 when idle. Another session touching a leased sequence gets PERMISSION_DENIED.
 """

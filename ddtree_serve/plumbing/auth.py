@@ -27,7 +27,7 @@ SECRET_ENV = "DDTREE_INTERNAL_SECRET"
 # working where only the OpenAI front is meant to be keyed.
 API_KEY_ENV = "DDTREE_GRPC_API_KEY"
 SECRET_HEADER = "x-ddtree-secret"
-SESSION_HEADER = "x-ddtree-session"     # the gateway process that owns a sequence (see ddtree_serve/leases.py)
+SESSION_HEADER = "x-ddtree-session"     # the gateway process that owns a sequence (see ddtree_serve/plumbing/leases.py)
 # Probes (kubelet, docker healthcheck, wait_until_serving) carry no credentials and reveal nothing but a status.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
