@@ -12,7 +12,6 @@ import torch
 
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.plumbing import auth
-from ddtree_serve.plumbing.leases import LeaseTable
 from ddtree_serve.plumbing.metrics import DrafterMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
@@ -41,16 +40,14 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
     runner: DrafterRunner
 
     def __init__(self, cfg: DrafterServerConfig, metrics=None):
-        super().__init__("drafter-model", metrics)
+        # Pushed rows renew a sequence; a Draft leases it to the calling gateway session.
+        super().__init__("drafter-model", metrics, cfg.lease_s)
         self.cfg = cfg
         self.rows_held: dict[str, int] = {}
         self.rows_changed = asyncio.Condition()
         self.released: OrderedDict[str, None] = OrderedDict()
         self.broken: dict[str, str] = {}   # seq id -> why its context can no longer be trusted
         self.opened_buffers = OpenedBuffers()   # the target's staging buffers (shm / cuda-ipc transports)
-        # Pushed rows renew a sequence; a Draft leases it to the calling gateway session.
-        self.leases = LeaseTable(cfg.lease_s)
-        self._reaper: asyncio.Task | None = None
 
     async def load(self) -> None:
         """Loads drafter + the target's embedding and LM head on the model thread."""
@@ -59,21 +56,15 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                                    max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
                                    enforce_eager=self.cfg.enforce_eager)
         await self.load_runner(DrafterRunner, runner_cfg, self.cfg.device, f"drafter {self.cfg.drafter_dir}")
-        self._reaper = asyncio.create_task(self._reap_lapsed_leases())
+        self.start_lease_reaper()
 
-    async def _reap_lapsed_leases(self) -> None:
+    async def release_lapsed(self, seq_ids: list[str]) -> int:
         """Frees sequences nobody fed or drafted for a lease (gateway gone, or slots squatted by pushes)."""
-        while True:
-            await asyncio.sleep(max(0.2, self.cfg.lease_s / 4))
-            lapsed = self.leases.lapsed()
-            if lapsed:
-                released = await self._release_ids(lapsed)
-                log.warning("freed %d sequences whose lease lapsed", released)
+        return await self._release_ids(seq_ids)
 
     async def close(self) -> None:
         """Stops the lease reaper and the model thread, and unmaps the target's staging buffers."""
-        if self._reaper is not None:
-            self._reaper.cancel()
+        self.stop_lease_reaper()
         self.model_thread.shutdown()
         self.opened_buffers.close()
 

@@ -1,7 +1,6 @@
 """gRPC servicer of the target service: sequences keyed by id, one model thread, features pushed to the drafter."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -11,7 +10,6 @@ import grpc
 import torch
 
 from ddtree_serve.plumbing import auth
-from ddtree_serve.plumbing.leases import LeaseTable
 from ddtree_serve.plumbing.messages import sampling_from_proto
 from ddtree_serve.plumbing.metrics import TargetMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
@@ -44,14 +42,12 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     runner: TargetRunner
 
     def __init__(self, cfg: TargetServerConfig, metrics=None, client_interceptors=()):
-        super().__init__("target-model", metrics)
+        super().__init__("target-model", metrics, cfg.lease_s)
         self.cfg = cfg
         self.client_interceptors = list(client_interceptors)
         self.sender: FeatureSender | None = None
         self.sender_address = ""
         self.feature_seqs: set[str] = set()   # sequences whose features go to the drafter (not AR ones)
-        self.leases = LeaseTable(cfg.lease_s)
-        self._reaper: asyncio.Task | None = None
 
     async def load(self) -> None:
         """Loads the model on the model thread (health stays NOT_SERVING until this returns)."""
@@ -64,24 +60,19 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         if self.runner.max_seq_len < self.cfg.max_seq_len:
             log.warning("--max-seq-len %d exceeds the model's context (%d positions): serving %d", self.cfg.max_seq_len,
                         self.runner.max_seq_len, self.runner.max_seq_len)
-        self._reaper = asyncio.create_task(self._reap_lapsed_leases())
+        self.start_lease_reaper()
 
-    async def _reap_lapsed_leases(self) -> None:
-        """Frees sequences whose gateway session went silent (crashed gateway, squatted slots)."""
-        while True:
-            await asyncio.sleep(max(0.2, self.cfg.lease_s / 4))
-            lapsed = self.leases.lapsed()
-            if lapsed:
-                released = await self.model_thread.run(self._release_all, lapsed)
-                self.feature_seqs.difference_update(lapsed)
-                self.leases.drop(lapsed)
-                log.warning("freed %d sequences whose lease lapsed (their gateway went silent)", released)
-                self.observe_cache()
+    async def release_lapsed(self, seq_ids: list[str]) -> int:
+        """Frees sequences whose gateway session went silent."""
+        released = await self.model_thread.run(self._release_all, seq_ids)
+        self.feature_seqs.difference_update(seq_ids)
+        self.leases.drop(seq_ids)
+        self.observe_cache()
+        return released
 
     async def close(self) -> None:
         """Delivers queued features and stops the model thread."""
-        if self._reaper is not None:
-            self._reaper.cancel()
+        self.stop_lease_reaper()
         if self.sender is not None:
             await self.sender.close()
         self.model_thread.shutdown()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddtree_serve.plumbing.leases import LeaseTable
 from ddtree_serve.plumbing.messages import cache_usage_proto
 from ddtree_serve.plumbing.rpc import ModelThread, metrics_hooks, run_service
 from ddtree_serve.proto import common_pb2
@@ -32,11 +33,13 @@ class ModelServiceConfig:
 class ModelServicer:
     """Base of a model servicer: `runner` is built on the model thread so the event loop stays responsive."""
 
-    def __init__(self, thread_name: str, metrics=None) -> None:
+    def __init__(self, thread_name: str, metrics=None, lease_s: float = 60.0) -> None:
         self.metrics = metrics
         self.runner: Any = None
         self.ready = asyncio.Event()
         self.model_thread = ModelThread(thread_name)
+        self.leases = LeaseTable(lease_s)
+        self._reaper: asyncio.Task | None = None
         self.instance_id = uuid.uuid4().hex   # a restarted service is a new instance: its sequences are gone
 
     async def load_runner(self, make_runner: Callable[[Any], Any], runner_cfg: Any, device: str, what: str) -> None:
@@ -47,6 +50,27 @@ class ModelServicer:
             self.metrics.track_gpu_memory(device)
         log.info("%s loaded in %.1f s", what, time.perf_counter() - t0)
         self.ready.set()
+
+    def start_lease_reaper(self) -> None:
+        """Frees, every quarter lease, the sequences whose lease lapsed (crashed gateway, squatted slots)."""
+        self._reaper = asyncio.create_task(self._reap_lapsed_leases())
+
+    def stop_lease_reaper(self) -> None:
+        """Stops the reaper (on shutdown)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+
+    async def _reap_lapsed_leases(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.2, self.leases.lease_s / 4))
+            lapsed = self.leases.lapsed()
+            if lapsed:
+                released = await self.release_lapsed(lapsed)
+                log.warning("freed %d sequences whose lease lapsed (their gateway went silent)", released)
+
+    async def release_lapsed(self, seq_ids: list[str]) -> int:
+        """Frees sequences whose lease lapsed; returns how many were held (each service knows its own state)."""
+        raise NotImplementedError
 
     def common_info(self, model_dir: str, cfg: ModelServiceConfig, max_seq_len: int | None = None) -> dict[str, Any]:
         """The Info fields both model services report: name, sizes, limits (max_seq_len when the runner serves
