@@ -16,7 +16,9 @@ from ddtree_serve.plumbing.metrics import DrafterMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
-from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes
+from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes, rows_view
+from ddtree_serve.transport.nccl_protocol import (NcclLinkLost, NcclSetupError, device_uuid, missing_nccl_package,
+                                                  nccl_refusal)
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.released: OrderedDict[str, None] = OrderedDict()
         self.broken: dict[str, str] = {}   # seq id -> why its context can no longer be trusted
         self.opened_buffers = OpenedBuffers()   # the target's staging buffers (shm / cuda-ipc transports)
+        self.nccl = None                        # NcclReceiver, made on the first JoinNccl (imports no cupy before)
 
     async def load(self) -> None:
         """Loads drafter + the target's embedding and LM head on the model thread."""
@@ -67,6 +70,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.stop_lease_reaper()
         self.model_thread.shutdown()
         self.opened_buffers.close()
+        if self.nccl is not None:
+            self.nccl.close()
 
     @grpc_errors
     async def Info(self, request, context):
@@ -74,23 +79,47 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.leases.heard_from(auth.session_of(context))
         r = self.runner
         return drafter_pb2.DrafterInfo(**self.common_info(self.cfg.drafter_dir, self.cfg), block_size=r.block_size,
-                                       target_layer_ids=list(r.target_layer_ids), mask_token_id=r.mask_token_id)
+                                       target_layer_ids=list(r.target_layer_ids), mask_token_id=r.mask_token_id,
+                                       device_uuid=device_uuid(self.cfg.device))
+
+    @grpc_errors
+    async def JoinNccl(self, request, context):
+        require_ready(self.ready)
+        if torch.device(self.cfg.device).type != "cuda" or missing_nccl_package():
+            reason = nccl_refusal("cuda", "", self.cfg.device, "", missing_nccl_package()) or ""
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"drafter: {reason}")
+        from ddtree_serve.transport.nccl import NcclReceiver
+
+        if self.nccl is None:
+            self.nccl = NcclReceiver()
+        try:
+            await self.nccl.join(request, self.cfg.device)
+        except NcclSetupError as exc:
+            log.error("NCCL join refused: %s", exc)
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"drafter: {exc}") from None
+        return drafter_pb2.NcclJoinResponse(device_uuid=device_uuid(self.cfg.device))
 
     @grpc_errors
     async def PushFeatures(self, request, context):
         require_ready(self.ready)
         shared = request.shared if request.HasField("shared") else None
-        transport = shared.kind if shared is not None else "inline"
-        if shared is not None:
-            try:
+        nccl = request.nccl if request.HasField("nccl") else None
+        transport = "nccl" if nccl is not None else shared.kind if shared is not None else "inline"
+        buffer = None
+        try:
+            if shared is not None:
                 buffer = await self.model_thread.run(self.opened_buffers.get, shared)
-            except ValueError as exc:
-                # Every sequence of this push lost rows: they go autoregressive instead of waiting for features.
-                for rows in request.rows:
-                    if rows.seq_id not in self.released:
-                        self.broken.setdefault(rows.seq_id, f"context features lost: {exc}")
-                await self._notify_rows_changed()
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+            elif nccl is not None:
+                if self.nccl is None:
+                    raise NcclLinkLost(f"no NCCL communicator {nccl.comm_id!r} here (never joined)")
+                buffer = await self.nccl.receive(request, self.cfg.feature_wait_s)
+        except (ValueError, NcclLinkLost) as exc:
+            # Every sequence of this push lost rows: they go autoregressive instead of waiting for features.
+            for rows in request.rows:
+                if rows.seq_id not in self.released:
+                    self.broken.setdefault(rows.seq_id, f"context features lost: {exc}")
+            await self._notify_rows_changed()
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         stored = received = 0
         entries = []
         for rows in request.rows:
@@ -104,6 +133,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 if shared is not None:
                     data = self.opened_buffers.rows(shared, rows.shared_offset, rows.num_rows, request.feature_dim,
                                                     rows.dtype)
+                elif nccl is not None:   # a view of the receive buffer, read before this push is answered
+                    data = rows_view(buffer, rows.shared_offset, rows.num_rows, request.feature_dim, rows.dtype)
                 else:
                     data = decode_rows(rows.dtype, rows.data, rows.num_rows, request.feature_dim)
             except (ValueError, KeyError, RuntimeError) as exc:
@@ -118,8 +149,9 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             else:
                 stored += data.numel() * data.element_size()
                 self.rows_held[seq_id] = start + data.shape[0]
-        if shared is not None:
-            # The answer lets the target overwrite its buffer: the reads must be finished, not just queued.
+        if buffer is not None:
+            # The answer lets the target overwrite its buffer (and the next NCCL receive overwrite ours): the
+            # reads must be finished, not just queued.
             await self.model_thread.run(self.runner.synchronize, buffer.device)
         await self._notify_rows_changed()
         if self.metrics is not None:

@@ -13,6 +13,15 @@ from ddtree_serve.plumbing.rpc import CHANNEL_OPTIONS, wait_until_serving
 log = logging.getLogger(__name__)
 
 
+class AttachRefused(RuntimeError):
+    """The target refused the drafter at start-up (a transport it cannot use, a drafter for another model):
+    a misconfiguration, so the gateway stops with this message rather than serving without speculation."""
+
+
+# Codes that mean "this configuration cannot work"; others (UNAVAILABLE, DEADLINE_EXCEEDED) may pass with time.
+REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+
+
 @dataclass
 class PairAddress:
     """Where a pair's services listen, as the gateway (and the target, for the drafter) reaches them."""
@@ -47,7 +56,14 @@ class BackendPair:
         self.target = target_pb2_grpc.TargetServiceStub(self._target_channel)
         self.drafter = drafter_pb2_grpc.DrafterServiceStub(self._drafter_channel)
         self.transport = transport
-        await self.attach()
+        try:
+            await self.attach()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in REFUSALS:
+                raise
+            raise AttachRefused(f"pair {self.index}: the target at {self.address.target} refused the drafter at "
+                                f"{self.address.drafter} over --transport {transport}: {exc.code().name}: "
+                                f"{exc.details()}") from None
 
     async def attach(self) -> None:
         """Reads both services' info and (re)attaches the drafter to the target (start-up, and after a restart)."""

@@ -132,8 +132,15 @@ def cmd_gateway(args) -> None:
         engine.calibrator = calibrator_from_args(args.calibrated_acceptance, args.calibration_references)
     cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
                         transport=args.transport, drain_s=args.drain_s, engine=engine)
-    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, http_port=args.http_port,
-                      api_key=args.api_key, reflection=args.reflection))
+    from gateway.backends import AttachRefused
+
+    try:
+        asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, http_port=args.http_port,
+                          api_key=args.api_key, reflection=args.reflection))
+    except AttachRefused as exc:
+        # A misconfigured pair fails at start-up with one line, as a vLLM server refuses a bad config.
+        log.error("%s", exc)
+        raise SystemExit(2) from None
 
 
 # ---- all three locally --------------------------------------------------------------------------------------
@@ -149,6 +156,9 @@ def _check_up_args(args) -> None:
 
         if not torch.cuda.is_available():
             args.parser.error(f"--device {args.device}: no CUDA device is available (use --device cpu)")
+    if args.transport == "nccl" and (args.drafter_device or args.device) == args.device:
+        args.parser.error("--transport nccl needs the drafter on another GPU than the target "
+                          "(e.g. --device cuda:0 --drafter-device cuda:1); on one GPU use --transport cuda-ipc")
     ports = [p for p in (args.port, args.target_port, args.drafter_port, args.http_port) if p]
     if len(set(ports)) != len(ports):
         args.parser.error("--port, --target-port, --drafter-port and --http-port must differ")
@@ -173,7 +183,7 @@ def cmd_up(args) -> None:
     ports = {k: v for k, v in (("gateway", args.port), ("target", args.target_port), ("drafter", args.drafter_port),
                                ("http", args.http_port)) if v}
     stack = LocalStack(model=model, drafter=drafter, mode=args.mode, budget=args.budget or 0, transport=args.transport,
-                       device=args.device, dtype=args.dtype, metrics=args.metrics, threads=1 if small_cpu else None,
+                       device=args.device, drafter_device=args.drafter_device or "", dtype=args.dtype, metrics=args.metrics, threads=1 if small_cpu else None,
                        log_dir=args.log_dir or "", ports=ports, http=not args.no_http, api_key=args.api_key)
     print(f"target  {stack.address('target')}\ndrafter {stack.address('drafter')}\ngateway {stack.gateway}")
     if stack.http:
@@ -341,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "several steps while the running batch keeps decoding")
     p.add_argument("--transport", default="inline", choices=TRANSPORTS,
                    help="how targets send context features to drafters: inline (in the RPC, anywhere), shm (shared "
-                        "memory, same host), cuda-ipc (GPU memory, same GPU or peer-accessible GPUs)")
+                        "memory, same host), cuda-ipc (GPU memory, same GPU or peer-accessible GPUs), nccl (NCCL "
+                        "send/recv between two GPUs, target and drafter on different GPUs; needs cupy: the gpu extra)")
     p.add_argument("--http-port", type=_int_in(0, 65535), default=None,
                    help="serve the OpenAI-compatible HTTP API (/v1/..., /health, /metrics) on this port")
     p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY") or None,
@@ -375,8 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"], help="decoding mode of requests that name none")
     p.add_argument("--budget", type=_int_in(0), default=0,
                    help="DDTree node budget (0: by device, 16 on CPU, 64 on GPU)")
-    p.add_argument("--transport", default="inline", choices=TRANSPORTS, help="context-feature transport")
+    p.add_argument("--transport", default="inline", choices=TRANSPORTS,
+                   help="context-feature transport (nccl: give the drafter its own GPU with --drafter-device)")
     p.add_argument("--device", default="cpu", help="torch device of the target and drafter (cpu, cuda, cuda:1)")
+    p.add_argument("--drafter-device", default=None, help="the drafter's device when not --device (e.g. cuda:1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--metrics", action="store_true", help="expose Prometheus endpoints on free ports")
     p.add_argument("--log-dir", help="service logs (default: a temporary folder, removed on a clean exit)")

@@ -32,6 +32,7 @@ class LocalStack:
     budget: int = 64
     transport: str = "inline"
     device: str = "cpu"
+    drafter_device: str = ""            # the drafter's device when not `device` (nccl: another GPU, e.g. cuda:1)
     dtype: str = "float32"
     metrics: bool = False
     threads: int | None = None          # torch threads per model service (1 keeps a 2-core machine responsive)
@@ -85,7 +86,8 @@ class LocalStack:
                        "--allow-drafter", self.address("drafter"), "--device", self.device, "--dtype", self.dtype, *threads, *m("target"),
                        *self.extra.get("target", [])],
             "drafter": [*py, "drafter", "--drafter", self.drafter, "--target-model", self.model, "--host", "127.0.0.1",
-                        "--port", str(self.ports["drafter"]), "--device", self.device, "--dtype", self.dtype,
+                        "--port", str(self.ports["drafter"]), "--device", self.drafter_device or self.device,
+                        "--dtype", self.dtype,
                         *threads, *m("drafter"), *self.extra.get("drafter", [])],
             "gateway": [*py, "gateway", "--target", self.address("target"), "--drafter", self.address("drafter"),
                         "--host", "127.0.0.1", "--port", str(self.ports["gateway"]), "--mode", self.mode,
@@ -94,9 +96,13 @@ class LocalStack:
                         *self.extra.get("gateway", [])],
         }
 
+    def env(self) -> dict[str, str]:
+        """The services' environment: the stack's secret, and NVLink multicast off before NCCL initialises."""
+        return dict(os.environ, PYTHONUNBUFFERED="1", DDTREE_INTERNAL_SECRET=self.secret, NCCL_NVLS_ENABLE="0")
+
     def start(self, timeout_s: float = 600.0) -> "LocalStack":
         """Starts the processes and waits until the gateway is SERVING (raises if a process dies first)."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1", DDTREE_INTERNAL_SECRET=self.secret)
+        env = self.env()
         if self.api_key:
             env["DDTREE_API_KEY"] = self.api_key
         for name, cmd in self.commands().items():
@@ -111,7 +117,7 @@ class LocalStack:
     def spawn(self, name: str, cmd: list[str] | None = None, env: dict | None = None) -> subprocess.Popen:
         """Starts (or restarts, after `kill`) one service; its log is appended to."""
         cmd = cmd or self.commands()[name]
-        env = env or dict(os.environ, PYTHONUNBUFFERED="1", DDTREE_INTERNAL_SECRET=self.secret)
+        env = env or self.env()
         logf = open(Path(self.log_dir) / f"{name}.log", "a")  # noqa: SIM115 - lives with the process
         self.procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)

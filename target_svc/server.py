@@ -16,6 +16,7 @@ from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServic
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
+from ddtree_serve.transport.nccl_protocol import NcclSetupError, device_uuid, missing_nccl_package, nccl_refusal
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 
 log = logging.getLogger(__name__)
@@ -107,29 +108,55 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         if transport == "cuda-ipc" and torch.device(self.cfg.device).type != "cuda":
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"transport cuda-ipc needs the target on a CUDA device (it runs on {self.cfg.device})")
+        if transport == "nccl":
+            # What this side lacks is known before asking the drafter anything (and never imports cupy on a CPU).
+            self._refuse_nccl(missing_nccl_package(), "", "")
         if self.cfg.allowed_drafters and request.drafter_address not in self.cfg.allowed_drafters:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                f"drafter {request.drafter_address!r} is not one this target is configured for")
         # The feature layers are the drafter's own: asked from it, never taken on the caller's word (a wrong set
         # would silently turn speculation off). Asking also proves a real drafter that holds our secret listens.
-        ids = await self._drafter_layers(request.drafter_address)
+        info = await self._drafter_info(request.drafter_address)
+        ids = list(info.target_layer_ids)
         if request.target_layer_ids and list(request.target_layer_ids) != ids:
             raise ValueError(f"target_layer_ids {list(request.target_layer_ids)} differ from the drafter's {ids}")
         if any(i < 0 or i >= self.runner.num_layers for i in ids):
             raise ValueError(f"target_layer_ids {ids} out of range for {self.runner.num_layers} layers")
+        if transport == "nccl":
+            self._refuse_nccl(None, info.device, info.device_uuid)
         await self.model_thread.run(self.runner.set_feature_layers, ids)
-        if self.sender is None or self.sender_address != request.drafter_address or self.sender.name != transport:
+        # An nccl link is formed anew on every attach: the gateway re-attaches after a restart, when the old
+        # communicator is dead on at least one side.
+        if (self.sender is None or self.sender_address != request.drafter_address or self.sender.name != transport
+                or transport == "nccl"):
             if self.sender is not None:
                 await self.sender.close()
+                self.sender = None
             on_sent = None
             if self.metrics is not None:
                 on_sent = lambda nbytes, seconds, t=transport: self.metrics.observe_transport(t, nbytes, seconds)  # noqa: E731
-            self.sender = make_sender(transport, request.drafter_address, self.client_interceptors, on_sent)
+            sender = make_sender(transport, request.drafter_address, self.client_interceptors, on_sent)
+            if transport == "nccl":
+                try:
+                    await sender.establish(self.cfg.device)
+                except NcclSetupError as exc:
+                    await sender.close()
+                    log.error("transport nccl refused: %s", exc)
+                    raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"transport nccl: {exc}") from None
+            self.sender = sender
             self.sender_address = request.drafter_address
         log.info("drafter attached at %s over %s, feature layers %s", request.drafter_address, transport, ids)
         return target_pb2.AttachDrafterResponse(transport=transport, feature_dim=len(ids) * self.runner.hidden_size)
 
-    async def _drafter_layers(self, address: str) -> list[int]:
+    def _refuse_nccl(self, missing_package: str | None, drafter_device: str, drafter_uuid: str) -> None:
+        """FAILED_PRECONDITION (and a log line) when this target and that drafter cannot form an NCCL pair."""
+        reason = nccl_refusal(self.cfg.device, device_uuid(self.cfg.device) if drafter_uuid else "", drafter_device,
+                              drafter_uuid, missing_package)
+        if reason:
+            log.error("transport nccl refused: %s", reason)
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, reason)
+
+    async def _drafter_info(self, address: str) -> drafter_pb2.DrafterInfo:
         try:
             async with auth.internal_channel(address) as channel:
                 info = await drafter_pb2_grpc.DrafterServiceStub(channel).Info(drafter_pb2.DrafterInfoRequest(),
@@ -140,7 +167,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         if info.hidden_size != self.runner.hidden_size:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"the drafter at {address} is not for this model (hidden size {info.hidden_size})")
-        return list(info.target_layer_ids)
+        return info
 
     def _push(self, rows: list[FeatureRows]) -> int:
         if not rows:

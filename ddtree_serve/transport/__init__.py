@@ -8,12 +8,13 @@ from __future__ import annotations
 import importlib
 
 SHARED_BUFFER_TRANSPORTS = ("shm", "cuda-ipc")
-TRANSPORTS = ("inline", *SHARED_BUFFER_TRANSPORTS)
+TRANSPORTS = ("inline", *SHARED_BUFFER_TRANSPORTS, "nccl")
 
 _LAZY = {
     "FeatureRows": "base", "FeatureSender": "base", "decode_rows": "base", "encode_rows": "base",
     "payload_bytes": "base", "InlineFeatureSender": "inline", "SharedBufferFeatureSender": "shared",
-    "OpenedBuffers": "shared_buffer", "rows_view": "shared_buffer",
+    "OpenedBuffers": "shared_buffer", "rows_view": "shared_buffer", "NcclFeatureSender": "nccl",
+    "NcclReceiver": "nccl", "NcclSetupError": "nccl_protocol", "NcclLinkLost": "nccl_protocol",
 }
 
 
@@ -34,9 +35,13 @@ def make_sender(kind: str, drafter_address: str, interceptors=(), on_sent=None):
         from ddtree_serve.transport.shared import SharedBufferFeatureSender
 
         return SharedBufferFeatureSender(drafter_address, interceptors=list(interceptors), on_sent=on_sent, name=kind)
+    if kind == "nccl":   # not usable until `await sender.establish(device)` has formed the communicator
+        from ddtree_serve.transport.nccl import NcclFeatureSender
+
+        return NcclFeatureSender(drafter_address, interceptors=list(interceptors), on_sent=on_sent)
     raise ValueError(f"unknown transport {kind!r}; available: {', '.join(TRANSPORTS)}")
 
 
 __all__ = ["SHARED_BUFFER_TRANSPORTS", "TRANSPORTS", "FeatureRows", "FeatureSender", "InlineFeatureSender",
-           "OpenedBuffers", "SharedBufferFeatureSender", "decode_rows", "encode_rows", "make_sender",
+           "NcclFeatureSender", "NcclLinkLost", "NcclReceiver", "NcclSetupError", "OpenedBuffers", "SharedBufferFeatureSender", "decode_rows", "encode_rows", "make_sender",
            "payload_bytes", "rows_view"]

@@ -80,6 +80,14 @@ def rows_view(buffer: torch.Tensor, offset: int, num_rows: int, feature_dim: int
     return buffer[offset:offset + nbytes].view(torch_dtype).view(num_rows, feature_dim)
 
 
+def copy_piece(buffer: torch.Tensor, piece: Piece, rows: FeatureRows) -> int:
+    """Copies one piece of rows into a uint8 buffer at its offset (asynchronously on CUDA); returns its bytes."""
+    src = rows.data[piece.row_begin:piece.row_end]
+    dst = rows_view(buffer, piece.offset, src.shape[0], src.shape[1], dtype_name(src.dtype))
+    dst.copy_(src, non_blocking=src.is_cuda and dst.is_cuda)
+    return dst.numel() * dst.element_size()
+
+
 class StagingBuffer:
     """The sender's side: a uint8 buffer of `size_bytes` and the descriptor that lets a drafter open it."""
 
@@ -113,10 +121,7 @@ class StagingBuffer:
 
     def write(self, piece: Piece, rows: FeatureRows) -> int:
         """Copies one piece of rows into the buffer (asynchronously on CUDA); returns its byte count."""
-        src = rows.data[piece.row_begin:piece.row_end]
-        dst = rows_view(self.tensor, piece.offset, src.shape[0], src.shape[1], dtype_name(src.dtype))
-        dst.copy_(src, non_blocking=src.is_cuda and dst.is_cuda)
-        return dst.numel() * dst.element_size()
+        return copy_piece(self.tensor, piece, rows)
 
     def close(self) -> None:
         """Frees the buffer (shm: unlinks the name; a drafter holding it open keeps its mapping)."""
