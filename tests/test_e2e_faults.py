@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from ddtree_serve.proto import (drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2,
                                 target_pb2_grpc)
+from launch.local_stack import LocalStack
 from tests.conftest import make_request, prompts_for, reference_greedy, run_streams, start_stack
 
 pytestmark = pytest.mark.slow
@@ -147,6 +149,7 @@ def test_a_shared_buffer_the_drafter_cannot_open_is_failed_precondition(stack):
 
 
 @pytest.mark.parametrize("transport, code", [("cuda-ipc", grpc.StatusCode.FAILED_PRECONDITION),
+                                             ("nccl", grpc.StatusCode.FAILED_PRECONDITION),
                                              ("carrier-pigeon", grpc.StatusCode.INVALID_ARGUMENT)])
 def test_a_transport_the_target_cannot_use_is_refused_at_attach(stack, transport, code):
     s, _ = stack
@@ -160,6 +163,79 @@ def test_a_transport_the_target_cannot_use_is_refused_at_attach(stack, transport
         asyncio.run(call())
     assert info.value.code() == code
     assert transport in info.value.details()
+
+
+def test_nccl_on_a_cpu_target_is_refused_with_every_reason_and_the_package_to_install(stack):
+    s, _ = stack
+
+    async def call():
+        async with s.internal_channel("target") as channel:
+            await target_pb2_grpc.TargetServiceStub(channel).AttachDrafter(target_pb2.AttachDrafterRequest(
+                drafter_address=s.address("drafter"), transport="nccl"), timeout=30)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(call())
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "target on a CUDA device" in info.value.details()
+    if importlib.util.find_spec("cupy") is None:
+        assert "cupy-cuda1" in info.value.details()
+
+
+def test_a_cpu_drafter_refuses_to_join_an_nccl_communicator(stack):
+    s, _ = stack
+
+    async def call():
+        async with s.internal_channel("drafter") as channel:
+            await drafter_pb2_grpc.DrafterServiceStub(channel).JoinNccl(drafter_pb2.NcclJoinRequest(
+                unique_id=bytes(128), comm_id="c", world_size=2, rank=1, buffer_bytes=1 << 20), timeout=30)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(call())
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "drafter on a CUDA device" in info.value.details()
+
+
+def test_an_nccl_push_on_no_communicator_turns_its_sequences_autoregressive(stack):
+    """A header whose payload can never come (the communicator is gone) fails its sequences at once: their Drafts
+    answer with an error (the gateway runs them `ar`) instead of waiting out the feature timeout."""
+    s, _ = stack
+
+    async def call():
+        async with s.internal_channel("drafter") as channel:
+            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.PushFeatures(drafter_pb2.FeatureBatch(
+                    feature_dim=8, nccl=drafter_pb2.NcclPayload(comm_id="gone", push_id=0, dtype="float32", count=16),
+                    rows=[drafter_pb2.FeatureRows(seq_id="nccl-lost-1", start=0, num_rows=2, dtype="float32")]),
+                    timeout=30)
+            draft = await stub.Draft(drafter_pb2.DraftRequest(items=[drafter_pb2.DraftItem(
+                seq_id="nccl-lost-1", bonus_token=1, context_len=2)], top_k=4), timeout=10)
+            await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=["nccl-lost-1"]), timeout=30)
+            return info.value, draft
+
+    error, draft = asyncio.run(call())
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "no NCCL communicator" in error.details()
+    [result] = draft.results
+    assert result.seq_id == "nccl-lost-1" and "context features lost" in result.error
+
+
+def test_a_gateway_asked_for_nccl_on_cpu_services_stops_at_start_up_with_the_reason(checkpoints):
+    """A transport the pair cannot use is a misconfiguration: like a vLLM server given a bad config, the gateway
+    exits (code 2) with one line saying why, instead of quietly serving without speculation."""
+    target, drafter = checkpoints("qwen3")
+    s = LocalStack(model=str(target), drafter=str(drafter), threads=1, transport="nccl")
+    try:
+        with pytest.raises(RuntimeError, match="gateway exited during start-up"):
+            s.start(timeout_s=180)
+        assert s.procs["gateway"].returncode == 2
+        gateway_log = (Path(s.log_dir) / "gateway.log").read_text()
+        [line] = [ln for ln in gateway_log.splitlines() if "refused the drafter" in ln]
+        assert "--transport nccl" in line and "FAILED_PRECONDITION" in line and "CUDA device" in line
+        assert "Traceback" not in gateway_log
+        assert "transport nccl refused" in (Path(s.log_dir) / "target.log").read_text()
+    finally:
+        s.stop()
+        s.cleanup()
 
 
 def test_text_prompt_stop_string_and_model_info(stack):

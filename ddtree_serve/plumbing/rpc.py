@@ -220,7 +220,11 @@ async def run_service(label: str, service_name: str, servicer, add_to_server: Ca
         # Same interface as the gRPC port: --host 127.0.0.1 keeps /metrics on loopback too.
         log.info("%s metrics on %s:%d", label, host, start_metrics_server(metrics_port, registry, host=host))
     log.info("%s listening on %s:%d (pid %d)", label, host, bound, os.getpid())
-    await start()
+    try:
+        await start()
+    except BaseException:
+        await host_.server.stop(0)   # a start-up that fails stops its server here, not in a destructor at exit
+        raise
     await host_.mark_serving()
     if ready_file:
         Path(ready_file).write_text(str(bound))
