@@ -6,6 +6,9 @@ prompt's prefill), and waits for the drafter's answer, which comes after the row
 The drafter's work is the same for every transport, so the differences are the transport's.
     python -m bench.transport [--transports inline,shm] [--rows 8,64,512,2048] [--repeats 20]
     python -m bench.transport --device cuda --dtype bfloat16 --transports inline,cuda-ipc
+    python -m bench.transport --device cuda:0 --drafter-device cuda:1 --dtype bfloat16 --transports inline,nccl
+With --drafter-device on another GPU the default transports are inline,nccl; this process plays the target
+(rank 0 of the NCCL pair, rows on --device).
 """
 from __future__ import annotations
 
@@ -24,10 +27,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="target checkpoint dir (default: SmolLM2-135M-Instruct from the packaged GGUF)")
     p.add_argument("--drafter", help="drafter dir (default: the bundled SmolLM2 drafter)")
-    p.add_argument("--transports", default=None, help="comma list (default: inline,shm on CPU; inline,cuda-ipc on GPU)")
+    p.add_argument("--transports", default=None, help="comma list (default: inline,shm on CPU; inline,cuda-ipc on one GPU; "
+                                                        "inline,nccl with --drafter-device on another GPU)")
     p.add_argument("--rows", default="8,64,512,2048", help="rows per push (comma list)")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where the rows are made (the target's side)")
+    p.add_argument("--drafter-device", default=None, help="the drafter service's device (nccl: another GPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per model service")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
@@ -41,6 +46,8 @@ async def _time_pushes(kind: str, drafter_address: str, features: torch.Tensor, 
     from ddtree_serve.transport import FeatureRows, make_sender
 
     sender = make_sender(kind, drafter_address)
+    if kind == "nccl":
+        await sender.establish(features.device)   # the communicator forms once, outside the timed pushes
     times = []
     async with grpc_channel(drafter_address, CHANNEL_OPTIONS) as channel:
         drafter = drafter_pb2_grpc.DrafterServiceStub(channel)
@@ -71,13 +78,15 @@ def main(argv=None) -> None:
     """Times every transport at every row count against one drafter; writes bench/results/transport-<hw>.*"""
     args = parse_args(argv)
     on_gpu = args.device.startswith("cuda")
-    transports = (args.transports or ("inline,cuda-ipc" if on_gpu else "inline,shm")).split(",")
+    two_gpus = on_gpu and args.drafter_device not in (None, args.device)
+    default = "inline,nccl" if two_gpus else "inline,cuda-ipc" if on_gpu else "inline,shm"
+    transports = (args.transports or default).split(",")
     row_counts = [int(x) for x in args.rows.split(",")]
     model, drafter = common.resolve_model(args.model), common.resolve_drafter(args.drafter)
     hw = common.hardware(args.device, args.dtype, args.threads)
     date = common.now_utc()
     stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads,
-                               max_seq_len=max(2048, max(row_counts)))
+                               max_seq_len=max(2048, max(row_counts)), drafter_device=args.drafter_device)
     try:
         info = _drafter_info(stack.address("drafter"))
         feature_dim = len(info.target_layer_ids) * info.hidden_size
@@ -102,7 +111,8 @@ def main(argv=None) -> None:
     md = [f"# Context-feature transports ({common.hardware_tag(hw)})", "",
           f"- Command: `{command}`", f"- Date: {date}",
           f"- Hardware: {hw['cpu_model']} ({hw['usable_cpus']} usable CPUs)"
-          + (f", {hw['gpu']}" if hw.get("gpu") else "") + f"; device `{args.device}`, dtype {args.dtype}, "
+          + (f", {hw['gpu']}" if hw.get("gpu") else "") + f"; device `{args.device}`"
+          + (f", drafter on `{args.drafter_device}`" if args.drafter_device else "") + f", dtype {args.dtype}, "
           f"torch threads per service {args.threads}",
           f"- Software: torch {hw['torch']}, grpcio {hw['grpcio']}, Python {hw['python']}",
           f"- Drafter: `{drafter}` ({len(info.target_layer_ids)} feature layers x hidden {info.hidden_size} = "

@@ -1,13 +1,17 @@
 """CUDA paths (run on the GPU machine; skipped where there is no GPU): the same lossless guarantees on the device."""
 from __future__ import annotations
 
+import asyncio
 import copy
+from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.ddtree import build_ddtree_batch
+from ddtree_serve.proto import gateway_pb2_grpc
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.conftest import make_request, prompts_for, reference_model, run_streams, start_stack
@@ -155,3 +159,113 @@ def test_cuda_ipc_buffer_opened_in_another_process_reads_what_was_staged(tmp_pat
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip()) == sum(range(12))
     staging.close()
+
+
+# ---- the nccl transport: target on cuda:0, drafter on cuda:1 ------------------------------------------------------
+def _has_cupy() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None
+
+
+needs_two_gpus_and_cupy = pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or not _has_cupy(),
+    reason="needs 2 CUDA devices and cupy (pip install 'ddtree-serve[gpu]' or cupy-cuda13x)")
+
+
+@needs_two_gpus_and_cupy
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nccl_comm_moves_a_payload_from_one_gpu_to_another_process_on_the_other(dtype):
+    """NcclComm itself, no services: rank 1 in a second process on cuda:1 receives what rank 0 sends from cuda:0."""
+    import subprocess
+    import sys
+    import threading
+
+    from ddtree_serve.transport.nccl import NcclComm, new_unique_id
+
+    uid = new_unique_id()
+    script = (
+        "import sys, torch\n"
+        "from ddtree_serve.transport.nccl import NcclComm\n"
+        f"comm = NcclComm(bytes.fromhex(sys.argv[1]), 1, torch.device('cuda:1'))\n"
+        f"buf = torch.zeros(1000, dtype=torch.{dtype}, device='cuda:1')\n"
+        f"comm.recv(buf, 1000, '{dtype}', 0).synchronize()\n"
+        "print(buf.float().sum().item())\n")
+    peer = subprocess.Popen([sys.executable, "-c", script, uid.hex()], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    comms = []
+    joiner = threading.Thread(target=lambda: comms.append(NcclComm(uid, 0, torch.device("cuda:0"))))
+    joiner.start()
+    joiner.join(120)
+    assert comms, "rank 0 did not join within 120 s"
+    payload = torch.arange(1000, device="cuda:0").to(getattr(torch, dtype)) % 7
+    comms[0].send(payload, 1000, dtype, 1).synchronize()
+    out, err = peer.communicate(timeout=120)
+    assert peer.returncode == 0, err
+    assert float(out.strip()) == payload.float().sum().item()
+    comms[0].abort()
+
+
+@needs_two_gpus_and_cupy
+def test_nccl_services_on_two_gpus_equal_transformers_greedy(checkpoints):
+    target, drafter = checkpoints("qwen3")
+    prompts = prompts_for(target, [5, 13, 8], seed=6)
+    stack = start_stack(target, drafter, device="cuda:0", drafter_device="cuda:1", transport="nccl")
+    try:
+        results = run_streams(stack.gateway, [make_request(p, 40, mode) for p, mode in
+                                              zip(prompts, ["ddtree", "dflash", "ar"])])
+        target_log = (Path(stack.log_dir) / "target.log").read_text()
+    finally:
+        stack.stop()
+    assert "NCCL communicator" in target_log and "formed" in target_log
+    for prompt, result in zip(prompts, results):
+        assert result["token_ids"] == hf_greedy_on("cuda", target, prompt, 40)
+    # the features really came over NCCL: the speculative requests kept speculating
+    assert [r["stats"].drafter_fallback for r in results[:2]] == [False, False]
+    assert results[0]["stats"].mode == "ddtree" and results[0]["stats"].accepted_tokens > 0
+
+
+@needs_two_gpus_and_cupy
+def test_killing_the_drafter_mid_stream_over_nccl_leaves_the_target_serving_losslessly(checkpoints):
+    target, drafter = checkpoints("llama")
+    stack = start_stack(target, drafter, device="cuda:0", drafter_device="cuda:1", transport="nccl")
+    try:
+        prompt = prompts_for(target, [7], seed=13)[0]
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(stack.gateway) as channel:
+                ids, final = [], None
+                async for msg in gateway_pb2_grpc.GatewayStub(channel).GenerateStream(make_request(prompt, 40),
+                                                                                      timeout=120):
+                    ids.extend(msg.token_ids)
+                    final = msg
+                    if len(ids) >= 4 and stack.alive()["drafter"]:
+                        stack.kill("drafter")
+                return ids, final.stats
+
+        ids, stats = asyncio.run(scenario())
+        assert ids == hf_greedy_on("cuda", target, prompt, 40)
+        assert stack.alive()["target"] and stack.alive()["gateway"]
+        assert (stats.requested_mode, stats.mode, stats.drafter_fallback) == ("ddtree", "ar", True)
+        again = run_streams(stack.gateway, [make_request(prompt, 10)])[0]
+        assert again["token_ids"] == hf_greedy_on("cuda", target, prompt, 10)
+    finally:
+        stack.stop()
+
+
+@pytest.mark.skipif(not _has_cupy(), reason="needs cupy (pip install 'ddtree-serve[gpu]' or cupy-cuda13x)")
+def test_nccl_with_target_and_drafter_on_one_gpu_stops_the_gateway_at_start_up(checkpoints):
+    """NCCL refuses two ranks on one GPU: the target says so at attach time, and the gateway stops with that line."""
+    from launch.local_stack import LocalStack
+
+    target, drafter = checkpoints("qwen3")
+    stack = LocalStack(model=str(target), drafter=str(drafter), threads=1, device="cuda:0", transport="nccl")
+    try:
+        with pytest.raises(RuntimeError, match="gateway exited during start-up"):
+            stack.start(timeout_s=300)
+        assert stack.procs["gateway"].returncode == 2
+        assert "different GPUs" in (Path(stack.log_dir) / "gateway.log").read_text()
+        assert "transport nccl refused" in (Path(stack.log_dir) / "target.log").read_text()
+    finally:
+        stack.stop()
+        stack.cleanup()

@@ -244,3 +244,10 @@ def test_a_transfer_the_peer_never_matches_times_out_instead_of_hanging() -> Non
 def test_make_sender_builds_an_nccl_sender_that_waits_for_its_handshake() -> None:
     sender = make_sender("nccl", "127.0.0.1:1")
     assert sender.name == "nccl" and sender.ledger.reusable and sender.comm_id == ""
+
+
+def test_up_with_nccl_and_one_device_is_a_one_line_usage_error() -> None:
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "up", "--transport", "nccl", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--drafter-device cuda:1" in out.stderr and "cuda-ipc" in out.stderr
