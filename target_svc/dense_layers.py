@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ddtree_serve.rope import rotate_half
+from target_svc.quantization import QuantizedLinear, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +99,15 @@ class _CompiledOrPlain:
 
 @dataclass
 class DenseLayerWeights:
-    """One layer's fused projection weights (the HF modules' weights become views into them)."""
+    """One layer's fused projection weights (the HF modules' weights become views into them).
 
-    qkv: Tensor  # [(nh + 2 * nkv) * hd, H]: q rows, then k, then v
+    With --quantize int8 the fused weights are QuantizedWeights (int8 rows + per-row scales); the layer calls
+    them through target_svc.quantization.linear either way.
+    """
+
+    qkv: Tensor | QuantizedWeight  # [(nh + 2 * nkv) * hd, H]: q rows, then k, then v
     qkv_bias: Tensor | None
-    gate_up: Tensor  # [2 * I, H]: gate rows, then up
+    gate_up: Tensor | QuantizedWeight  # [2 * I, H]: gate rows, then up
 
 
 def fusable(layers: nn.ModuleList) -> bool:
@@ -118,7 +123,7 @@ def fusable(layers: nn.ModuleList) -> bool:
         biases = [attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None]
         if len(set(biases)) != 1 or attn.o_proj.bias is not None or mlp.gate_proj.bias is not None:
             return False
-        if attn.q_proj.weight.shape[0] != attn.o_proj.weight.shape[1]:  # gated attention (Qwen3.5) is not dense
+        if attn.q_proj.out_features != attn.o_proj.in_features:  # gated attention (Qwen3.5) is not dense
             return False
     return True
 
@@ -130,6 +135,9 @@ def fuse_weights(layers: nn.ModuleList) -> list[DenseLayerWeights]:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+            if isinstance(attn.q_proj, QuantizedLinear):
+                out.append(_fuse_quantized(projs, (mlp.gate_proj, mlp.up_proj)))
+                continue
             qkv = torch.cat([p.weight for p in projs])
             bias = torch.cat([p.bias for p in projs]) if attn.q_proj.bias is not None else None
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
@@ -137,6 +145,33 @@ def fuse_weights(layers: nn.ModuleList) -> list[DenseLayerWeights]:
             _repoint((mlp.gate_proj, mlp.up_proj), gate_up, None)
             out.append(DenseLayerWeights(qkv, bias, gate_up))
     return out
+
+
+def _fuse_quantized(qkv_projs: tuple[QuantizedLinear, ...], gate_up_projs: tuple[QuantizedLinear, ...]
+                    ) -> DenseLayerWeights:
+    """fuse_weights for int8 layers: int8 rows and their scales concatenated (per-row scales commute with it)."""
+    fused = []
+    for projs in (qkv_projs, gate_up_projs):
+        w = QuantizedWeight.cat([p.quantized for p in projs])
+        row = 0
+        for p in projs:
+            n = p.out_features
+            p.set_quantized(QuantizedWeight(w.qweight[row : row + n], w.scales[row : row + n]))
+            row += n
+        fused.append(w)
+    bias = torch.cat([p.bias for p in qkv_projs]) if qkv_projs[0].bias is not None else None
+    if bias is not None:
+        _repoint_bias(qkv_projs, bias)
+    return DenseLayerWeights(fused[0], bias, fused[1])
+
+
+def _repoint_bias(linears: tuple[QuantizedLinear, ...], fused_bias: Tensor) -> None:
+    """Makes each projection's bias a slice view of the fused bias."""
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.bias = nn.Parameter(fused_bias[row : row + n], requires_grad=False)
+        row += n
 
 
 def _repoint(linears: tuple[nn.Linear, ...], fused: Tensor, fused_bias: Tensor | None) -> None:

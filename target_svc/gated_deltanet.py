@@ -187,8 +187,8 @@ def _output(module: nn.Module, core: Tensor, z: Tensor, dims: LinearAttnStateSha
 
 
 def _model_dtype(module: nn.Module) -> torch.dtype:
-    """Dtype of the layer's projections (= of its conv state)."""
-    return module.in_proj_qkv.weight.dtype
+    """The model dtype of the layer (= of its conv state); the conv keeps it when projections are int8."""
+    return module.conv1d.weight.dtype
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from target_svc.quantization import check_quantize_mode, int8_matmul_backend, quantize_per_channel, replace_linears
+
 # Text model types whose decoder layers our forward (target_svc/model.py) implements.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
 FULL_ATTENTION = "full_attention"
@@ -45,6 +47,7 @@ class LoadedTarget:
     eos_token_ids: tuple[int, ...]
     device: torch.device
     dtype: torch.dtype
+    quantize: str = "none"  # "int8": the decoder layers' linear projections are QuantizedLinear
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -105,8 +108,13 @@ def _check_supported(text_config: PretrainedConfig) -> tuple[str, ...]:
     return layer_types
 
 
-def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: torch.device, dtype: torch.dtype) -> None:
-    """Assigns checkpoint tensors (cast to dtype, on device) to a meta-initialised model; strict on missing keys."""
+def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: torch.device, dtype: torch.dtype,
+                  quantized: frozenset[str] = frozenset()) -> None:
+    """Assigns checkpoint tensors (cast to dtype, on device) to a meta-initialised model; strict on missing keys.
+
+    The weights of the Linear modules named in `quantized` are quantized one tensor at a time as they arrive
+    (stored as `qweight` + `scales`): the float weights of those layers never exist on the device together.
+    """
     # remove_duplicate=False: a tied lm_head.weight is its own name even when it shares the embedding's tensor.
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = {**params, **dict(model.named_buffers(remove_duplicate=False))}
@@ -122,6 +130,11 @@ def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: to
                         name = "model." + key[len(_WRAPPER_TEXT_PREFIX) :]
                 elif key.startswith("mtp."):
                     continue  # multi-token-prediction head shipped with Qwen3.5 checkpoints: unused
+                module_name, _, leaf = name.rpartition(".")
+                if leaf == "weight" and module_name in quantized:
+                    q = quantize_per_channel(f.get_tensor(key).to(device), dtype)
+                    loaded[module_name + ".qweight"], loaded[module_name + ".scales"] = q.qweight, q.scales
+                    continue
                 if name not in expected:
                     raise ValueError(f"unexpected tensor {key!r} in {path.name}")
                 t = f.get_tensor(key)
@@ -131,15 +144,21 @@ def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: to
         loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
     # Non-persistent buffers (rotary inv_freq) are not in checkpoints; we build our own rotary tables instead.
     missing = [k for k in params if k not in loaded]
+    missing += [f"{m}.{leaf}" for m in sorted(quantized) for leaf in ("qweight", "scales") if f"{m}.{leaf}" not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(loaded, strict=False, assign=True)
 
 
 def load_target(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    quantize: str = "none",
 ) -> LoadedTarget:
-    """Loads the text decoder of a local checkpoint directly onto (device, dtype); never touches the network."""
+    """Loads the text decoder of a local checkpoint directly onto (device, dtype); never touches the network.
+
+    quantize="int8": the decoder layers' linear projections are quantized as they load (target_svc/quantization.py).
+    """
+    check_quantize_mode(quantize)
     model_dir = Path(model_dir)
     device = torch.device(device)
     top_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
@@ -154,7 +173,10 @@ def load_target(
     # the whole model.
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(text_config)
-    _load_weights(hf_model, _checkpoint_files(model_dir), wrapper, device, dtype)
+    quantized: frozenset[str] = frozenset()
+    if quantize == "int8":
+        quantized = frozenset(replace_linears(hf_model.model.layers, "model.layers.", dtype, int8_matmul_backend(device)))
+    _load_weights(hf_model, _checkpoint_files(model_dir), wrapper, device, dtype, quantized)
     hf_model.eval().requires_grad_(False)
 
     decoder = hf_model.model
@@ -188,4 +210,5 @@ def load_target(
         eos_token_ids=_eos_ids(model_dir, text_config, top_config),
         device=device,
         dtype=dtype,
+        quantize=quantize,
     )

@@ -23,6 +23,7 @@ from target_svc.dense_layers import DenseKernels, DenseLayerWeights, fusable, fu
 from target_svc.gdn_tree_wy import GdnTreeWYTrace, gdn_commit_path_wy, gdn_tree_forward_wy
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
+from target_svc.quantization import int8_matmul_backend, linear
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -74,6 +75,7 @@ class TargetModel:
         if fused and not self.linear_index and self.cos.shape[-1] == target.head_dim and fusable(target.layers):
             self.dense = fuse_weights(target.layers)
             self.kernels = DenseKernels.make(compiled=self.device.type == "cuda")
+        self.int8_backend = int8_matmul_backend(self.device)
         # GDN traces of the verified block not yet committed (one per linear-attention layer), None when no block
         # is pending; dense models' blocks carry an empty list. The K/V of a pending block sit past ctx_len.
         self.pending_traces: list[GdnTreeTrace | GdnTreeWYTrace] | None = None
@@ -171,7 +173,7 @@ class TargetModel:
         x = k.rms_norm(h, norm0.weight, norm0.variance_epsilon)
         for i, layer in enumerate(layers):
             attn, w = layer.self_attn, self.dense[i]
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = linear(x, w.qkv, w.qkv_bias, self.int8_backend)
             bsz, tmax, _ = x.shape
             nh, nkv, hd = t.num_heads, t.num_kv_heads, t.head_dim
             q, key, value = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -183,7 +185,7 @@ class TargetModel:
                                key_len)
             post = layer.post_attention_layernorm
             h, x = k.add_rms_norm(h, attn.o_proj(out), post.weight, post.variance_epsilon)
-            mlp = layer.mlp.down_proj(k.silu_mul(F.linear(x, w.gate_up)))
+            mlp = layer.mlp.down_proj(k.silu_mul(linear(x, w.gate_up, backend=self.int8_backend)))
             # The next layer's input norm, or after the last layer the model's final norm (HF's last hidden state).
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else t.norm
             h, x = k.add_rms_norm(h, mlp, nxt.weight, nxt.variance_epsilon)

@@ -1,6 +1,7 @@
 """TargetRunner: prefill / verify / release over the slot cache (pure torch, no gRPC)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -9,9 +10,21 @@ from torch import Tensor
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
 from ddtree_serve.decoding.tree_mask import depths_from_parents
-from target_svc.loader import load_target
+from target_svc.loader import LoadedTarget, load_target
+from target_svc.memory_plan import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    MemoryPlan,
+    dtype_bytes,
+    geometry_of,
+    gpu_cache_budget,
+    plan_cache,
+    workspace_estimate,
+)
 from target_svc.model import TargetModel
+from target_svc.quantization import tensor_bytes
 from target_svc.verify import VerifyBatch, VerifyGraphs, VerifyShape, verify_commit, verify_forward
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,10 @@ class TargetConfig:
     max_tree_nodes: int = 257
     prefill_chunk: int = 512   # prompt positions per forward (0: whole prompts at once); bounds prefill memory
     enforce_eager: bool = False  # True: never capture CUDA graphs (they are used on CUDA where the model allows)
+    quantize: str = "none"       # "int8": weight-only int8 of the decoder layers' projections (quantization.py)
+    # The cache is sized from memory (memory_plan.py): max_batch becomes min(max_batch, what fits).
+    gpu_memory_utilization: float | None = None  # fraction of the card this target may use (CUDA; None: 0.9)
+    kv_cache_memory_bytes: int | None = None     # the cache's bytes, given directly (any device; enforced)
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,27 @@ class _Tree:
     max_depth: int
 
 
+def plan_memory(target: LoadedTarget, cfg: TargetConfig, max_seq_len: int) -> MemoryPlan:
+    """The cache plan for a loaded target: --kv-cache-memory if given, else on CUDA --gpu-memory-utilization of
+    the card minus what is in use, else (CPU) reported but not enforced. MemoryPlanError if one sequence won't fit."""
+    weights = tensor_bytes(target.embed_tokens, target.layers, target.norm, target.lm_head)
+    geometry = geometry_of(target)
+    budget, workspace, source = None, 0, "unbounded"
+    if cfg.kv_cache_memory_bytes is not None:
+        budget, source = cfg.kv_cache_memory_bytes, "--kv-cache-memory"
+    elif target.device.type == "cuda":
+        utilization = cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        free, total = torch.cuda.mem_get_info(target.device)
+        budget = gpu_cache_budget(total, free, utilization)
+        source = f"--gpu-memory-utilization {utilization}"
+        tc = target.text_config
+        widest = max(getattr(tc, "intermediate_size", 4 * target.hidden_size), 2 * target.num_heads * target.head_dim)
+        workspace = workspace_estimate(target.vocab_size, target.hidden_size, widest, dtype_bytes(target.dtype),
+                                       cfg.max_batch, cfg.max_tree_nodes, cfg.prefill_chunk)
+    return plan_cache(budget, geometry, max_seq_len, cfg.max_tree_nodes, cfg.max_batch, weight_bytes=weights,
+                      workspace_bytes=workspace, source=source)
+
+
 class TargetRunner:
     """Holds the target model and its cache; every call is a batch over sequences keyed by seq id."""
 
@@ -98,13 +136,16 @@ class TargetRunner:
         if cfg.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {cfg.prefill_chunk}")
         self.cfg = cfg
-        self.target = load_target(cfg.model_dir, cfg.device, cfg.dtype)
+        self.target = load_target(cfg.model_dir, cfg.device, cfg.dtype, cfg.quantize)
         # Positions past the model's trained range are not served.
         self.max_seq_len = min(cfg.max_seq_len, self.target.max_position_embeddings)
-        self.model = TargetModel(self.target, cfg.max_batch, self.max_seq_len, cfg.max_tree_nodes)
+        # Planned after the weights are on the device (what is left is measured) and before the cache exists.
+        self.memory = plan_memory(self.target, cfg, self.max_seq_len)
+        log.info("%s", self.memory.summary())
+        self.model = TargetModel(self.target, self.memory.max_batch, self.max_seq_len, cfg.max_tree_nodes)
         self.graphs: VerifyGraphs | None = None
         if not cfg.enforce_eager and VerifyGraphs.supports(self.model):
-            self.graphs = VerifyGraphs(self.model, cfg.max_batch, cfg.max_tree_nodes, self.model.cache.spec.capacity)
+            self.graphs = VerifyGraphs(self.model, self.max_batch, cfg.max_tree_nodes, self.model.cache.spec.capacity)
         self.device = self.target.device
         self.feature_layers: tuple[int, ...] = ()
         self.seqs: dict[str, _Sequence] = {}
@@ -133,7 +174,8 @@ class TargetRunner:
 
     @property
     def max_batch(self) -> int:
-        return self.cfg.max_batch
+        """Sequences held at once: the requested --max-batch, or fewer when memory holds fewer."""
+        return self.memory.max_batch
 
     # -- API -----------------------------------------------------------------------------------------------------
 
@@ -221,7 +263,7 @@ class TargetRunner:
     def cache_usage(self) -> tuple[int, int, int, int]:
         """(running sequences, max sequences, committed tokens, token capacity)."""
         cache = self.model.cache
-        return cache.num_sequences, self.cfg.max_batch, cache.used_tokens(), self.cfg.max_batch * self.max_seq_len
+        return cache.num_sequences, self.max_batch, cache.used_tokens(), self.max_batch * self.max_seq_len
 
     # -- internals -----------------------------------------------------------------------------------------------
 
@@ -321,7 +363,7 @@ class TargetRunner:
         new = sum(it.start == 0 for it in items)
         free = len(self.model.cache.free_slots)
         if new > free:
-            raise RuntimeError(f"capacity: {new} new sequences but {free} of {self.cfg.max_batch} slots free")
+            raise RuntimeError(f"capacity: {new} new sequences but {free} of {self.max_batch} slots free")
 
     def _check_trees(self, items: list[VerifyItem]) -> list[_Tree]:
         """Validates every tree on the host (vectorised, no device work) before anything runs."""
