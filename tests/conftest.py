@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from launch.local_stack import LocalStack
+from target_svc.quantization import quantize_per_channel
 from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 from tests.fixtures.tiny_drafter import make_tiny_drafter
@@ -56,18 +57,38 @@ def start_stack(target: Path, drafter: Path, **kw) -> LocalStack:
 
 
 @lru_cache(maxsize=4)
-def reference_model(model_dir: str):
-    """The checkpoint loaded by transformers itself, float32 on CPU (the losslessness oracle)."""
+def reference_model(model_dir: str, quantize: str = "none"):
+    """The checkpoint loaded by transformers itself, float32 on CPU (the losslessness oracle).
+
+    quantize="int8": the decoder layers' Linear weights are replaced by their dequantized int8 weights (q * s),
+    i.e. the model that `--quantize int8` serves.
+    """
     config = transformers.AutoConfig.from_pretrained(model_dir)
     cls = getattr(transformers, config.architectures[0])
     model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # compare fixed lengths; the services get ignore_eos
+    if quantize == "int8":
+        dequantize_decoder_linears_(model)
     return model
 
 
-def reference_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generate(), new tokens only."""
-    model = reference_model(str(model_dir))
+def dequantize_decoder_linears_(model: torch.nn.Module) -> int:
+    """Replaces every decoder-layer Linear weight (text model only) by q * s of its int8 quantization; returns
+    how many were replaced."""
+    n = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.split(".layers.")[0] in ("model", "model.language_model") \
+                    and ".layers." in name:
+                module.weight.copy_(quantize_per_channel(module.weight).dequantize(torch.float32))
+                n += 1
+    return n
+
+
+def reference_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int,
+                     quantize: str = "none") -> list[int]:
+    """transformers' own greedy generate(), new tokens only (of the int8-dequantized model with quantize="int8")."""
+    model = reference_model(str(model_dir), quantize)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=0)
