@@ -336,7 +336,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             pairs.append(gateway_pb2.BackendPair(
                 target=p.address.target, drafter=p.address.drafter, target_cache=t.cache if t else None,
                 drafter_cache=d.cache if d else None, target_instance_id=t.instance_id if t else "",
-                drafter_instance_id=d.instance_id if d else "", healthy=p.target_ok))
+                drafter_instance_id=d.instance_id if d else "", healthy=p.target_ok,
+                target_quantize=t.quantize if t else "", target_memory=t.memory if t else None))
         first = self.pairs[0]
         return gateway_pb2.ModelInfoResponse(
             model_name=first.target_info.model_name, drafter_name=first.drafter_info.model_name,

@@ -75,6 +75,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_target(args) -> None:
+    from target_svc.memory_plan import MemoryPlanError
     from target_svc.server import TargetServerConfig, serve
 
     _setup_logging("target", args.log_level)
@@ -83,8 +84,13 @@ def cmd_target(args) -> None:
     cfg = TargetServerConfig(model_dir=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                              max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes,
                              prefill_chunk=args.prefill_chunk, enforce_eager=args.enforce_eager,
-                             allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s)
-    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection))
+                             allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s,
+                             quantize=args.quantize, gpu_memory_utilization=args.gpu_memory_utilization,
+                             kv_cache_memory_gb=args.kv_cache_memory)
+    try:
+        asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection))
+    except MemoryPlanError as exc:  # a configuration that cannot hold one sequence: one line, not a traceback
+        args.parser.exit(1, f"{args.parser.prog}: error: {exc}\n")
 
 
 def cmd_drafter(args) -> None:
@@ -324,6 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt positions per prefill forward (0: whole prompts at once); bounds prefill memory")
     p.add_argument("--allow-drafter", action="append",
                    help="HOST:PORT the target may send features to (repeatable; default: any, secret-holders only)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8"],
+                   help="int8: weight-only int8 of the decoder layers' projections (per-output-channel scales); "
+                        "outputs are then lossless with respect to the quantized model, not the bf16 one")
+    p.add_argument("--gpu-memory-utilization", type=_float_in(0.0, 1.0, lo_open=True), default=None,
+                   help="fraction of the GPU this target may use; the KV cache and GDN states get what the weights "
+                        "and an activation estimate leave, and --max-batch shrinks to what fits (default 0.9 on "
+                        "CUDA; ignored on CPU)")
+    p.add_argument("--kv-cache-memory", type=_float_in(0.0, lo_open=True), default=None, metavar="GB",
+                   help="GiB for the KV cache and GDN states, given directly (overrides --gpu-memory-utilization; "
+                        "enforced on CPU too)")
     p.add_argument("--lease-s", type=float, default=60.0,
                    help="a sequence whose gateway has not been heard from for this long is freed")
     p.set_defaults(func=cmd_target)

@@ -17,6 +17,7 @@ from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
 from ddtree_serve.transport.nccl_protocol import NcclSetupError, device_uuid, missing_nccl_package, nccl_refusal
+from target_svc.memory_plan import GIB, MemoryPlan
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ class TargetServerConfig(ModelServiceConfig):
     max_tree_nodes: int = 257
     prefill_chunk: int = 512
     allowed_drafters: tuple[str, ...] = ()   # AttachDrafter targets allowed (empty: any, for secret holders)
+    quantize: str = "none"                   # "int8": weight-only int8 decoder projections
+    gpu_memory_utilization: float | None = None   # CUDA: fraction of the card (None: 0.9)
+    kv_cache_memory_gb: float | None = None       # GiB for the cache, given directly
 
 
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
@@ -56,8 +60,16 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         runner_cfg = TargetConfig(model_dir=self.cfg.model_dir, device=self.cfg.device, dtype=dtype,
                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
                                   max_tree_nodes=self.cfg.max_tree_nodes, prefill_chunk=self.cfg.prefill_chunk,
-                                  enforce_eager=self.cfg.enforce_eager)
+                                  enforce_eager=self.cfg.enforce_eager, quantize=self.cfg.quantize,
+                                  gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                                  kv_cache_memory_bytes=None if self.cfg.kv_cache_memory_gb is None
+                                  else int(self.cfg.kv_cache_memory_gb * GIB))
         await self.load_runner(TargetRunner, runner_cfg, self.cfg.device, f"target model {self.cfg.model_dir}")
+        if self.metrics is not None:
+            self.metrics.set_memory_plan(self.runner.memory)
+        if self.runner.max_batch < self.cfg.max_batch:
+            log.warning("--max-batch %d does not fit in memory: holding %d sequences of %d tokens", self.cfg.max_batch,
+                        self.runner.max_batch, self.runner.max_seq_len)
         if self.runner.max_seq_len < self.cfg.max_seq_len:
             log.warning("--max-seq-len %d exceeds the model's context (%d positions): serving %d", self.cfg.max_seq_len,
                         self.runner.max_seq_len, self.runner.max_seq_len)
@@ -84,9 +96,11 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.leases.heard_from(auth.session_of(context))   # the gateway's health watch keeps its leases alive
         r = self.runner
         # max_seq_len is what the runner really serves (the model's context may be shorter than --max-seq-len).
-        return target_pb2.TargetInfo(**self.common_info(self.cfg.model_dir, self.cfg, max_seq_len=r.max_seq_len),
-                                     model_type=r.model_type, eos_token_ids=r.eos_token_ids, num_layers=r.num_layers,
-                                     max_tree_nodes=self.cfg.max_tree_nodes)
+        info = self.common_info(self.cfg.model_dir, self.cfg, max_seq_len=r.max_seq_len)
+        info["max_batch"] = r.max_batch   # what the memory plan holds (at most --max-batch)
+        return target_pb2.TargetInfo(**info, model_type=r.model_type, eos_token_ids=r.eos_token_ids,
+                                     num_layers=r.num_layers, max_tree_nodes=self.cfg.max_tree_nodes,
+                                     quantize=self.cfg.quantize, memory=memory_plan_proto(r.memory))
 
     @grpc_errors
     async def TokenizerFiles(self, request, context):
@@ -248,6 +262,16 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             except KeyError:
                 pass  # idempotent: an abort may race with a normal finish
         return released
+
+
+def memory_plan_proto(plan: MemoryPlan) -> common_pb2.MemoryPlan:
+    """The runner's memory plan as served in Info."""
+    return common_pb2.MemoryPlan(
+        weight_bytes=plan.weight_bytes, kv_bytes_per_token=plan.kv_bytes_per_token,
+        state_bytes_per_sequence=plan.state_bytes_per_sequence, slot_bytes=plan.slot_bytes,
+        cache_bytes=plan.cache_bytes, budget_bytes=plan.budget_bytes or 0, enforced=plan.budget_bytes is not None,
+        workspace_bytes=plan.workspace_bytes, max_batch=plan.max_batch, fit_batch=plan.fit_batch,
+        requested_batch=plan.requested_batch, max_seq_len=plan.max_seq_len, source=plan.source)
 
 
 async def serve(cfg: TargetServerConfig, host: str, port: int, metrics_port: int | None = None,

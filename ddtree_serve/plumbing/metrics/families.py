@@ -288,6 +288,24 @@ class TargetMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
                          running=("ddtree_target_running_sequences", "Sequences holding a KV-cache slot."),
                          slots=("ddtree_target_max_sequences", "KV-cache slots."))
         self._init_transport(r)
+        # The memory plan (target_svc/memory_plan.py), set once at load: bytes by part, sequences by kind.
+        self.memory_plan_bytes = Gauge("ddtree_target_memory_plan_bytes",
+                                       "Target memory plan in bytes, by part (weights, kv_per_token, "
+                                       "states_per_sequence, slot, cache, budget, workspace).",
+                                       ["model_name", "part"], registry=r)
+        self.memory_plan_sequences = Gauge("ddtree_target_memory_plan_sequences",
+                                           "Sequences of max_seq_len in the memory plan, by kind (held, fit, "
+                                           "requested).", ["model_name", "kind"], registry=r)
+
+    def set_memory_plan(self, plan: Any) -> None:
+        """Exports a target_svc.memory_plan.MemoryPlan (budget 0 when not enforced)."""
+        parts = {"weights": plan.weight_bytes, "kv_per_token": plan.kv_bytes_per_token,
+                 "states_per_sequence": plan.state_bytes_per_sequence, "slot": plan.slot_bytes,
+                 "cache": plan.cache_bytes, "budget": plan.budget_bytes or 0, "workspace": plan.workspace_bytes}
+        for part, value in parts.items():
+            self.memory_plan_bytes.labels(self.model_name, part).set(value)
+        for kind, value in (("held", plan.max_batch), ("fit", plan.fit_batch), ("requested", plan.requested_batch)):
+            self.memory_plan_sequences.labels(self.model_name, kind).set(value)
 
     def observe_forward(self, op: str, batch_size: int, seconds: float, num_tokens: int | None = None) -> None:
         """One batched forward: op is "prefill" or "verify"; num_tokens = prompt tokens or tree nodes incl. roots."""
