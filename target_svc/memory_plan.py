@@ -25,6 +25,14 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 WORKSPACE_FIXED_BYTES = 512 * 1024**2
 
 
+def human_bytes(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (B, KiB, MiB, GiB)."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
 class MemoryPlanError(ValueError):
     """The configuration cannot hold one sequence of --max-seq-len (the message is one line for the user)."""
 
@@ -76,12 +84,12 @@ class MemoryPlan:
 
     def summary(self) -> str:
         """One log line: weights, per-token and per-sequence bytes, and what the cache holds."""
-        budget = "not enforced" if self.budget_bytes is None else f"{self.budget_bytes / GIB:.2f} GiB ({self.source})"
-        return (f"memory plan: weights {self.weight_bytes / GIB:.2f} GiB; KV {self.kv_bytes_per_token} B/token; "
-                f"GDN states {self.state_bytes_per_sequence / 2**20:.1f} MiB/sequence; slot "
-                f"{self.slot_bytes / 2**20:.1f} MiB; cache {self.cache_bytes / GIB:.2f} GiB for {self.max_batch} x "
+        budget = "not enforced" if self.budget_bytes is None else f"{human_bytes(self.budget_bytes)} ({self.source})"
+        return (f"memory plan: weights {human_bytes(self.weight_bytes)}; KV {self.kv_bytes_per_token} B/token; "
+                f"GDN states {human_bytes(self.state_bytes_per_sequence)}/sequence; slot "
+                f"{human_bytes(self.slot_bytes)}; cache {human_bytes(self.cache_bytes)} for {self.max_batch} x "
                 f"{self.max_seq_len} tokens (+1 scratch slot; requested {self.requested_batch}, the budget fits "
-                f"{self.fit_batch}); cache budget {budget}; workspace estimate {self.workspace_bytes / GIB:.2f} GiB")
+                f"{self.fit_batch}); cache budget {budget}; workspace estimate {human_bytes(self.workspace_bytes)}")
 
     def as_dict(self) -> dict:
         """Plain fields (for Info and tests)."""
@@ -108,9 +116,9 @@ def plan_cache(budget_bytes: int | None, geometry: CacheGeometry, max_seq_len: i
             need = 2 * slot + workspace_bytes
             raise MemoryPlanError(
                 f"not enough memory for one sequence of --max-seq-len {max_seq_len}: the cache needs "
-                f"{need / GIB:.2f} GiB (2 slots of {slot / GIB:.2f} GiB incl. the scratch slot, + "
-                f"{workspace_bytes / GIB:.2f} GiB workspace) but {source or 'the budget'} leaves "
-                f"{budget_bytes / GIB:.2f} GiB after {weight_bytes / GIB:.2f} GiB of weights; lower --max-seq-len, "
+                f"{human_bytes(need)} (2 slots of {human_bytes(slot)} incl. the scratch slot, + "
+                f"{human_bytes(workspace_bytes)} workspace) but {source or 'the budget'} leaves "
+                f"{human_bytes(budget_bytes)} with {human_bytes(weight_bytes)} of weights loaded; lower --max-seq-len, "
                 f"use --quantize int8, or raise the budget")
     batch = min(requested_batch, fit)
     return MemoryPlan(weight_bytes=weight_bytes, kv_bytes_per_token=geometry.kv_bytes_per_token,
