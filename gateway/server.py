@@ -362,19 +362,21 @@ async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | No
         metrics_factory = lambda model_name: GatewayMetrics(registry, model_name=model_name)  # noqa: E731
     servicer = GatewayServicer(cfg, metrics_factory, client_interceptors)
     log.info("gateway: pairs %s", [(p.target, p.drafter) for p in cfg.pairs])
-    start, on_stop = servicer.connect, servicer.drain
+    http = None
     if http_port is not None:
         from gateway.http_api import HttpFront
 
         http = HttpFront(servicer, host, http_port, registry=registry, api_key=api_key)
 
-        async def start():  # HTTP first, so /health answers 503 while the pairs connect
+    async def start() -> None:
+        if http is not None:  # HTTP first, so /health answers 503 while the pairs connect
             await http.start()
-            await servicer.connect()
+        await servicer.connect()
 
-        async def on_stop():
+    async def on_stop() -> None:
+        if http is not None:
             await http.stop()
-            await servicer.drain()
+        await servicer.drain()
     await run_service("gateway", SERVICE_NAME, servicer, gateway_pb2_grpc.add_GatewayServicer_to_server,
                       [*interceptors, limits.MalformedRequestInterceptor()], host, port, start=start,
                       on_stop=on_stop, registry=registry, metrics_port=metrics_port, ready_file=ready_file,

@@ -13,6 +13,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # grpc is imported where a channel is made, so importing this module stays light
+    import grpc
 
 
 def free_port() -> int:
