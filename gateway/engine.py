@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
+from ddtree_serve.plumbing.background import BackgroundTask
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
 from gateway.scheduler import PairQueue, plan_prefill_chunks
@@ -46,7 +47,7 @@ def sampling_to_proto(seq: Sequence) -> common_pb2.SamplingParams:
                                      seed=p.seed if p.seed is not None else 0, has_seed=p.seed is not None)
 
 
-class PairEngine:
+class PairEngine(BackgroundTask):
     """Drives one pair. Per step: one Prefill RPC for prompt chunks of newcomers, one Draft + one Verify RPC for the
     decoding batch."""
 
@@ -57,18 +58,7 @@ class PairEngine:
         self.metrics = metrics
         self.block_size = pair.drafter_info.block_size
         self.vocab_size = pair.target_info.vocab_size
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name=f"engine-{self.pair.index}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        self.task_name = f"engine-{pair.index}"
 
     async def run(self) -> None:
         """Steps while there is work; sleeps on the queue's wake-up event otherwise. Never dies on one bad step."""

@@ -13,13 +13,14 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from ddtree_serve.plumbing.background import BackgroundTask
 from ddtree_serve.proto import drafter_pb2, target_pb2
 from gateway.backends import BackendPair
 
 log = logging.getLogger(__name__)
 
 
-class PairWatch:
+class PairWatch(BackgroundTask):
     """Keeps `pair.target_ok` / `pair.drafter_ok` true to life and calls `on_change` when either flips."""
 
     def __init__(self, pair: BackendPair, engine, on_change: Callable[[], Awaitable[None]],
@@ -31,18 +32,7 @@ class PairWatch:
         self.timeout_s = timeout_s
         self.target_instance = pair.target_info.instance_id
         self.drafter_instance = pair.drafter_info.instance_id
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name=f"watch-{self.pair.index}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        self.task_name = f"watch-{pair.index}"
 
     async def run(self) -> None:
         """Checks forever; one failed check never ends the watch."""
