@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ddtree_serve import cli
 from ddtree_serve.decoding.config import default_budget
+from launch import cli, client_commands
 from launch.local_stack import free_port
 
 BAD_ARGS = {
@@ -72,13 +72,13 @@ def test_generate_finds_a_live_up_and_ignores_a_dead_one(tmp_path, monkeypatch):
     monkeypatch.delenv("DDTREE_GATEWAY", raising=False)
     state = tmp_path / "up.json"
     state.write_text(json.dumps({"gateway": "127.0.0.1:41234", "pid": os.getpid()}))
-    assert cli.find_gateway()[0] == "127.0.0.1:41234"
+    assert client_commands.find_gateway()[0] == "127.0.0.1:41234"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     state.write_text(json.dumps({"gateway": "127.0.0.1:41234", "pid": dead.pid}))
-    assert cli.find_gateway()[0] == "127.0.0.1:50050"
+    assert client_commands.find_gateway()[0] == "127.0.0.1:50050"
     monkeypatch.setenv("DDTREE_GATEWAY", "10.0.0.1:1")
-    assert cli.find_gateway()[0] == "10.0.0.1:1"
+    assert client_commands.find_gateway()[0] == "10.0.0.1:1"
 
 
 def test_text_prompts_use_the_chat_template_unless_raw():
