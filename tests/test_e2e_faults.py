@@ -295,9 +295,10 @@ def test_cancelled_stream_frees_its_cache_and_others_finish_unchanged(stack):
                     call.cancel()
                     break
             finished = await asyncio.gather(*others)
-            for _ in range(100):  # the engine releases at its next step boundary
+            for _ in range(100):  # the engine releases at its next step boundary, in both services concurrently
                 mi = await stub.ModelInfo(gateway_pb2.ModelInfoRequest(), timeout=30)
-                if mi.pairs[0].target_cache.running_sequences == 0 and mi.running_requests == 0:
+                if (mi.running_requests == 0 and mi.pairs[0].target_cache.running_sequences == 0
+                        and mi.pairs[0].drafter_cache.running_sequences == 0):
                     break
                 await asyncio.sleep(0.1)
             return finished, mi
