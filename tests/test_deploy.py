@@ -191,7 +191,8 @@ def test_cpu_profile_runs_the_bundled_pair_without_gpus() -> None:
         f, g = flags(cmd), flags(command(gpu))
         same = ("host", "port", "metrics-port", "allow-drafter")
         if name == "gateway":
-            same += ("target", "drafter", "mode", "transport")
+            same += ("target", "drafter", "mode")
+            assert f["transport"] == "inline"                # nccl and cuda-ipc need GPUs
         for flag in same:
             assert f.get(flag) == g.get(flag), (cpu_name, flag)
         assert f["host"] == "0.0.0.0"
@@ -381,7 +382,13 @@ def test_dockerfile_installs_extras_only_when_asked() -> None:
         out = subprocess.run(["sh", "-c", 'echo ".${EXTRAS:+[$EXTRAS]}"'], env={"EXTRAS": extras},
                              capture_output=True, text=True, timeout=20).stdout.strip()
         assert out == spec, extras
-    assert "cupy-cuda12x" in (ROOT / "pyproject.toml").read_text()
+    # The compose GPU services pass `gpu`: their gateway's default --transport nccl needs cupy.
+    services = load_compose()["services"]
+    assert flags(command(services["gateway"]))["transport"] == "nccl"
+    for name in DDTREE_SERVICES:
+        assert services[name]["build"]["args"] == {"EXTRAS": "gpu"}, name
+    gpu_extra = re.search(r"^gpu = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1)
+    assert "cupy-cuda12x" in gpu_extra
 
 
 def test_dockerfile_bakes_the_default_model_only_when_asked() -> None:
