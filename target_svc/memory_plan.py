@@ -254,7 +254,7 @@ def qwen36_27b_plan_table() -> str:
                            ("GDN states per sequence (MiB)", f"{geometry.state_bytes_per_sequence / 2**20:.1f}"),
                            (f"slot: {p['max_seq_len']} + {p['max_tree_nodes']} rows + states (MiB)",
                             f"{slot / 2**20:.1f}"),
-                           (f"0.9 x card - weights (GiB)", budget),
+                           ("0.9 x card - weights (GiB)", budget),
                            ("workspace estimate (GiB)", work),
                            (f"sequences of {p['max_seq_len']} held (requested {p['max_batch']})", fit),
                            ("cache incl. scratch slot (GiB)", cache)):
