@@ -382,11 +382,11 @@ def test_dockerfile_installs_extras_only_when_asked() -> None:
         out = subprocess.run(["sh", "-c", 'echo ".${EXTRAS:+[$EXTRAS]}"'], env={"EXTRAS": extras},
                              capture_output=True, text=True, timeout=20).stdout.strip()
         assert out == spec, extras
-    # The compose GPU services pass `gpu`: their gateway's default --transport nccl needs cupy.
+    # A gateway whose default transport is nccl needs cupy in its image: the compose GPU services pass `gpu`.
     services = load_compose()["services"]
-    assert flags(command(services["gateway"]))["transport"] == "nccl"
-    for name in DDTREE_SERVICES:
-        assert services[name]["build"]["args"] == {"EXTRAS": "gpu"}, name
+    if flags(command(services["gateway"]))["transport"] == "nccl":
+        for name in DDTREE_SERVICES:
+            assert "gpu" in services[name]["build"]["args"]["EXTRAS"].split(","), name
     gpu_extra = re.search(r"^gpu = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1)
     assert "cupy-cuda12x" in gpu_extra
 
