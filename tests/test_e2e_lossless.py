@@ -1,6 +1,7 @@
 """Through the three real services: greedy output equals transformers' generate(), for every mode, batched."""
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -71,7 +72,14 @@ def test_shared_memory_transport_is_lossless_and_moves_every_byte(checkpoints):
                         extra={"target": ["--prefill-chunk", "8"], "gateway": ["--max-prefill-tokens", "12"]})
     try:
         results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, batch)])
-        sent, received = (_transport_bytes(stack.metrics_ports[name]) for name in ("target", "drafter"))
+        # The target counts a push once the drafter has acknowledged it, the drafter on receipt: the last push
+        # may sit between the two when the streams end, so read until both sides agree (or 10 s pass).
+        deadline = time.monotonic() + 10
+        while True:
+            sent, received = (_transport_bytes(stack.metrics_ports[name]) for name in ("target", "drafter"))
+            if sent.get(("shm", "send")) == received.get(("shm", "recv")) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     finally:
         stack.stop()
     for prompt, (_, max_tokens, mode, _), result in zip(prompts, batch, results):
