@@ -9,7 +9,7 @@ Nothing here imports cupy (CPU paths never do); the communicator itself is in nc
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,10 +87,9 @@ def uid_from_bytes(raw: bytes, signed_char: bool = True) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class NcclPush:
-    """One NCCL send: `pieces` of rows at byte offsets of a payload of `count` elements of `dtype`."""
+class NcclTransfer:
+    """What one NCCL transfer moves: `count` elements of `dtype` (`itemsize` bytes each)."""
 
-    pieces: list[Piece]
     dtype: str
     itemsize: int
     count: int
@@ -98,6 +97,13 @@ class NcclPush:
     @property
     def nbytes(self) -> int:
         return self.count * self.itemsize
+
+
+@dataclass(frozen=True)
+class NcclPush(NcclTransfer):
+    """One NCCL send: `pieces` of rows at byte offsets of the payload."""
+
+    pieces: list[Piece] = field(default_factory=list)
 
 
 def plan_nccl_pushes(rows: list[FeatureRows], buffer_bytes: int) -> list[NcclPush]:
@@ -111,7 +117,7 @@ def plan_nccl_pushes(rows: list[FeatureRows], buffer_bytes: int) -> list[NcclPus
     pushes = []
     for pieces in plan_pieces([r.num_rows for r in rows], row_bytes, buffer_bytes):
         end = max(p.offset + (p.row_end - p.row_begin) * row_bytes for p in pieces)
-        pushes.append(NcclPush(pieces, name, itemsize, end // itemsize))   # offsets are itemsize-aligned
+        pushes.append(NcclPush(dtype=name, itemsize=itemsize, count=end // itemsize, pieces=pieces))   # offsets are itemsize-aligned
     return pushes
 
 
@@ -132,18 +138,11 @@ def lost_header(rows: list[FeatureRows], comm_id: str, reason: str) -> drafter_p
 
 
 @dataclass(frozen=True)
-class NcclHeader:
-    """A validated header: receive `count` elements of `dtype` (`nbytes` bytes) as push `push_id`."""
+class NcclHeader(NcclTransfer):
+    """A validated header: receive the payload as push `push_id` of communicator `comm_id`."""
 
-    comm_id: str
-    push_id: int
-    dtype: str
-    itemsize: int
-    count: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.itemsize
+    comm_id: str = ""
+    push_id: int = 0
 
 
 def decode_header(batch: drafter_pb2.FeatureBatch, buffer_bytes: int) -> NcclHeader:
@@ -163,7 +162,8 @@ def decode_header(batch: drafter_pb2.FeatureBatch, buffer_bytes: int) -> NcclHea
                 or end > p.count * itemsize:
             raise ValueError(f"rows of sequence {r.seq_id} ({r.num_rows} x {batch.feature_dim} {r.dtype} at byte "
                              f"{r.shared_offset}) fall outside the {p.count}-element {p.dtype} payload")
-    return NcclHeader(p.comm_id, int(p.push_id), p.dtype, itemsize, int(p.count))
+    return NcclHeader(dtype=p.dtype, itemsize=itemsize, count=int(p.count), comm_id=p.comm_id,
+                      push_id=int(p.push_id))
 
 
 @dataclass
