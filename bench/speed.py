@@ -101,6 +101,8 @@ def breakdown(before: dict, after: dict) -> dict:
         "push_features_rpc_server": H(d0, d1, "ddtree_rpc_server_latency_seconds",
                                       method="DrafterService/PushFeatures"),
         "transport_send": H(t0, t1, "ddtree_transport_seconds", direction="send"),
+        "prefetch_hits": common.delta(d0, d1, "ddtree_drafter_prefetched_drafts_total", outcome="hit"),
+        "prefetch_misses": common.delta(d0, d1, "ddtree_drafter_prefetched_drafts_total", outcome="miss"),
         "batch_size": H(g0, g1, "ddtree_step_batch_size"),
         "tree_size": H(g0, g1, "ddtree_tree_size_nodes"),
     }
@@ -123,7 +125,11 @@ def breakdown(before: dict, after: dict) -> dict:
         ps["verify_hop"] = round(ps["verify_rpc_client"] - ps["verify_rpc_server"], 3)
         ps["draft_hop"] = round(ps["draft_rpc_client"] - ps["draft_rpc_server"], 3)
         ps["verify_server_non_forward"] = round(ps["verify_rpc_server"] - ps["target_verify_forward"], 3)
-        ps["draft_server_non_forward"] = round(ps["draft_rpc_server"] - ps["drafter_forward"], 3)
+        # Drafts made on push run their forward outside the Draft handler: this is the handler's time (waiting for
+        # the features, slicing a prefetched draft or drafting on request), not "handler minus forward".
+        ps["draft_server"] = ps["draft_rpc_server"]
+        asked = b["prefetch_hits"] + b["prefetch_misses"]
+        ps["prefetch_hit_share"] = round(b["prefetch_hits"] / asked, 3) if asked else None
         ps["forward_total"] = round(ps["target_verify_forward"] + ps["drafter_forward"], 3)
         ps["non_forward"] = round(ps["step"] - ps["forward_total"], 3)
         ps["hop_share_of_step"] = round((ps["verify_hop"] + ps["draft_hop"]) / ps["step"], 4) if ps["step"] else None
@@ -325,13 +331,14 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
             continue
         bd_rows.append([r["system"], r["batch"], r["breakdown"]["engine_steps"],
                         r["breakdown"]["histograms"]["batch_size"]["mean"], ps["step"], ps["draft_phase"],
-                        ps["drafter_forward"], ps["draft_server_non_forward"], ps["draft_hop"], ps["tree_build"],
+                        ps["drafter_forward"], ps["prefetch_hit_share"], ps["draft_server"], ps["draft_hop"],
+                        ps["tree_build"],
                         ps["verify_phase"], ps["target_verify_forward"], ps["verify_server_non_forward"],
                         ps["verify_hop"], ps["gateway_other"], ps["non_forward"], ps["hop_share_of_step"],
                         r["outside_steps_s"]])
     bd_table = common.md_table(
         ["system", "batch", "engine steps", "seqs/step", "step ms", "draft phase ms", "drafter fwd ms",
-         "Draft server − fwd ms", "Draft hop ms", "tree build ms", "verify phase ms", "target fwd ms",
+         "drafts made on push", "Draft server ms", "Draft hop ms", "tree build ms", "verify phase ms", "target fwd ms",
          "Verify server − fwd ms", "Verify hop ms", "gateway other ms", "step − forwards ms",
          "hops / step", "wall outside steps s"], bd_rows)
 
@@ -387,9 +394,12 @@ Ratios are within this run only.
 
 An engine step is one Draft + tree build + one Verify for the whole running batch. *Draft/Verify hop* = the
 gateway's client-side RPC latency minus the serving process's server-side latency (serialisation, HTTP/2, event
-loops, loopback): the cost of the split. *Server − fwd* = handler time outside the model forward (the Draft
-handler also waits there for the features the target pushed after the previous Verify). *Step − forwards* =
-everything that is not a target or drafter forward. *Wall outside steps* = prefill, release and idle time.
+loops, loopback): the cost of the split. *Verify server − fwd* = handler time outside the model forward.
+*Drafts made on push* = share of the drafts asked for that the drafter had already made when the target's features
+(carrying the next bonus token) arrived; their forward ran while the Verify answer and the Draft request were on
+the wire. *Draft server* = the Draft handler's whole time (waiting for features, then slicing a ready draft or
+drafting on request). *Step − forwards* = step time minus the target and drafter forwards (a drafter forward that
+overlapped the hops counts as a forward). *Wall outside steps* = prefill, release and idle time.
 
 {bd_table}
 

@@ -30,11 +30,12 @@ class DrafterConfig:
     max_batch: int = 8
     max_seq_len: int = 2048
     enforce_eager: bool = False  # True: never capture CUDA graphs (used on CUDA otherwise)
+    lazy_graphs: bool = False    # True: capture each graph on first use (else all buckets at construction)
 
 
 class DraftGraphs:
-    """Captured drafter steps: the block forward per (batch, context bucket, k bucket), and the storing of a
-    push's context rows per row bucket."""
+    """Captured drafter steps: the block forward per (batch, context bucket), and the storing of a push's context
+    rows per row bucket. Top-k runs after the graph, so the drafts' K is not part of any key."""
 
     def __init__(self, max_batch: int, max_seq_len: int) -> None:
         self.batch_buckets = power_of_two_buckets(max_batch)
@@ -100,6 +101,8 @@ class DrafterRunner:
         self.graphs: DraftGraphs | None = None
         if not cfg.enforce_eager and self.device.type == "cuda":
             self.graphs = DraftGraphs(cfg.max_batch, cfg.max_seq_len)
+            if not cfg.lazy_graphs:
+                self.warmup()
 
     # ------------------------------------------------------------------------------------------------------------
     # Properties
@@ -210,12 +213,8 @@ class DrafterRunner:
         pos, slots = pos.to(dev), slots.to(dev)
         if rows is None:
             self._store_rows(x, pos, slots)
-            return
-        fn = self.graphs.cache.get(("context", rows), self._store_rows, lambda: [
-            torch.zeros(rows, self.feature_dim, device=dev, dtype=self.dtype),
-            torch.zeros(rows, dtype=torch.long, device=dev),
-            torch.full((rows,), self.cfg.max_batch, dtype=torch.long, device=dev)])
-        fn(x, pos, slots)
+        else:
+            self._store_graph(rows)(x, pos, slots)
 
     def _store_rows(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
         """Context K/V of feature rows x [N, F] at positions pos [N] into cache slots [N] (no host sync)."""
@@ -271,22 +270,44 @@ class DrafterRunner:
             shape = self.graphs.shape_for(len(items), lmax) if self.graphs is not None else None
             if shape is None:
                 packed = self._pack(rows, len(items)).to(self.device, non_blocking=True)
-                values, indices = self._draft_forward(packed, lmax, depth, k)
+                logprobs = self._draft_logprobs(packed, lmax, depth)
             else:
+                # One graph per (batch, context bucket): every depth is computed and the wanted ones sliced, so the
+                # shrinking depths at the end of a request need no new captures.
                 batch, keys = shape
-                # One graph per (batch, context, k bucket): every depth is computed and the wanted ones sliced, so
-                # the shrinking depths at the end of a request need no new captures; top-k of a larger k, sliced,
-                # is the top-k (sorted).
-                full, kb = bs - 1, min(pick_bucket(power_of_two_buckets(self.vocab_size), k), self.vocab_size)
                 packed = self._pack(rows, batch).to(self.device, non_blocking=True)
-                fn = self.graphs.cache.get(
-                    (batch, keys, kb), lambda p: self._draft_forward(p, keys, full, kb),
-                    lambda: [self._pack([], batch).to(self.device)],
-                )
-                values, indices = fn(packed)
+                logprobs = self._block_graph(batch, keys)(packed)
             n = len(items)
-            # Copies: a graph's outputs are overwritten by its next replay.
-            return values[:n, :depth, :k].clone(), indices[:n, :depth, :k].clone()
+            # Top-k outside the graph (one kernel): K varies with the budget, and the result is a fresh tensor that
+            # the next replay does not overwrite.
+            values, indices = torch.topk(logprobs[:n, :depth], k, dim=-1, sorted=True)
+            return values, indices
+
+    def _block_graph(self, batch: int, keys: int):
+        """The captured block forward of a (batch, context) bucket (captured on first use)."""
+        return self.graphs.cache.get((batch, keys), lambda p: self._draft_logprobs(p, keys, self.block_size - 1),
+                                     lambda: [self._pack([], batch).to(self.device)])
+
+    def _store_graph(self, rows: int):
+        """The captured context store of a row bucket (captured on first use)."""
+        dev = self.device
+        return self.graphs.cache.get(("context", rows), self._store_rows, lambda: [
+            torch.zeros(rows, self.feature_dim, device=dev, dtype=self.dtype),
+            torch.zeros(rows, dtype=torch.long, device=dev),
+            torch.full((rows,), self.cfg.max_batch, dtype=torch.long, device=dev)])
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Captures every batch bucket's block forward (first context bucket) and every row bucket's context store
+        now, so that no capture stalls a live step; returns the seconds spent (0 without graphs)."""
+        if self.graphs is None:
+            return 0.0
+        with self._lock:
+            for batch in self.graphs.batch_buckets:
+                self._block_graph(batch, self.graphs.key_buckets[0])
+            for rows in self.graphs.row_buckets:
+                self._store_graph(rows)
+        return self.graphs.cache.capture_seconds
 
     def _pack(self, rows: list[tuple[int, int, int]], batch: int) -> torch.Tensor:
         """[batch, 3] (bonus token, context length, slot); padding rows draft from the empty scratch slot."""
@@ -297,8 +318,9 @@ class DrafterRunner:
             packed[: len(rows)] = torch.tensor(rows, dtype=torch.long)
         return packed
 
-    def _draft_forward(self, packed: torch.Tensor, key_len: int, depth: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device part of a draft: block forward over the packed rows, log-softmax and top-k (no host sync)."""
+    def _draft_logprobs(self, packed: torch.Tensor, key_len: int, depth: int) -> torch.Tensor:
+        """The device part of a draft: block forward over the packed rows -> fp32 log-probs [B, depth, V] of the
+        positions the trees can use (no host sync)."""
         bs = self.block_size
         dev = self.device
         bonus, ctx_len, slots = packed[:, 0], packed[:, 1], packed[:, 2]
@@ -316,5 +338,4 @@ class DrafterRunner:
         h = self.model(noise, None, positions, attention_mask=mask, past=ContextKV(keys, values, key_pos))
         # Only the positions the trees can use go through the head and the softmax.
         logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        return torch.topk(logprobs, k, dim=-1, sorted=True)
+        return torch.log_softmax(logits.float(), dim=-1)

@@ -27,6 +27,21 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 RELEASED_MEMORY = 65536   # released ids remembered, so late feature pushes don't resurrect a sequence
 
 
+@dataclass
+class PrefetchedDraft:
+    """A draft made when a sequence's features arrived, before its Draft asked for it (host tensors [D, K])."""
+
+    context_len: int
+    bonus_token: int
+    logprobs: torch.Tensor
+    token_ids: torch.Tensor
+
+    def answers(self, item: DraftItem, top_k: int, depth: int) -> bool:
+        """True when this draft is the one `item` asks for (same context and bonus, at least as deep and wide)."""
+        return (self.context_len == item.context_len and self.bonus_token == item.bonus_token
+                and self.token_ids.shape[0] >= depth and self.token_ids.shape[1] >= top_k)
+
+
 @dataclass(kw_only=True)
 class DrafterServerConfig(ModelServiceConfig):
     """What `ddtree-serve drafter` was started with."""
@@ -50,6 +65,11 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.released: OrderedDict[str, None] = OrderedDict()
         self.broken: dict[str, str] = {}   # seq id -> why its context can no longer be trusted
         self.opened_buffers = OpenedBuffers()   # the target's staging buffers (shm / cuda-ipc transports)
+        # Draft on push: a push that carries a sequence's next bonus token is drafted at once with the top-k its
+        # last Draft asked for, so the step's Draft finds the answer ready (the drafter forward overlaps the
+        # Verify answer's trip to the gateway and the Draft request's trip here).
+        self.last_top_k: dict[str, int] = {}
+        self.prefetched: dict[str, PrefetchedDraft] = {}
         self.nccl = None                        # NcclReceiver, made on the first JoinNccl (imports no cupy before)
 
     async def load(self) -> None:
@@ -57,7 +77,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         runner_cfg = DrafterConfig(drafter_dir=self.cfg.drafter_dir, target_model_dir=self.cfg.target_model_dir,
                                    device=self.cfg.device, dtype=getattr(torch, self.cfg.dtype),
                                    max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
-                                   enforce_eager=self.cfg.enforce_eager)
+                                   enforce_eager=self.cfg.enforce_eager, lazy_graphs=self.cfg.lazy_graphs)
         await self.load_runner(DrafterRunner, runner_cfg, self.cfg.device, f"drafter {self.cfg.drafter_dir}")
         self.start_lease_reaper()
 
@@ -121,7 +141,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             await self._notify_rows_changed()
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         stored = received = 0
-        entries = []
+        entries, next_tokens = [], {}
         for rows in request.rows:
             # Bytes received count every payload that crossed over, stored or dropped, so the target's "send"
             # and the drafter's "recv" counters meet.
@@ -141,22 +161,48 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 self._reject(rows.seq_id, exc)
                 continue
             entries.append((rows.seq_id, rows.start, data))
-        # All sequences' rows in one projection on the model thread (one hop, one pass over the drafter's layers).
-        errors = await self.model_thread.run(self.runner.add_contexts, entries) if entries else {}
+            if rows.HasField("next_token") and rows.seq_id in self.last_top_k:
+                next_tokens[rows.seq_id] = (rows.start + rows.num_rows, rows.next_token)
+        # All sequences' rows in one projection, the prefetched drafts and the wait for the buffer's reads in one
+        # trip to the model thread.
+        errors, drafts, draft_s = await self.model_thread.run(self._store_and_prefetch, entries, next_tokens,
+                                                              buffer.device if buffer is not None else None)
         for seq_id, start, data in entries:
             if errors[seq_id] is not None:
                 self._reject(seq_id, errors[seq_id])
             else:
                 stored += data.numel() * data.element_size()
                 self.rows_held[seq_id] = start + data.shape[0]
-        if buffer is not None:
-            # The answer lets the target overwrite its buffer (and the next NCCL receive overwrite ours): the
-            # reads must be finished, not just queued.
-            await self.model_thread.run(self.runner.synchronize, buffer.device)
+        self.prefetched.update((seq_id, d) for seq_id, d in drafts.items() if seq_id not in self.released)
+        if drafts and self.metrics is not None:
+            self.metrics.observe_draft(len(drafts), draft_s)
         await self._notify_rows_changed()
         if self.metrics is not None:
             self.metrics.observe_transport_received(transport, received)
         return drafter_pb2.PushFeaturesResponse(bytes=stored)
+
+    def _store_and_prefetch(self, entries: list, next_tokens: dict[str, tuple[int, int]],
+                            buffer_device: torch.device | None) -> tuple[dict, dict[str, PrefetchedDraft], float]:
+        """Model thread: stores the rows, drafts the sequences whose next bonus token came along, and (for a
+        shared/nccl buffer) waits until the buffer's reads are done, since the answer lets it be overwritten."""
+        errors = self.runner.add_contexts(entries) if entries else {}
+        items = [DraftItem(seq_id, bonus, context_len) for seq_id, (context_len, bonus) in next_tokens.items()
+                 if errors.get(seq_id) is None and self.runner.context_len(seq_id) == context_len]
+        drafts, seconds = {}, 0.0
+        if items:
+            t0 = time.perf_counter()
+            try:
+                top_k = min(max(self.last_top_k[it.seq_id] for it in items), MAX_TOP_K, self.runner.vocab_size)
+                logprobs, ids = self.runner.draft(items, top_k)
+                logprobs, ids = logprobs.float().cpu(), ids.to(torch.int32).cpu()
+                drafts = {it.seq_id: PrefetchedDraft(it.context_len, it.bonus_token, logprobs[b], ids[b])
+                          for b, it in enumerate(items)}
+            except (ValueError, KeyError, RuntimeError) as exc:   # the Draft will say what is wrong, if still so
+                log.debug("no prefetched draft for this push: %s", exc)
+            seconds = time.perf_counter() - t0
+        if buffer_device is not None:
+            self.runner.synchronize(buffer_device)
+        return errors, drafts, seconds
 
     def _reject(self, seq_id: str, exc: Exception) -> None:
         # one bad sequence must not hold up the rows of the others in the same push
@@ -203,19 +249,30 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                    for it in items if it.seq_id in self.broken]
         items = [it for it in items if it.seq_id not in self.broken]
         t1 = time.perf_counter_ns()
-        if items:
-            top_k = min(request.top_k, MAX_TOP_K, self.runner.vocab_size)
-            depth = request.max_depth or self.runner.block_size - 1
-            logprobs, ids = await self.model_thread.run(self.runner.draft, items, top_k, depth)
-            logprobs = logprobs.float().cpu()
-            ids = ids.to(torch.int32).cpu()
-            for b, it in enumerate(items):
-                results.append(drafter_pb2.DraftResult(
-                    seq_id=it.seq_id, depth=int(ids.shape[1]), k=int(ids.shape[2]),
-                    token_ids=ids[b].reshape(-1).tolist(), logprobs=logprobs[b].reshape(-1).tolist()))
+        top_k = min(request.top_k, MAX_TOP_K, self.runner.vocab_size)
+        depth = request.max_depth or self.runner.block_size - 1
+        ready = {}
+        for it in items:
+            self.last_top_k[it.seq_id] = top_k
+            d = self.prefetched.pop(it.seq_id, None)
+            if d is not None and d.answers(it, top_k, depth):
+                ready[it.seq_id] = (d.logprobs[:depth, :top_k], d.token_ids[:depth, :top_k])
+        missing = [it for it in items if it.seq_id not in ready]
+        if missing:
+            logprobs, ids = await self.model_thread.run(self.runner.draft, missing, top_k, depth)
+            logprobs, ids = logprobs.float().cpu(), ids.to(torch.int32).cpu()
+            ready.update((it.seq_id, (logprobs[b], ids[b])) for b, it in enumerate(missing))
+        for it in items:
+            logprobs, ids = ready[it.seq_id]
+            results.append(drafter_pb2.DraftResult(
+                seq_id=it.seq_id, depth=int(ids.shape[0]), k=int(ids.shape[1]),
+                token_ids=ids.reshape(-1).tolist(), logprobs=logprobs.reshape(-1).tolist()))
         t2 = time.perf_counter_ns()
         if self.metrics is not None:
-            self.metrics.observe_draft(len(items), (t2 - t1) / 1e9)
+            if missing:
+                self.metrics.observe_draft(len(missing), (t2 - t1) / 1e9)
+            if items:
+                self.metrics.observe_prefetch(hits=len(items) - len(missing), misses=len(missing))
         return drafter_pb2.DraftResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, queue_ns=t1 - t0))
 
@@ -232,6 +289,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         for seq_id in ids:
             self.rows_held.pop(seq_id, None)
             self.broken.pop(seq_id, None)
+            self.last_top_k.pop(seq_id, None)
+            self.prefetched.pop(seq_id, None)
             self.released[seq_id] = None
         while len(self.released) > RELEASED_MEMORY:
             self.released.popitem(last=False)

@@ -72,6 +72,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs (by default decode/verify/draft steps replay captured graphs on "
                         "CUDA)")
+    p.add_argument("--lazy-graphs", action="store_true",
+                   help="capture each CUDA graph on its first use instead of every batch/tree-size bucket up front "
+                        "(faster start; the first steps of each new shape then stall for the capture)")
 
 
 def cmd_target(args) -> None:
@@ -84,6 +87,7 @@ def cmd_target(args) -> None:
     cfg = TargetServerConfig(model_dir=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                              max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes,
                              prefill_chunk=args.prefill_chunk, enforce_eager=args.enforce_eager,
+                             lazy_graphs=args.lazy_graphs,
                              allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s,
                              quantize=args.quantize, gpu_memory_utilization=args.gpu_memory_utilization,
                              kv_cache_memory_gb=args.kv_cache_memory)
@@ -101,7 +105,7 @@ def cmd_drafter(args) -> None:
     _set_threads(args.threads)
     cfg = DrafterServerConfig(drafter_dir=args.drafter, target_model_dir=args.target_model, device=args.device,
                               dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                              enforce_eager=args.enforce_eager, lease_s=args.lease_s)
+                              enforce_eager=args.enforce_eager, lazy_graphs=args.lazy_graphs, lease_s=args.lease_s)
     asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection))
 
 

@@ -39,6 +39,7 @@ class TargetConfig:
     max_tree_nodes: int = 257
     prefill_chunk: int = 512   # prompt positions per forward (0: whole prompts at once); bounds prefill memory
     enforce_eager: bool = False  # True: never capture CUDA graphs (they are used on CUDA where the model allows)
+    lazy_graphs: bool = False    # True: capture on first use; else the server warms up all buckets on attach
     quantize: str = "none"       # "int8": weight-only int8 of the decoder layers' projections (quantization.py)
     # The cache is sized from memory (memory_plan.py): max_batch becomes min(max_batch, what fits).
     gpu_memory_utilization: float | None = None  # fraction of the card this target may use (CUDA; None: 0.9)
@@ -186,6 +187,17 @@ class TargetRunner:
         if bad:
             raise ValueError(f"feature layers {bad} out of range for a {self.num_layers}-layer target")
         self.feature_layers = ids
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Captures the verify graphs of every batch and tree-size bucket for the current feature layers (the
+        first key-length bucket; longer contexts capture on first use); returns the seconds spent (0 eager)."""
+        if self.graphs is None:
+            return 0.0
+        seconds = self.graphs.warmup(self.feature_layers)
+        log.info("verify graphs ready: %d forward + %d commit graphs captured in %.1f s",
+                 len(self.graphs.forwards.graphs), len(self.graphs.commits.graphs), seconds)
+        return seconds
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:

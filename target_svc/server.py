@@ -61,6 +61,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
                                   max_tree_nodes=self.cfg.max_tree_nodes, prefill_chunk=self.cfg.prefill_chunk,
                                   enforce_eager=self.cfg.enforce_eager, quantize=self.cfg.quantize,
+                                  lazy_graphs=self.cfg.lazy_graphs,
                                   gpu_memory_utilization=self.cfg.gpu_memory_utilization,
                                   kv_cache_memory_bytes=None if self.cfg.kv_cache_memory_gb is None
                                   else int(self.cfg.kv_cache_memory_gb * GIB))
@@ -139,6 +140,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         if transport == "nccl":
             self._refuse_nccl(None, info.device, info.device_uuid)
         await self.model_thread.run(self.runner.set_feature_layers, ids)
+        if not self.cfg.lazy_graphs:
+            # Captured graphs bake the feature layers in, so they are captured now that the layers are known; queued
+            # on the model thread (not awaited), the first steps simply wait behind the capture.
+            self.model_thread.submit(self.runner.warmup).add_done_callback(_log_warmup_failure)
         # An nccl link is formed anew on every attach: the gateway re-attaches after a restart, when the old
         # communicator is dead on at least one side.
         if (self.sender is None or self.sender_address != request.drafter_address or self.sender.name != transport
@@ -206,7 +211,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         outputs = await self.model_thread.run(self.runner.prefill, items)
         t2 = time.perf_counter_ns()
         self.feature_seqs.update(it.seq_id for it in items if it.want_features)
-        nbytes = self._push([FeatureRows(o.seq_id, o.context_len - o.features.shape[0], o.features)
+        nbytes = self._push([FeatureRows(o.seq_id, o.context_len - o.features.shape[0], o.features,
+                                         next_token=o.next_token if o.next_token >= 0 else None)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if self.metrics is not None:
             self.metrics.observe_forward("prefill", len(items), (t2 - t1) / 1e9,
@@ -233,7 +239,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         t1 = time.perf_counter_ns()
         outputs = await self.model_thread.run(self.runner.verify, items)
         t2 = time.perf_counter_ns()
-        nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features)
+        nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features, o.next_token)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if self.metrics is not None:
             self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9,
@@ -262,6 +268,11 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             except KeyError:
                 pass  # idempotent: an abort may race with a normal finish
         return released
+
+
+def _log_warmup_failure(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("graph warm-up failed (graphs capture on first use instead): %r", future.exception())
 
 
 def memory_plan_proto(plan: MemoryPlan) -> common_pb2.MemoryPlan:

@@ -154,6 +154,18 @@ class VerifyGraphs:
         )
         return fn(packed_dev, choices, *([features] if has_features else []))
 
+    def warmup(self, feature_layers: tuple[int, ...]) -> float:
+        """Captures the forward and commit of every (batch, nodes) bucket at the first key-length bucket, on
+        one-node trees in the scratch slot; returns the seconds spent capturing so far."""
+        for b in self.batch_buckets:
+            for t in self.node_buckets:
+                s = VerifyShape(b, t, self.key_buckets[0])
+                packed_dev = self._example(s)
+                batch = VerifyBatch(packed_dev, s, 0)
+                _, choices, features = self.forward(batch, packed_dev, feature_layers)
+                self.commit(batch, packed_dev, choices, features)
+        return self.forwards.capture_seconds + self.commits.capture_seconds
+
     def _example(self, s: VerifyShape) -> Tensor:
         """A packed batch of one-node trees in the scratch slot: capturing it writes nowhere that matters."""
         scratch = self.model.cache.spec.scratch_slot

@@ -181,3 +181,18 @@ def test_padding_rows_of_a_bucketed_store_land_in_the_scratch_slot_only(dirs):
                        torch.tensor([slot, slot] + [scratch] * 6))
     for a, b in zip(exact.k_cache + exact.v_cache, padded.k_cache + padded.v_cache):
         torch.testing.assert_close(b[:scratch], a[:scratch], atol=1e-6, rtol=0)
+
+
+def test_a_prefetched_draft_answers_only_the_draft_it_was_made_for():
+    """Same context length and bonus token, and at least the asked depth and top-k; anything else drafts anew."""
+    import torch
+
+    from drafter_svc.runner import DraftItem
+    from drafter_svc.server import PrefetchedDraft
+
+    d = PrefetchedDraft(context_len=10, bonus_token=4, logprobs=torch.zeros(15, 8), token_ids=torch.zeros(15, 8))
+    assert d.answers(DraftItem("s", 4, 10), top_k=8, depth=15)
+    assert d.answers(DraftItem("s", 4, 10), top_k=2, depth=3)
+    assert not d.answers(DraftItem("s", 5, 10), top_k=8, depth=15)    # another bonus token
+    assert not d.answers(DraftItem("s", 4, 11), top_k=8, depth=15)    # another context
+    assert not d.answers(DraftItem("s", 4, 10), top_k=16, depth=15)   # wider than drafted

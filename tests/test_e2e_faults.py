@@ -375,3 +375,49 @@ def test_seeded_sampling_is_reproducible_through_the_services(stack):
     assert runs[2]["token_ids"] == runs[3]["token_ids"]
     assert runs[0]["token_ids"] != runs[4]["token_ids"]  # another seed, another sample (32 tokens at T=0.9)
     assert all(len(r["token_ids"]) == 32 for r in runs)
+
+
+def _prefetch_hits(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("ddtree_drafter_prefetched_drafts_total{") and 'outcome="hit"' in line)
+
+
+def test_a_push_carrying_the_next_token_answers_the_next_draft_with_the_same_draft(stack):
+    """Rows pushed with the sequence's next bonus token are drafted on arrival; the Draft that follows is answered
+    from that draft (a prefetch hit), and it equals the draft made on request for the same context."""
+    import torch
+
+    s, _ = stack
+
+    async def call():
+        async with s.internal_channel("drafter") as channel:
+            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+            info = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=30)
+            dim = len(info.target_layer_ids) * info.hidden_size
+            first, second = torch.randn(3, dim).numpy().tobytes(), torch.randn(2, dim).numpy().tobytes()
+
+            def push(seq_id, start, n, data, **next_token):
+                return stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=dim, rows=[drafter_pb2.FeatureRows(
+                    seq_id=seq_id, start=start, num_rows=n, dtype="float32", data=data, **next_token)]), timeout=30)
+
+            def draft(seq_id, bonus, context_len):
+                return stub.Draft(drafter_pb2.DraftRequest(items=[drafter_pb2.DraftItem(
+                    seq_id=seq_id, bonus_token=bonus, context_len=context_len)], top_k=4, max_depth=3), timeout=30)
+
+            for seq_id in ("prefetch-a", "prefetch-b"):
+                await push(seq_id, 0, 3, first)
+                await draft(seq_id, 5, 3)   # tells the drafter the top-k this sequence drafts with
+            await push("prefetch-a", 3, 2, second, next_token=7)
+            await push("prefetch-b", 3, 2, second)
+            hits = _prefetch_hits(s.metrics_ports["drafter"])
+            a, b = await draft("prefetch-a", 7, 5), await draft("prefetch-b", 7, 5)
+            hit = _prefetch_hits(s.metrics_ports["drafter"]) - hits
+            await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=["prefetch-a", "prefetch-b"]), timeout=30)
+            return a.results[0], b.results[0], hit
+
+    a, b, hit = asyncio.run(call())
+    assert hit == 1   # a was answered from its prefetched draft, b by a forward
+    assert (a.depth, a.k) == (b.depth, b.k) == (3, 4)
+    assert list(a.token_ids) == list(b.token_ids)
+    assert list(a.logprobs) == pytest.approx(list(b.logprobs), abs=1e-5)

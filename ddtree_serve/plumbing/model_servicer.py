@@ -27,6 +27,7 @@ class ModelServiceConfig:
     max_batch: int = 8
     max_seq_len: int = 2048
     enforce_eager: bool = False   # no CUDA-graph capture (debugging, or to compare against eager)
+    lazy_graphs: bool = False     # capture each graph on first use instead of all buckets up front
     lease_s: float = 60.0          # a sequence nobody touched for this long is freed (its gateway went silent)
 
 

@@ -92,6 +92,10 @@ class ModelThread:
         """Runs fn(*args) on the model thread and awaits its result."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    def submit(self, fn, *args) -> asyncio.Future:
+        """Queues fn(*args) on the model thread now (behind the work already queued) without awaiting it."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 

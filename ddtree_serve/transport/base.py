@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ddtree_serve.proto import drafter_pb2
+
 _WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BITS_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.float32}
 
@@ -18,10 +20,20 @@ class FeatureRows:
     seq_id: str
     start: int
     data: torch.Tensor  # [n, F]
+    next_token: int | None = None  # the pending token after these rows (the next draft's bonus), when known
 
     @property
     def num_rows(self) -> int:
         return int(self.data.shape[0])
+
+    def message(self, row_begin: int = 0, row_end: int | None = None, **fields) -> drafter_pb2.FeatureRows:
+        """The PushFeatures entry for rows [row_begin, row_end); the next token rides on the piece that ends them."""
+        row_end = self.num_rows if row_end is None else row_end
+        msg = drafter_pb2.FeatureRows(seq_id=self.seq_id, start=self.start + row_begin, num_rows=row_end - row_begin,
+                                      **fields)
+        if self.next_token is not None and row_end == self.num_rows:
+            msg.next_token = self.next_token
+        return msg
 
 
 def dtype_name(dtype: torch.dtype) -> str:

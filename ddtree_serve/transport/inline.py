@@ -20,8 +20,7 @@ class InlineFeatureSender(PushSender):
         msgs = []
         for r in rows:
             dtype, raw = encode_rows(r.data)
-            msgs.append(drafter_pb2.FeatureRows(seq_id=r.seq_id, start=r.start, num_rows=r.num_rows, dtype=dtype,
-                                                data=raw))
+            msgs.append(r.message(dtype=dtype, data=raw))
         batch = drafter_pb2.FeatureBatch(rows=msgs, feature_dim=int(rows[0].data.shape[1]))
         await self._stub.PushFeatures(batch, timeout=self.timeout_s)
         self._delivered(sum(len(m.data) for m in msgs), time.perf_counter() - t0)

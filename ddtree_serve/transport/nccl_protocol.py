@@ -123,8 +123,7 @@ def plan_nccl_pushes(rows: list[FeatureRows], buffer_bytes: int) -> list[NcclPus
 
 def encode_header(push: NcclPush, rows: list[FeatureRows], comm_id: str, push_id: int) -> drafter_pb2.FeatureBatch:
     """The PushFeatures message that announces one NCCL payload."""
-    msgs = [drafter_pb2.FeatureRows(seq_id=rows[p.index].seq_id, start=rows[p.index].start + p.row_begin,
-                                    num_rows=p.row_end - p.row_begin, dtype=push.dtype, shared_offset=p.offset)
+    msgs = [rows[p.index].message(p.row_begin, p.row_end, dtype=push.dtype, shared_offset=p.offset)
             for p in push.pieces]
     return drafter_pb2.FeatureBatch(rows=msgs, feature_dim=int(rows[0].data.shape[1]), nccl=drafter_pb2.NcclPayload(
         comm_id=comm_id, push_id=push_id, dtype=push.dtype, count=push.count))

@@ -63,8 +63,7 @@ class SharedBufferFeatureSender(PushSender):
         for pieces in plan_pieces([r.num_rows for r in rows], row_bytes, staging.size_bytes):
             t0 = time.perf_counter()
             nbytes = await self._stage(staging, pieces, rows, submission.ready)
-            msgs = [drafter_pb2.FeatureRows(seq_id=rows[p.index].seq_id, start=rows[p.index].start + p.row_begin,
-                                            num_rows=p.row_end - p.row_begin, dtype=dtype, shared_offset=p.offset)
+            msgs = [rows[p.index].message(p.row_begin, p.row_end, dtype=dtype, shared_offset=p.offset)
                     for p in pieces]
             batch = drafter_pb2.FeatureBatch(rows=msgs, feature_dim=feature_dim, shared=staging.descriptor)
             # The drafter answers after storing the rows: only then may the next push overwrite the buffer.

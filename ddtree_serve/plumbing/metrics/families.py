@@ -331,6 +331,9 @@ class DrafterMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
                                          buckets=STEP_BUCKETS, registry=r)
         self.batch_size = Histogram("ddtree_drafter_batch_size", "Sequences per draft call.", lm,
                                     buckets=BATCH_BUCKETS, registry=r)
+        self.prefetched = Counter("ddtree_drafter_prefetched_drafts_total",
+                                  "Drafts asked for, by whether the draft made when the features arrived answered "
+                                  "them (hit) or a forward ran for the request (miss).", lm + ["outcome"], registry=r)
         self._init_cache(r, used=("ddtree_drafter_context_cache_used_tokens",
                                   "Context-feature rows held in the drafter's cache."),
                          capacity=("ddtree_drafter_context_cache_capacity_tokens",
@@ -343,6 +346,13 @@ class DrafterMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
         """One batched draft forward."""
         self.forward_seconds.labels(self.model_name).observe(seconds)
         self.batch_size.labels(self.model_name).observe(batch_size)
+
+    def observe_prefetch(self, hits: int, misses: int) -> None:
+        """Sequences of one Draft answered from drafts made on push (hits) and drafted on request (misses)."""
+        if hits:
+            self.prefetched.labels(self.model_name, "hit").inc(hits)
+        if misses:
+            self.prefetched.labels(self.model_name, "miss").inc(misses)
 
     def observe_transport_received(self, transport: str, nbytes: int, seconds: float | None = None) -> None:
         """Features received from the target over `transport`; seconds if timed."""
