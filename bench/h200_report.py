@@ -26,10 +26,10 @@ def _row(rows: list[dict], **match) -> dict:
 
 
 def _run(speed: dict, mode: str, batch: int, budget: int | None = None) -> dict | None:
-    for r in speed["runs"]:
-        if r.get("mode") == mode and r.get("batch") == batch and (budget is None or r.get("budget") == budget):
-            return r
-    return None
+    """The run of mode at batch (and budget); with several budgets and none given, the fastest one."""
+    runs = [r for r in speed["runs"] if r.get("mode") == mode and r.get("batch") == batch
+            and (budget is None or r.get("budget") == budget) and "tokens_per_s" in r]
+    return max(runs, key=lambda r: r["tokens_per_s"]) if runs else None
 
 
 def _hf(speed: dict, batch: int) -> dict | None:
@@ -43,7 +43,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b in (None, 0) else round(a / b, 3)
 
 
-def summarize(step: dict, speed: dict | None, budget: int, prefix: str) -> dict:
+def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -> dict:
     """The headline numbers of one model shape."""
     floors = step["floors"]
     ar1 = _row(step["target"], batch=1, nodes=1)
@@ -71,10 +71,12 @@ def summarize(step: dict, speed: dict | None, budget: int, prefix: str) -> dict:
         out[f"ddtree_over_dflash_{prefix}_b1"] = dd.get("x_vs_services_dflash")
         out[f"ddtree_over_hf_{prefix}_b1"] = dd.get("x_vs_hf_generate_b1")
         out[f"ddtree_tau_{prefix}_b1"] = dd.get("tau")
+        out[f"ddtree_budget_{prefix}_b1"] = dd.get("budget")
     batch = speed.get("batch")
     ddb = _run(speed, "ddtree", batch, budget) if batch and batch != 1 else None
     if ddb:
         out[f"ddtree_over_ar_{prefix}_b{batch}"] = ddb.get("x_vs_services_ar")
+        out[f"ddtree_budget_{prefix}_b{batch}"] = ddb.get("budget")
     return out
 
 
@@ -116,7 +118,8 @@ def main(argv=None) -> None:
     p.add_argument("--speed")
     p.add_argument("--hybrid-step-cost")
     p.add_argument("--hybrid-speed")
-    p.add_argument("--budget", type=int, default=64, help="the budget the headline ratios use")
+    p.add_argument("--budget", type=int, default=None,
+                   help="the budget the headline ratios use (default: the fastest measured budget per batch size)")
     p.add_argument("--note", action="append", default=[], help="a line for the report's Notes section")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     args = p.parse_args(argv)

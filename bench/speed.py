@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transport", default="inline", choices=["inline", "shm", "cuda-ipc"],
                    help="how the target sends context features to the drafter")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    p.add_argument("--log-dir", default="", help="keep the services' logs here (default: a temporary folder)")
     p.add_argument("--calibrated", metavar="PROFILE.json",
                    help="BENCH-ONLY calibrated acceptance: the gateway rewrites drafts so that acceptance follows this "
                         "profile (bench/calibration_profile.py); an ar reference run of the prompts comes first")
@@ -228,7 +229,8 @@ def main(argv=None) -> None:
     stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=budgets[0],
                                max_batch=max(8, batch), max_seq_len=args.max_seq_len,
                                drafter_device=args.drafter_device,
-                               gateway_args=calib.gateway_args if calib else None, transport=args.transport)
+                               gateway_args=calib.gateway_args if calib else None, transport=args.transport,
+                               log_dir=args.log_dir)
     runs: list[dict] = []
     try:
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])

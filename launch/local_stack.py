@@ -59,6 +59,7 @@ class LocalStack:
         self.metrics_ports = {name: free_port() for name in names} if self.metrics else {}
         self.own_log_dir = not self.log_dir
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="ddtree-serve-")
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
 
     @property
     def http_url(self) -> str:
