@@ -80,9 +80,11 @@ def markdown(info: dict) -> str:
     implied = ", ".join(f"b{b} {t}" for b, t in info["implied_ddtree_tau"].items())
     scaled = (f"rescaled to chain tau {info['calibrate_chain_tau']} (P(rank 0) odds x {info['odds_factor']:.3f} at "
               f"every depth)" if info.get("calibrate_chain_tau") else "as measured")
+    logprobs = ("those of a calibrated drafter with these rank frequencies (log P_d(rank r))"
+                if info.get("calibrate_chain_tau") else "the profile's measured mean log-probs")
     return f"""> **{LABEL.upper()}.** Draft top-K lists were rewritten by the gateway: the target's own greedy tokens
 > (from a reference `ar` run of the same prompts) were put at ranks drawn per depth from the profile
-> `{info['profile']}` (sha256 {info['profile_sha256']}…), {scaled}; log-probs are the profile's. The drafter
+> `{info['profile']}` (sha256 {info['profile_sha256']}…), {scaled}; log-probs are {logprobs}. The drafter
 > and target forwards, the trees and the verify sizes are real; **acceptance (tau) is synthetic**, set by the
 > profile: implied chain tau {info['implied_chain_tau']}, DDTree {implied}. Outputs are still the target's own.
 > Profile measured on: {info['profile_measured_on']}.

@@ -122,7 +122,9 @@ class CalibrationProfile:
 
     def rescaled_to_chain_tau(self, tau: float, tol: float = 1e-6) -> CalibrationProfile:
         """A profile whose chain tau is `tau`: P_d(rank 0) odds times one factor for every depth (bisection), the
-        rest of each row rescaled in its measured proportions."""
+        rest of each row rescaled in its measured proportions. Its log-probs are those of a calibrated drafter
+        with these rank frequencies (log P_d(rank r)): a drafter that accepts like this is that confident, and the
+        measured pair's own log-probs (a weaker drafter's) would shape the trees of a different drafter."""
         top = self.chain_p_top1()
         lo_tau, hi_tau = chain_tau([_scale_odds(p, 1e-12) for p in top]), chain_tau([_scale_odds(p, 1e12) for p in top])
         if not lo_tau - tol <= tau <= hi_tau + tol:
@@ -138,9 +140,10 @@ class CalibrationProfile:
                 break
         factor = math.exp((lo + hi) / 2)
         meta = dict(self.meta, rescaled_to_chain_tau=tau, odds_factor=factor,
-                    chain_tau_before_rescaling=self.chain_tau())
-        return CalibrationProfile(_rescale_rows(self.rank_probs, factor), [list(r) for r in self.mean_logprobs],
-                                  list(self.samples), meta,
+                    chain_tau_before_rescaling=self.chain_tau(),
+                    logprobs="log of the rescaled rank frequencies per depth (a calibrated drafter)")
+        rows = _rescale_rows(self.rank_probs, factor)
+        return CalibrationProfile(rows, [calibrated_logprobs(r[:-1]) for r in rows], list(self.samples), meta,
                                   _rescale_rows(self.rank_probs_after_hit, factor) if self.conditional else None,
                                   _rescale_rows(self.rank_probs_after_miss, factor) if self.conditional else None)
 
@@ -171,6 +174,15 @@ class CalibrationProfile:
     def load(cls, path: str | Path) -> CalibrationProfile:
         """Reads a profile written by save()."""
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def calibrated_logprobs(rank_probs: list[float]) -> list[float]:
+    """log P(rank r), made non-increasing along the ranks (a sorted top-K list) and floored at -1000."""
+    out: list[float] = []
+    for p in rank_probs:
+        lp = math.log(p) if p > 0 else -1000.0
+        out.append(max(-1000.0, min(lp, out[-1]) if out else lp))
+    return out
 
 
 def chain_tau(p_top1: list[float]) -> float:

@@ -1,6 +1,7 @@
 """Calibrated acceptance (bench-only): the rewrite, the profile's rescaling, and the real services with a calibrator."""
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -182,3 +183,14 @@ def test_calibrated_services_keep_ar_outputs_and_accept_like_the_profile(calibra
         assert r["stats"].mean_acceptance_length > 2.5, r["stats"]
     log = (Path(stack.log_dir) / "gateway.log").read_text()
     assert "CALIBRATED ACCEPTANCE (BENCH-ONLY)" in log and "loaded 3 reference continuations" in log
+
+
+def test_a_rescaled_profile_drafts_with_the_log_probs_of_its_own_rank_frequencies():
+    """A drafter that accepts like the rescaled profile is as confident as its frequencies: log P_d(rank r),
+    sorted (non-increasing) along the ranks."""
+    profile = flat_profile(0.5, k=8, absent=0.1)
+    scaled = profile.rescaled_to_chain_tau(6.0)
+    for probs, lps in zip(scaled.rank_probs, scaled.mean_logprobs):
+        assert lps[0] == pytest.approx(math.log(probs[0]))
+        assert all(a >= b for a, b in zip(lps, lps[1:]))
+    assert "calibrated drafter" in scaled.meta["logprobs"]   # the report says where the log-probs come from
