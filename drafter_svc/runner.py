@@ -298,13 +298,14 @@ class DrafterRunner:
 
     @torch.inference_mode()
     def warmup(self) -> float:
-        """Captures every batch bucket's block forward (first context bucket) and every row bucket's context store
-        now, so that no capture stalls a live step; returns the seconds spent (0 without graphs)."""
+        """Captures every (batch, context) bucket's block forward and every row bucket's context store now, so that
+        no capture stalls a live step; returns the seconds spent (0 without graphs)."""
         if self.graphs is None:
             return 0.0
         with self._lock:
             for batch in self.graphs.batch_buckets:
-                self._block_graph(batch, self.graphs.key_buckets[0])
+                for keys in self.graphs.key_buckets:
+                    self._block_graph(batch, keys)
             for rows in self.graphs.row_buckets:
                 self._store_graph(rows)
         return self.graphs.cache.capture_seconds

@@ -190,8 +190,8 @@ class TargetRunner:
 
     @torch.inference_mode()
     def warmup(self) -> float:
-        """Captures the verify graphs of every batch and tree-size bucket for the current feature layers (the
-        first key-length bucket; longer contexts capture on first use); returns the seconds spent (0 eager)."""
+        """Captures the verify graphs of every batch, tree-size and key-length bucket for the current feature
+        layers; returns the seconds spent (0 eager)."""
         if self.graphs is None:
             return 0.0
         seconds = self.graphs.warmup(self.feature_layers)

@@ -15,6 +15,7 @@ target_svc/gdn_tree_wy.py); the eager path runs the very same functions, so the 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -155,15 +156,14 @@ class VerifyGraphs:
         return fn(packed_dev, choices, *([features] if has_features else []))
 
     def warmup(self, feature_layers: tuple[int, ...]) -> float:
-        """Captures the forward and commit of every (batch, nodes) bucket at the first key-length bucket, on
-        one-node trees in the scratch slot; returns the seconds spent capturing so far."""
-        for b in self.batch_buckets:
-            for t in self.node_buckets:
-                s = VerifyShape(b, t, self.key_buckets[0])
-                packed_dev = self._example(s)
-                batch = VerifyBatch(packed_dev, s, 0)
-                _, choices, features = self.forward(batch, packed_dev, feature_layers)
-                self.commit(batch, packed_dev, choices, features)
+        """Captures the forward and commit of every (batch, nodes, key length) bucket, on one-node trees in the
+        scratch slot; returns the seconds spent capturing so far."""
+        for b, t, k in itertools.product(self.batch_buckets, self.node_buckets, self.key_buckets):
+            s = VerifyShape(b, t, k)
+            packed_dev = self._example(s)
+            batch = VerifyBatch(packed_dev, s, 0)
+            _, choices, features = self.forward(batch, packed_dev, feature_layers)
+            self.commit(batch, packed_dev, choices, features)
         return self.forwards.capture_seconds + self.commits.capture_seconds
 
     def _example(self, s: VerifyShape) -> Tensor:

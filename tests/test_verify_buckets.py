@@ -32,8 +32,9 @@ def test_tree_nodes_bucket_as_decode_steps_and_budget_trees():
 
 
 def test_attended_rows_use_one_bucket_up_to_4096_then_powers_of_two():
-    assert key_buckets(2305) == (2305,)
-    assert key_buckets(32768 + 257) == (4096, 8192, 16384, 32768, 33025)
+    assert key_buckets(2305) == (512, 1024, 2048, 2305)
+    assert key_buckets(300) == (300,)
+    assert key_buckets(32768 + 257) == (512, 1024, 2048, 4096, 8192, 16384, 32768, 33025)
 
 
 def test_pick_bucket_takes_the_smallest_that_fits_and_refuses_oversize():
