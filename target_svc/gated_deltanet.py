@@ -1,4 +1,8 @@
-"""Gated DeltaNet (Qwen3.5/3.6 linear attention) over chains (prefill) and draft trees (depth by depth)."""
+"""Gated DeltaNet (Qwen3.5/3.6 linear attention) over chains (prefill) and draft trees (depth by depth).
+
+The PyTorch code here is the reference and the CPU path. With `kernels=True` (CUDA with fla-core, see
+target_svc/gdn_kernels.py) chains and decode steps hand the same q, k, v, g, beta and state to fla's kernels.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from target_svc import gdn_kernels
 
 # HF's l2norm (aligned with FLA) uses this epsilon for q and k.
 L2NORM_EPS = 1e-6
@@ -160,7 +166,11 @@ def _split_heads(mixed: Tensor, dims: LinearAttnStateShape) -> tuple[Tensor, Ten
 
 def _to_v_heads(t: Tensor, dims: LinearAttnStateShape) -> Tensor:
     """Repeat key heads so that value head h uses key head h // (Hv / Hk), as the reference does."""
-    rep = dims.num_v_heads // dims.num_k_heads
+    return _repeat_heads(t, dims.num_v_heads // dims.num_k_heads)
+
+
+def _repeat_heads(t: Tensor, rep: int) -> Tensor:
+    """Each head of t [..., H, D] repeated rep times in place (head h -> heads h*rep .. h*rep + rep - 1)."""
     return t if rep == 1 else t.repeat_interleave(rep, dim=-2)
 
 
@@ -257,6 +267,30 @@ def _chunked_delta_rule(
     return out, state
 
 
+# The two reference delta rules below take what the chain/step paths compute, in the contract of the kernel
+# adapters (target_svc/gdn_kernels.py): q, k [B, T, Hk, Dk] (q scaled, both normalised, not repeated), v
+# [B, T, Hv, Dv], g, beta [B, T, Hv], state [B, Hv, Dk, Dv], all fp32 -> (o [B, T, Hv, Dv], final state).
+
+
+def stepwise_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                        state: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference: token by token, the update of gdn_step and of the tree walk."""
+    rep = v.shape[-2] // k.shape[-2]
+    outs = []
+    for t in range(k.shape[1]):
+        state, o = _delta_update(state, _repeat_heads(k[:, t], rep), v[:, t], g[:, t], beta[:, t],
+                                 _repeat_heads(q[:, t], rep))
+        outs.append(o)
+    return torch.stack(outs, dim=1), state
+
+
+def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                       chunk_size: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
+    """Reference: the chunked (WY) form that gdn_chain_forward runs on the CPU."""
+    rep = v.shape[-2] // k.shape[-2]
+    return _chunked_delta_rule(_repeat_heads(q, rep), _repeat_heads(k, rep), v, g, beta, state, chunk_size)
+
+
 def gdn_chain_forward(
     module: nn.Module,
     x: Tensor,
@@ -264,11 +298,13 @@ def gdn_chain_forward(
     conv_state: Tensor,
     rec_state: Tensor,
     chunk_size: int = DEFAULT_CHUNK,
+    kernels: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Right-padded chains x [B, S, H] (row b valid up to lengths[b]) from given states -> (out, conv, rec).
 
     out [B, S, H] (zeros at padding); conv [B, conv_dim, k-1] model dtype and rec [B, Hv, Dk, Dv] fp32 are the
-    states after each row's last valid token (unchanged for a row of length 0).
+    states after each row's last valid token (unchanged for a row of length 0). kernels: the recurrence through
+    fla's kernels (gdn_kernels.delta_rule) instead of the chunked PyTorch reference.
     """
     dims = LinearAttnStateShape.from_module(module)
     dtype = _model_dtype(module)
@@ -293,9 +329,11 @@ def gdn_chain_forward(
     k = k * vf[:, :, None, None]
     g = p.g * vf.unsqueeze(-1)
     beta = p.beta * vf.unsqueeze(-1)
-    core, new_rec = _chunked_delta_rule(
-        _to_v_heads(q, dims), _to_v_heads(k, dims), v, g, beta, rec_state.float(), chunk_size
-    )
+    if kernels:
+        # Padding (k = 0, g = 0, beta = 0) is an exact identity update in the kernels too.
+        core, new_rec = gdn_kernels.delta_rule(q, k, v, g, beta, rec_state.float())
+    else:
+        core, new_rec = chunked_delta_rule(q, k, v, g, beta, rec_state.float(), chunk_size)
     out = _output(module, core, p.z, dims)
     out = out * valid.unsqueeze(-1).to(out.dtype)
     return out, new_conv, new_rec
@@ -473,13 +511,44 @@ def gdn_tree_forward_lean(
     return out, trace
 
 
+def gdn_step_forward_lean(
+    module: nn.Module, x: Tensor, valid: Tensor, conv_state: Tensor, rec_state: Tensor, kernels: bool = False
+) -> tuple[Tensor, GdnTreeTrace]:
+    """One-node trees x [B, 1, H] (a decode step) -> (out [B, 1, H], trace for gdn_commit_path); no host sync.
+
+    The arithmetic of gdn_tree_forward_lean for a root without children; kernels: the recurrence through fla's
+    recurrent kernel (CUDA-graph capturable) instead of the reference update.
+    """
+    dims = LinearAttnStateShape.from_module(module)
+    dtype = _model_dtype(module)
+    valid = valid.to(device=x.device, dtype=torch.bool)  # [B, 1]
+    x = torch.where(valid.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    p = _project(module, x)
+    conv_state = conv_state.to(dtype)
+    # The root's conv window: the k-1 committed inputs (oldest first), then its own input.
+    taps = [conv_state[:, None, :, j] for j in range(dims.conv_kernel - 1)] + [p.qkv_in]
+    q, k, v = _split_heads(_conv_taps(module, taps, dtype), dims)
+    node_conv = torch.cat([conv_state, p.qkv_in.transpose(1, 2)], dim=-1)[:, None, :, 1:]
+    node_conv = node_conv * valid[:, :, None, None].to(dtype)  # [B, 1, conv_dim, k-1]
+    vf = valid.float()
+    delta_rule = gdn_kernels.recurrent_delta_rule if kernels else stepwise_delta_rule
+    # A padded row gets k = 0, g = 0, beta = 0: an identity update (its output is zeroed below anyway).
+    core, _ = delta_rule(q, k * vf[:, :, None, None], v, p.g * vf[..., None], p.beta * vf[..., None],
+                         rec_state.float())
+    out = _output(module, core, p.z, dims)
+    out = out * valid.unsqueeze(-1).to(out.dtype)
+    return out, GdnTreeTrace(node_conv=node_conv, key=k, value=v, g=p.g, beta=p.beta)
+
+
 def gdn_commit_path(
-    trace: GdnTreeTrace, path: Tensor, path_len: Tensor, conv_state: Tensor, rec_state: Tensor
+    trace: GdnTreeTrace, path: Tensor, path_len: Tensor, conv_state: Tensor, rec_state: Tensor,
+    kernels: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """States after the accepted nodes path[b, :path_len[b]] (root first), replayed from the committed states.
 
     Uses the same update as the tree pass, so it reproduces gdn_tree_forward's node states; rows with
-    path_len 0 keep their committed state.
+    path_len 0 keep their committed state. kernels: the replay through fla's recurrent kernel, the one that
+    gdn_step_forward_lean(kernels=True) ran, so a decode step commits the very state its output was read from.
     """
     bsz, t = trace.g.shape[:2]
     dev = trace.g.device
@@ -487,17 +556,35 @@ def gdn_commit_path(
     path_len = path_len.to(device=dev, dtype=torch.long)
     rep = trace.value.shape[-2] // trace.key.shape[-2]
     rows = torch.arange(bsz, device=dev)
-    state = rec_state.float()
-    for j in range(path.shape[1]):
-        node = path[:, j]
-        key = trace.key[rows, node]
-        key = key if rep == 1 else key.repeat_interleave(rep, dim=-2)
-        value, g, beta = trace.value[rows, node], trace.g[rows, node], trace.beta[rows, node]
-        stepped, _ = _delta_update(state, key, value, g, beta, None)
-        state = torch.where((j < path_len)[:, None, None, None], stepped, state)
+    if kernels:
+        state = _replay_path_kernel(trace, path, path_len, rec_state.float())
+    else:
+        state = rec_state.float()
+        for j in range(path.shape[1]):
+            node = path[:, j]
+            key = _repeat_heads(trace.key[rows, node], rep)
+            value, g, beta = trace.value[rows, node], trace.g[rows, node], trace.beta[rows, node]
+            stepped, _ = _delta_update(state, key, value, g, beta, None)
+            state = torch.where((j < path_len)[:, None, None, None], stepped, state)
     last = path[rows, (path_len - 1).clamp(min=0)]
     conv = torch.where((path_len > 0)[:, None, None], trace.node_conv[rows, last], conv_state.to(trace.node_conv.dtype))
     return conv, state
+
+
+def _replay_path_kernel(trace: GdnTreeTrace, path: Tensor, path_len: Tensor, state: Tensor) -> Tensor:
+    """The path's nodes as one chain per row through fla's recurrent kernel; steps past path_len are identities."""
+    on = torch.arange(path.shape[1], device=path.device)[None, :] < path_len[:, None]  # [B, W]
+    rows = torch.arange(path.shape[0], device=path.device)[:, None]
+    zero = torch.zeros((), dtype=torch.float32, device=path.device)
+    # k = 0, g = 0, beta = 0 leave the state exactly as it is (exp(0) = 1, a zero update); where() rather than a
+    # product so that no value of a skipped node can leak in.
+    key = torch.where(on[..., None, None], trace.key[rows, path], zero)
+    value = torch.where(on[..., None, None], trace.value[rows, path], zero)
+    g = torch.where(on[..., None], trace.g[rows, path], zero)
+    beta = torch.where(on[..., None], trace.beta[rows, path], zero)
+    # The outputs are not needed; q = k only fills the argument.
+    _, state = gdn_kernels.recurrent_delta_rule(key, key, value, g, beta, state)
+    return state
 
 
 __all__ = [
@@ -506,10 +593,13 @@ __all__ = [
     "LinearAttnState",
     "LinearAttnStateShape",
     "allocate_linear_attn_state",
+    "chunked_delta_rule",
     "gather_node_state",
     "gdn_chain_forward",
     "gdn_commit_path",
     "gdn_step",
+    "gdn_step_forward_lean",
     "gdn_tree_forward",
     "gdn_tree_forward_lean",
+    "stepwise_delta_rule",
 ]

@@ -5,6 +5,8 @@ state handling are ours, so that decode/verify can be captured later (static sha
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -12,11 +14,13 @@ from torch import Tensor, nn
 from ddtree_serve.decoding.acceptance import compaction_indices_batch
 from ddtree_serve.decoding.tree_mask import depths_from_parents_batch, tree_attention_mask
 from ddtree_serve.rope import rotate_half
+from target_svc import gdn_kernels
 from target_svc.gated_deltanet import (
     GdnTreeTrace,
     LinearAttnStateShape,
     gdn_chain_forward,
     gdn_commit_path,
+    gdn_step_forward_lean,
     gdn_tree_forward_lean,
 )
 from target_svc.dense_layers import DenseKernels, DenseLayerWeights, fusable, fuse_weights
@@ -24,6 +28,8 @@ from target_svc.gdn_tree_wy import GdnTreeWYTrace, gdn_commit_path_wy, gdn_tree_
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
 from target_svc.quantization import int8_matmul_backend, linear
+
+log = logging.getLogger(__name__)
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -40,10 +46,13 @@ class TargetModel:
     """The target decoder bound to one KVCache; forward_block verifies padded trees or prefills chains."""
 
     def __init__(self, target: LoadedTarget, max_batch: int, max_seq_len: int, max_tree_nodes: int,
-                 fused: bool | None = None, tree_gdn: str | None = None):
+                 fused: bool | None = None, tree_gdn: str | None = None, gdn_kernels_on: bool | None = None):
         # fused: run dense layers through target_svc/dense_layers.py (fused projections; compiled kernels on CUDA).
         # tree_gdn: how Gated DeltaNet layers verify trees: "wy" (all nodes in one pass, no host sync:
         #   target_svc/gdn_tree_wy.py) or "depthwise" (the reference, one update per depth).
+        # gdn_kernels_on: Gated DeltaNet prefill chains and decode steps (one-node trees) through fla's kernels
+        #   (target_svc/gdn_kernels.py); trees of several nodes keep tree_gdn. None = where available (CUDA with
+        #   fla-core installed, DDTREE_GDN_KERNELS not off).
         # None = the fast paths on CUDA; the CPU keeps the reference paths.
         self.target = target
         self.device = target.device
@@ -70,6 +79,7 @@ class TargetModel:
         self.tree_gdn = tree_gdn or ("wy" if self.device.type == "cuda" else "depthwise")
         if self.tree_gdn not in ("wy", "depthwise"):
             raise ValueError(f"tree_gdn must be 'wy' or 'depthwise', got {self.tree_gdn!r}")
+        self.gdn_kernels_on = self._choose_gdn_kernels(gdn_kernels_on)
         self.dense: list[DenseLayerWeights] | None = None
         self.kernels: DenseKernels | None = None
         if fused and not self.linear_index and self.cos.shape[-1] == target.head_dim and fusable(target.layers):
@@ -79,6 +89,17 @@ class TargetModel:
         # GDN traces of the verified block not yet committed (one per linear-attention layer), None when no block
         # is pending; dense models' blocks carry an empty list. The K/V of a pending block sit past ctx_len.
         self.pending_traces: list[GdnTreeTrace | GdnTreeWYTrace] | None = None
+
+    def _choose_gdn_kernels(self, requested: bool | None) -> bool:
+        """Whether Gated DeltaNet chains and decode steps run through fla's kernels (False for dense models)."""
+        if not self.linear_index or requested is False:
+            return False
+        ok = gdn_kernels.available(self.device)
+        if requested and not ok:
+            raise RuntimeError(f"Gated DeltaNet kernels requested but unavailable on {self.device} (they need CUDA "
+                               f"and fla-core: pip install 'ddtree-serve[gpu]'; {gdn_kernels.ENV_VAR} not off)")
+        log.info("Gated DeltaNet prefill/decode: %s", "fla kernels" if ok else "PyTorch reference")
+        return ok
 
     def _rope_tables(self, n_positions: int) -> tuple[Tensor, Tensor]:
         """cos/sin [n_positions, rotary_dim] in the model dtype, computed by HF's own rotary module."""
@@ -259,11 +280,14 @@ class TargetModel:
         state = self.cache.linear[state_layer]
         conv0, rec0 = state.conv[slots], state.rec[slots]
         if chain:
-            out, conv, rec = gdn_chain_forward(gdn, x, sizes, conv0, rec0)
+            out, conv, rec = gdn_chain_forward(gdn, x, sizes, conv0, rec0, kernels=self.gdn_kernels_on)
             state.conv[slots] = conv
             state.rec[slots] = rec
             return out
-        if self.tree_gdn == "wy":
+        if self.gdn_kernels_on and x.shape[1] == 1:
+            # A decode step (one-node trees): fla's recurrent kernel; committed by gdn_commit_path's kernel replay.
+            out, trace = gdn_step_forward_lean(gdn, x, valid, conv0, rec0, kernels=True)
+        elif self.tree_gdn == "wy":
             out, trace = gdn_tree_forward_wy(gdn, x, parents, valid, conv0, rec0)
         else:
             out, trace = gdn_tree_forward_lean(gdn, x, parents, valid, conv0, rec0)
@@ -290,7 +314,10 @@ class TargetModel:
         src, dst = compaction_indices_batch(path, path_len, ctx_lens)
         self.cache.move_rows(slots, src, dst)
         for state, trace in zip(self.cache.linear, traces or []):
-            commit = gdn_commit_path_wy if isinstance(trace, GdnTreeWYTrace) else gdn_commit_path
-            conv, rec = commit(trace, path, path_len, state.conv[slots], state.rec[slots])
+            if isinstance(trace, GdnTreeWYTrace):
+                conv, rec = gdn_commit_path_wy(trace, path, path_len, state.conv[slots], state.rec[slots])
+            else:
+                conv, rec = gdn_commit_path(trace, path, path_len, state.conv[slots], state.rec[slots],
+                                            kernels=self.gdn_kernels_on)
             state.conv[slots] = conv
             state.rec[slots] = rec

@@ -269,3 +269,195 @@ def test_nccl_with_target_and_drafter_on_one_gpu_stops_the_gateway_at_start_up(c
     finally:
         stack.stop()
         stack.cleanup()
+
+
+# ---- Gated DeltaNet through fla-core's kernels (the gpu extra): target_svc/gdn_kernels.py --------------------------
+def _fla_kernels_usable() -> bool:
+    from target_svc import gdn_kernels
+
+    return torch.cuda.is_available() and gdn_kernels.available("cuda")
+
+
+needs_fla = pytest.mark.skipif(
+    not _fla_kernels_usable(),
+    reason="needs fla-core (pip install 'ddtree-serve[gpu]' or the fla_core wheel) and DDTREE_GDN_KERNELS not off")
+
+# Tolerances, as a fraction of the reference's largest magnitude (a layout or head-mapping mistake is off by O(1)):
+# - the recurrent kernel does the reference's fp32 arithmetic in another summation order: ~1e-6 seen, 1e-4 allowed;
+# - the chunked kernel runs its fp32 products through tl.dot, i.e. as TF32 on the tensor cores (10-bit mantissa,
+#   unit roundoff 4.9e-4); emulating that in the reference at this shape gives 1.2e-3 to 2.2e-3 on outputs and
+#   states (T = 7..300): 1e-2 allowed.
+RECURRENT_TOL = 1e-4
+CHUNK_TOL = 1e-2
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-12)).item()
+
+
+def _gdn_inputs_27b(batch: int, tokens: int, random_state: bool, seed: int):
+    """q, k, v, g, beta, state at the 27B's GDN heads (16 key x 128, 48 value x 128) as the reference hands them over.
+
+    The conv output is rounded to bf16 (the model dtype) before the fp32 recurrence, as in _conv_taps; decays as
+    the layer makes them, -exp(A_log) * softplus(.), from slow heads (long memory) to fast ones."""
+    from target_svc.gated_deltanet import _l2norm
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    hk, hv, d = 16, 48, 128
+    q = _l2norm(randn(batch, tokens, hk, d).bfloat16().float()) * d**-0.5
+    k = _l2norm(randn(batch, tokens, hk, d).bfloat16().float())
+    v = randn(batch, tokens, hv, d).bfloat16().float()
+    g = -torch.linspace(-4.0, 1.0, hv, device="cuda").exp() * torch.nn.functional.softplus(randn(batch, tokens, hv))
+    beta = torch.sigmoid(randn(batch, tokens, hv).bfloat16()).float()
+    state = randn(batch, hv, d, d) * 0.1 if random_state else torch.zeros(batch, hv, d, d, device="cuda")
+    return q, k, v, g, beta, state
+
+
+@needs_fla
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fla_decode_step_equals_reference_at_27b_heads_and_replays_in_a_cuda_graph(batch):
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc.gated_deltanet import stepwise_delta_rule
+    from target_svc.gdn_kernels import recurrent_delta_rule
+
+    args = _gdn_inputs_27b(batch, 1, random_state=True, seed=batch)
+    want_o, want_s = stepwise_delta_rule(*args)
+    got_o, got_s = recurrent_delta_rule(*args)
+    assert got_o.shape == want_o.shape == (batch, 1, 48, 128) and got_s.shape == want_s.shape == (batch, 48, 128, 128)
+    assert got_o.dtype == got_s.dtype == torch.float32
+    assert _rel_err(got_o, want_o) <= RECURRENT_TOL and _rel_err(got_s, want_s) <= RECURRENT_TOL
+    # Captured (no host sync, no autotuning at replay): a replay on new inputs is the eager call, bit for bit.
+    graphed = CapturedFunction.capture(recurrent_delta_rule, args, pool=None)
+    fresh = _gdn_inputs_27b(batch, 1, random_state=True, seed=100 + batch)
+    replay_o, replay_s = graphed(*fresh)
+    eager_o, eager_s = recurrent_delta_rule(*fresh)
+    torch.cuda.synchronize()
+    assert torch.equal(replay_o, eager_o) and torch.equal(replay_s, eager_s)
+
+
+@needs_fla
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("random_state", [False, True])
+def test_fla_prefill_chains_equal_reference_at_27b_heads(tokens, random_state):
+    from target_svc.gated_deltanet import stepwise_delta_rule
+    from target_svc.gdn_kernels import chunk_delta_rule, delta_rule, recurrent_delta_rule
+
+    args = _gdn_inputs_27b(2, tokens, random_state, seed=tokens)
+    want_o, want_s = stepwise_delta_rule(*args)
+    for name, fn, tol in (("recurrent", recurrent_delta_rule, RECURRENT_TOL), ("chunk", chunk_delta_rule, CHUNK_TOL),
+                          ("dispatch", delta_rule, CHUNK_TOL)):
+        got_o, got_s = fn(*args)
+        assert got_o.shape == want_o.shape and got_s.shape == want_s.shape, name
+        err_o, err_s = _rel_err(got_o, want_o), _rel_err(got_s, want_s)
+        assert err_o <= tol and err_s <= tol, f"{name}: output {err_o:.2e}, state {err_s:.2e} > {tol}"
+
+
+def _gdn_layer_27b_heads(seed: int):
+    """A bf16 Gated DeltaNet layer with the 27B's heads (hidden 1024: the heads are what the kernels see)."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    config = Qwen3_5TextConfig(hidden_size=1024, num_hidden_layers=1, layer_types=["linear_attention"],
+                               linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4, hidden_act="silu",
+                               rms_norm_eps=1e-6)
+    layer = Qwen3_5GatedDeltaNet(config, layer_idx=0).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for lin in (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a, layer.out_proj):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / lin.weight.shape[1] ** 0.5)
+        layer.conv1d.weight.copy_(torch.randn(layer.conv1d.weight.shape, generator=gen) * 0.5)
+        layer.A_log.copy_(torch.empty(48).uniform_(-3.0, 1.0, generator=gen))
+        layer.dt_bias.copy_(torch.randn(48, generator=gen))
+        layer.norm.weight.copy_(torch.empty(128).uniform_(0.5, 1.5, generator=gen))
+    return layer.to(device="cuda", dtype=torch.bfloat16)
+
+
+@needs_fla
+@torch.no_grad()
+def test_fla_layer_paths_equal_reference_in_bf16_at_27b_heads():
+    """The layer's chain and decode-step paths with kernels=True against the reference paths (bf16 model)."""
+    from target_svc.gated_deltanet import (LinearAttnStateShape, gdn_chain_forward, gdn_commit_path,
+                                           gdn_step_forward_lean)
+    from target_svc.gdn_tree_wy import gdn_commit_path_wy, gdn_tree_forward_wy
+
+    layer = _gdn_layer_27b_heads(seed=11)
+    dims = LinearAttnStateShape.from_module(layer)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    conv0 = torch.randn(dims.conv_shape(3), generator=gen, device="cuda").bfloat16()
+    rec0 = torch.randn(dims.rec_shape(3), generator=gen, device="cuda") * 0.1
+    # Prefill: three right-padded chains (300, 37 and 0 tokens) from non-zero states.
+    x = torch.randn(3, 300, 1024, generator=gen, device="cuda").bfloat16()
+    lengths = torch.tensor([300, 37, 0], device="cuda")
+    want = gdn_chain_forward(layer, x, lengths, conv0, rec0)
+    got = gdn_chain_forward(layer, x, lengths, conv0, rec0, kernels=True)
+    # bf16 outputs: one bf16 rounding (3.9e-3) on top of the kernel's own error.
+    assert _rel_err(got[0], want[0]) <= 2e-2
+    assert torch.equal(got[1], want[1])  # the conv state does not go through the kernels
+    assert _rel_err(got[2], want[2]) <= CHUNK_TOL
+    # A row of length 0 keeps its state: its steps are identities (k = 0, g = 0, beta = 0) in the kernels too.
+    torch.testing.assert_close(got[2][2], rec0[2], rtol=1e-6, atol=0)
+    # Decode step: against today's CUDA decode step (the one-pass tree form with one node), output and commit.
+    x1 = torch.randn(3, 1, 1024, generator=gen, device="cuda").bfloat16()
+    valid = torch.ones(3, 1, dtype=torch.bool, device="cuda")
+    parents = torch.full((3, 1), -1, device="cuda")
+    path, path_len = torch.zeros(3, 1, dtype=torch.long, device="cuda"), torch.tensor([1, 1, 0], device="cuda")
+    want_out, want_trace = gdn_tree_forward_wy(layer, x1, parents, valid, conv0, rec0)
+    want_conv, want_rec = gdn_commit_path_wy(want_trace, path, path_len, conv0, rec0)
+    got_out, trace = gdn_step_forward_lean(layer, x1, valid, conv0, rec0, kernels=True)
+    got_conv, got_rec = gdn_commit_path(trace, path, path_len, conv0, rec0, kernels=True)
+    assert _rel_err(got_out, want_out) <= 2e-2
+    assert torch.equal(got_conv, want_conv)
+    assert _rel_err(got_rec, want_rec) <= RECURRENT_TOL
+    torch.testing.assert_close(got_rec[2], rec0[2], rtol=1e-6, atol=0)  # path_len 0: the committed state stays
+
+
+@needs_fla
+def test_cuda_hybrid_runner_greedy_with_fla_kernels_equals_kernels_off(monkeypatch):
+    """float32 greedy decode (prefill, root-only steps and small trees, CUDA graphs on): kernels on == off."""
+    import random
+    import tempfile
+
+    from target_svc.gdn_kernels import ENV_VAR
+    from tests.fixtures import make_tiny_qwen3_5
+
+    # fla's chunked kernel runs fp32 products as TF32 unless told otherwise: IEEE for this comparison (read when
+    # Triton compiles a kernel; no other test builds the chunked kernels at these tiny shapes). Its triangular
+    # solve asks for TF32 explicitly and stays so: errors of ~1e-5 here. Checked on the CPU: these prompts keep
+    # their greedy tokens under Gaussian noise of 3e-4 x max on every prefill output and state (8 of 8 seeds).
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    model_dir = make_tiny_qwen3_5(tempfile.mkdtemp(prefix="gdn_fla_"), seed=23, multimodal_wrapper=True)
+    # 19 tokens: prefill through the recurrent kernel; 150 tokens: through the chunked kernel.
+    prompts = prompts_for(model_dir, [19, 150], seed=14)
+
+    def decode(kernels: bool) -> tuple[list[list[int]], TargetRunner]:
+        if kernels:
+            monkeypatch.delenv(ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(ENV_VAR, "off")
+        runner = TargetRunner(TargetConfig(model_dir=str(model_dir), device="cuda", dtype=torch.float32, max_batch=2,
+                                           max_seq_len=256, max_tree_nodes=17))
+        assert runner.model.gdn_kernels_on is kernels
+        tokens = [[runner.prefill([PrefillItem(f"s{i}", p, SamplingParams())])[0].next_token]
+                  for i, p in enumerate(prompts)]
+        rng = random.Random(15)
+        for step in range(24):
+            items = []
+            for i, seq in enumerate(tokens):
+                if step % 3 == 2:  # a 3-node chain of guesses (one-pass tree path), else a decode step
+                    items.append(VerifyItem(f"s{i}", torch.tensor([seq[-1], rng.randrange(4, 300), rng.randrange(4, 300)]),
+                                            torch.tensor([-1, 0, 1])))
+                else:
+                    items.append(VerifyItem(f"s{i}", torch.tensor([seq[-1]]), torch.tensor([-1])))
+            for seq, result in zip(tokens, runner.verify(items)):
+                seq += result.accepted_tokens + [result.next_token]
+        return tokens, runner
+
+    with_kernels, runner = decode(True)
+    assert runner.graphs is not None and runner.graphs.forwards.graphs  # the fla decode step ran captured
+    without, _ = decode(False)
+    assert with_kernels == without
