@@ -1,25 +1,65 @@
 #!/usr/bin/env bash
-# The H200 run behind bench/results/h200.md: the GPU equality tests, step costs at the Qwen3-8B shape, the
-# calibrated speed run through the services (batch 1 and 8), then the report. Hybrid and int8 runs: see
-# bench/h200_hybrid.sh.
-# Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR
+# The H200 runs behind bench/results/h200.md. Sections (default: tests 8b speed8b report):
+#   tests      GPU equality tests (graphs == eager, fla kernels == reference)
+#   8b         step costs at the Qwen3-8B shape (builds /tmp/w8)
+#   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8)
+#   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
+#   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27)
+#   int8       weight-only kernel microbench + int8/int4 step costs at the 8B shape (needs /tmp/w8)
+#   report     bench/results/h200.{md,json} from what the run produced
+# Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
 set -uo pipefail
 OUT=${1:?output directory}
+shift
+SECTIONS=${*:-tests 8b speed8b report}
 R=$OUT/r
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PROFILE=bench/results/calibration-profile-smollm2.json
-timeout 100 python3 -m pytest -q tests/test_gpu.py -k "graph or padded_batch or float32_runners" \
-  > "$R/gpu-tests.log" 2>&1
-tail -3 "$R/gpu-tests.log"
-timeout 170 python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --work-dir /tmp/w8 --out-dir "$R" \
-  > "$R/step-cost-8b.log" 2>&1
-grep "^|" "$R/step-cost-8b.log" | head -14
-timeout 290 python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda --dtype bfloat16 \
-  --num-prompts 8 --max-tokens 96 --batch 8 --budget 16,32,64 --no-assisted --calibrated "$PROFILE" \
-  --calibrate-chain-tau 7.79 --transport cuda-ipc --out-dir "$R" --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
-grep -E "tok/s|CALIB|Error|error" "$R/speed-8b.log" | tail -16
-python3 -m bench.h200_report --step-cost "$R"/step-cost-qwen3-8b-*.json --speed "$R"/speed-calibrated-*.json \
-  --out-dir "$R" > "$R/report.log" 2>&1
-tail -40 "$R/report.log"
+CALIB=(--no-assisted --calibrated "$PROFILE" --calibrate-chain-tau 7.79 --transport cuda-ipc)
+for s in $SECTIONS; do
+  echo "== $s $(date -u +%T)"
+  case $s in
+    tests)
+      timeout 150 python3 -m pytest -q tests/test_gpu.py tests/test_gdn_kernels.py \
+        -k "graph or padded_batch or float32_runners or fla" > "$R/gpu-tests.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests.log" | head -20 ;;
+    8b)
+      timeout 170 python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --work-dir /tmp/w8 \
+        --out-dir "$R" > "$R/step-cost-8b.log" 2>&1
+      grep "^|" "$R/step-cost-8b.log" | head -14 ;;
+    speed8b)
+      timeout 290 python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
+        --dtype bfloat16 --num-prompts 8 --max-tokens 96 --batch 8 --budget 16,64 "${CALIB[@]}" --out-dir "$R" \
+        --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
+      grep -E "tok/s|CALIB|Error|error" "$R/speed-8b.log" | tail -14 ;;
+    hybrid)
+      timeout 120 python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
+      grep "^|" "$R/gdn-kernels.log" | head -12
+      timeout 150 python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 \
+        --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
+      grep "^|" "$R/step-cost-27b.log" | head -12 ;;
+    speedhyb)
+      mkdir -p "$R/hybrid"
+      timeout 240 python3 -m bench.speed --model /tmp/w27/target --drafter /tmp/w27/drafter --device cuda \
+        --dtype bfloat16 --num-prompts 4 --max-tokens 64 --batch 4 --budget 16,64 --no-hf-batch "${CALIB[@]}" \
+        --out-dir "$R/hybrid" --log-dir "$R/logs-27b" > "$R/speed-27b.log" 2>&1
+      grep -E "tok/s|CALIB|Error|error" "$R/speed-27b.log" | tail -12 ;;
+    int8)
+      timeout 120 python3 -m bench.int8_kernel --out-dir "$R" > "$R/int8-kernel.log" 2>&1
+      grep "^|" "$R/int8-kernel.log" | head -30
+      for q in int8 int4; do
+        timeout 120 python3 -m bench.step_cost --shape qwen3-8b --batches 1 --nodes 1,65 --steps 10 --quantize $q \
+          --work-dir /tmp/w8 --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1
+        grep "^|" "$R/step-cost-8b-$q.log" | head -6
+      done ;;
+    report)
+      HYB_STEP=$(ls "$R"/step-cost-qwen3.6-27b-*.json 2>/dev/null | head -1)
+      HYB_SPEED=$(ls "$R"/hybrid/speed-calibrated-*.json 2>/dev/null | head -1)
+      python3 -m bench.h200_report --step-cost "$R"/step-cost-qwen3-8b-*.json --speed "$R"/speed-calibrated-*.json \
+        ${HYB_STEP:+--hybrid-step-cost "$HYB_STEP"} ${HYB_SPEED:+--hybrid-speed "$HYB_SPEED"} \
+        --out-dir "$R" > "$R/report.log" 2>&1
+      tail -40 "$R/report.log" ;;
+  esac
+done
 tar czf "$OUT/h200-results.tgz" -C "$R" .

@@ -11,9 +11,10 @@ In one process on one device, with random-weight checkpoints built on the spot (
 - agreement: graphed and eager forwards on the same batch (max |logit diff| / max |logit|, greedy agreement).
 
     python -m bench.step_cost --shape qwen3-8b --batches 1,8,32
+    python -m bench.step_cost --shape qwen3-8b --batches 1,8 --quantize int8   # the weight-only int8 target
     python -m bench.step_cost --shape tiny --device cpu --batches 1,2      # checks the tool on a CPU
 
-Writes bench/results/step-cost-<shape>-<hardware>.{md,json} (or --out-dir).
+Writes bench/results/step-cost-<shape>-<hardware>[-int8|-int4].{md,json} (or --out-dir).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from bench import common
 from bench.shapes import SHAPES, build_drafter, build_target
 from ddtree_serve.decoding.config import SamplingParams
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
+from target_svc.quantization import QUANTIZE_MODES, QuantizedLinear, tensor_bytes
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from target_svc.verify import VerifyBatch, VerifyShape, verify_forward
 
@@ -40,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="cut the target to this many layers")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--quantize", default="none", choices=QUANTIZE_MODES,
+                   help="weight-only quantization of the target's decoder projections (TargetConfig.quantize)")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--nodes", default="1,16,65", help="tree sizes (1 = autoregressive, 16 = chain, 65 = budget 64)")
     p.add_argument("--context", type=int, default=512, help="prompt length of every sequence")
@@ -77,14 +81,17 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def gemv_floor_ms(runner: TargetRunner, device: torch.device) -> float:
-    """One token through every weight matrix of the target (layers + LM head), captured when on CUDA."""
-    mats = [m.weight for layer in runner.target.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-    mats.append(runner.target.lm_head.weight)
-    xs = {w.shape[1]: torch.randn(1, w.shape[1], device=device, dtype=w.dtype) for w in mats}
+    """One token through every weight matrix of the target (layers + LM head) in its served format (quantized
+    projections through their matmul backend), captured when on CUDA."""
+    mods = [m for layer in runner.target.layers for m in layer.modules()
+            if isinstance(m, (torch.nn.Linear, QuantizedLinear))]
+    mods.append(runner.target.lm_head)
+    dtype = runner.target.dtype
+    xs = {m.in_features: torch.randn(1, m.in_features, device=device, dtype=dtype) for m in mods}
 
     def all_gemv():
-        for w in mats:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
+        for m in mods:
+            m(xs[m.in_features])
 
     if device.type != "cuda":
         return median_ms(all_gemv, 5, device)
@@ -219,11 +226,12 @@ def main(argv=None) -> None:
     build_s = time.perf_counter() - t0
     max_batch = max(batches)
     runner = TargetRunner(TargetConfig(str(target_dir), device=args.device, dtype=dtype, max_batch=max_batch,
-                                       max_seq_len=2048, max_tree_nodes=max(nodes_list)))
+                                       max_seq_len=2048, max_tree_nodes=max(nodes_list), quantize=args.quantize))
     drafter = DrafterRunner(DrafterConfig(str(drafter_dir), str(target_dir), device=args.device, dtype=dtype,
                                           max_batch=max_batch, max_seq_len=2048))
     runner.set_feature_layers(drafter.target_layer_ids)
-    weights = sum(p.numel() * p.element_size() for layer in runner.target.layers for p in layer.parameters())
+    # Buffers too: quantized projections keep their weights and scales as buffers.
+    weights = tensor_bytes(runner.target.layers)
     weights += runner.target.lm_head.weight.numel() * runner.target.lm_head.weight.element_size()
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     floors = {"weight_bytes": weights, "copy_bandwidth_gb_s": bandwidth / 1e9,
@@ -233,12 +241,14 @@ def main(argv=None) -> None:
     drafter_rows = drafter_costs(drafter, batches, args.context, args.steps, device)
     hw = common.hardware(args.device, args.dtype, None)
     data = {"command": common.command_line("bench.step_cost"), "date": common.now_utc(), "hardware": hw,
-            "shape": args.shape, "layers": runner.num_layers, "context": args.context, "build_s": build_s,
+            "shape": args.shape, "quantize": args.quantize, "layers": runner.num_layers, "context": args.context,
+            "build_s": build_s,
             "floors": floors, "target": target_rows, "agreement": agreement, "drafter": drafter_rows,
             "graph_capture_s": {"target": (runner.graphs.forwards.capture_seconds + runner.graphs.commits.capture_seconds)
                                 if runner.graphs else 0.0,
                                 "drafter": drafter.graphs.cache.capture_seconds if drafter.graphs else 0.0}}
-    md = [f"# Step cost: {args.shape} ({runner.num_layers} layers), {hw.get('gpu', hw['cpu_model'])}, {args.dtype}",
+    fmt = args.dtype if args.quantize == "none" else f"{args.dtype}, weight-only {args.quantize} target"
+    md = [f"# Step cost: {args.shape} ({runner.num_layers} layers), {hw.get('gpu', hw['cpu_model'])}, {fmt}",
           "", f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
           f"Random weights at the real shape; every sequence holds a {args.context}-token prompt.", "",
           f"Floors: weights {weights / 1e9:.2f} GB, copy bandwidth {floors['copy_bandwidth_gb_s']:.0f} GB/s -> "
@@ -257,6 +267,8 @@ def main(argv=None) -> None:
                           [[a["batch"], a["nodes"], a["max_abs_logit_diff_over_max_logit"], a["greedy_agreement"]]
                            for a in agreement])]
     stem = f"step-cost-{args.shape}-{common.hardware_tag(hw)}"
+    if args.quantize != "none":
+        stem += f"-{args.quantize}"
     paths = common.write_outputs(args.out_dir, stem, data, "\n".join(md) + "\n")
     print("\n".join(md))
     print("wrote", *paths)

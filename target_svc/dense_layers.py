@@ -101,8 +101,8 @@ class _CompiledOrPlain:
 class DenseLayerWeights:
     """One layer's fused projection weights (the HF modules' weights become views into them).
 
-    With --quantize int8 the fused weights are QuantizedWeights (int8 rows + per-row scales); the layer calls
-    them through target_svc.quantization.linear either way.
+    With --quantize int8/int4 the fused weights are QuantizedWeights (quantized rows + their per-row or per-row-
+    and-group scales); the layer calls them through target_svc.quantization.linear either way.
     """
 
     qkv: Tensor | QuantizedWeight  # [(nh + 2 * nkv) * hd, H]: q rows, then k, then v
@@ -149,14 +149,15 @@ def fuse_weights(layers: nn.ModuleList) -> list[DenseLayerWeights]:
 
 def _fuse_quantized(qkv_projs: tuple[QuantizedLinear, ...], gate_up_projs: tuple[QuantizedLinear, ...]
                     ) -> DenseLayerWeights:
-    """fuse_weights for int8 layers: int8 rows and their scales concatenated (per-row scales commute with it)."""
+    """fuse_weights for quantized layers: quantized rows and their scales concatenated (scales belong to rows, so
+    this commutes with quantizing)."""
     fused = []
     for projs in (qkv_projs, gate_up_projs):
         w = QuantizedWeight.cat([p.quantized for p in projs])
         row = 0
         for p in projs:
             n = p.out_features
-            p.set_quantized(QuantizedWeight(w.qweight[row : row + n], w.scales[row : row + n]))
+            p.set_quantized(w.rows(row, row + n))
             row += n
         fused.append(w)
     bias = torch.cat([p.bias for p in qkv_projs]) if qkv_projs[0].bias is not None else None

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from target_svc.quantization import check_quantize_mode, int8_matmul_backend, quantize_per_channel, replace_linears
+from target_svc.quantization import BITS, check_quantize_mode, int8_matmul_backend, quantize_weight, replace_linears
 
 # Text model types whose decoder layers our forward (target_svc/model.py) implements.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
@@ -47,7 +47,7 @@ class LoadedTarget:
     eos_token_ids: tuple[int, ...]
     device: torch.device
     dtype: torch.dtype
-    quantize: str = "none"  # "int8": the decoder layers' linear projections are QuantizedLinear
+    quantize: str = "none"  # "int8" / "int4": the decoder layers' linear projections are QuantizedLinear
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -109,11 +109,11 @@ def _check_supported(text_config: PretrainedConfig) -> tuple[str, ...]:
 
 
 def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: torch.device, dtype: torch.dtype,
-                  quantized: frozenset[str] = frozenset()) -> None:
+                  quantized: frozenset[str] = frozenset(), bits: int = 8) -> None:
     """Assigns checkpoint tensors (cast to dtype, on device) to a meta-initialised model; strict on missing keys.
 
-    The weights of the Linear modules named in `quantized` are quantized one tensor at a time as they arrive
-    (stored as `qweight` + `scales`): the float weights of those layers never exist on the device together.
+    The weights of the Linear modules named in `quantized` are quantized to `bits` one tensor at a time as they
+    arrive (stored as `qweight` + `scales`): the float weights of those layers never exist on the device together.
     """
     # remove_duplicate=False: a tied lm_head.weight is its own name even when it shares the embedding's tensor.
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -132,7 +132,7 @@ def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: to
                     continue  # multi-token-prediction head shipped with Qwen3.5 checkpoints: unused
                 module_name, _, leaf = name.rpartition(".")
                 if leaf == "weight" and module_name in quantized:
-                    q = quantize_per_channel(f.get_tensor(key).to(device), dtype)
+                    q = quantize_weight(f.get_tensor(key).to(device), bits, dtype)
                     loaded[module_name + ".qweight"], loaded[module_name + ".scales"] = q.qweight, q.scales
                     continue
                 if name not in expected:
@@ -156,7 +156,8 @@ def load_target(
 ) -> LoadedTarget:
     """Loads the text decoder of a local checkpoint directly onto (device, dtype); never touches the network.
 
-    quantize="int8": the decoder layers' linear projections are quantized as they load (target_svc/quantization.py).
+    quantize="int8" / "int4": the decoder layers' linear projections are quantized as they load
+    (target_svc/quantization.py).
     """
     check_quantize_mode(quantize)
     model_dir = Path(model_dir)
@@ -174,9 +175,11 @@ def load_target(
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(text_config)
     quantized: frozenset[str] = frozenset()
-    if quantize == "int8":
-        quantized = frozenset(replace_linears(hf_model.model.layers, "model.layers.", dtype, int8_matmul_backend(device)))
-    _load_weights(hf_model, _checkpoint_files(model_dir), wrapper, device, dtype, quantized)
+    bits = BITS.get(quantize, 0)
+    if bits:
+        quantized = frozenset(replace_linears(hf_model.model.layers, "model.layers.", dtype,
+                                              int8_matmul_backend(device), bits))
+    _load_weights(hf_model, _checkpoint_files(model_dir), wrapper, device, dtype, quantized, bits)
     hf_model.eval().requires_grad_(False)
 
     decoder = hf_model.model

@@ -182,12 +182,12 @@ def weight_bytes_of_config(text_config, dtype: torch.dtype, quantize: str = "non
     """Bytes of the served weights (embedding, layers, final norm, LM head) of a config, built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from target_svc.quantization import replace_linears
+    from target_svc.quantization import BITS, replace_linears
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(text_config)
-    if quantize == "int8":
-        replace_linears(model.model.layers, "model.layers.", dtype, "int8pack")
+    if quantize in BITS:
+        replace_linears(model.model.layers, "model.layers.", dtype, "dequant", BITS[quantize])
     size = dtype_bytes(dtype)
     seen, total = set(), 0
     for m in (model.model.embed_tokens, model.model.layers, model.model.norm, model.lm_head):

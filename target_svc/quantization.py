@@ -1,13 +1,15 @@
-"""Weight-only int8 for the target's decoder layers: symmetric per-output-channel scales, computed at load time.
+"""Weight-only int8 / int4 for the target's decoder layers: symmetric scales, computed at load time.
 
 Only the linear projections inside the decoder layers are quantized (attention q/k/v/o, Gated DeltaNet in/out
 projections, MLP gate/up/down): they hold ~90 % of a model's bytes. Embeddings, the LM head, norms, the GDN
 conv/A_log/dt_bias, and the attention and GDN kernels keep the model dtype. The quantized model is a different
 model from the bf16 one; speculative decoding is lossless with respect to it (the target as served).
 
-A projection y = x W^T becomes y = (x q^T) * s with q = round(W / s) in [-127, 127] and s = max|W_row| / 127 per
-output row. `int8_linear` runs it through torch's int8 weight-only matmul where the device has a kernel, else
-dequantizes (q * s) and runs F.linear: the same function up to rounding.
+int8: a projection y = x W^T becomes y = (x q^T) * s with q = round(W / s) in [-127, 127] and s = max|W_row| / 127
+per output row. int4: q = round(W / s) in [-7, 7] with one s = max|W| / 7 per output row and group of
+INT4_GROUP input columns, two values packed per byte. Either runs through a matmul backend: "triton" (our
+kernels, target_svc/int8_matmul.py, on CUDA), "int8pack" (torch's int8 weight-only kernel, int8 only; the CPU
+has one) or "dequant" (q * s as a dense weight, then F.linear): the same function up to rounding.
 """
 from __future__ import annotations
 
@@ -19,12 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from target_svc import int8_matmul
+
 log = logging.getLogger(__name__)
 
-QUANTIZE_MODES = ("none", "int8")
+QUANTIZE_MODES = ("none", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
 INT8_MAX = 127
+INT4_MAX = 7
+INT4_GROUP = 128  # input columns per int4 scale (fewer where in_features is not a multiple: int4_group_size)
 _INT8_OP = "aten::_weight_int8pack_mm"
-# bench/H200 switch: "auto" (the int8 kernel where the device has one), "int8pack" or "dequant" (always).
+MATMUL_BACKENDS = ("triton", "int8pack", "dequant")
+# bench/H200 switch: "auto" (the fastest backend the device has) or one of MATMUL_BACKENDS (always).
 INT8_MATMUL_ENV = "DDTREE_INT8_MATMUL"
 
 
@@ -37,25 +45,49 @@ def check_quantize_mode(mode: str) -> str:
 
 @dataclass
 class QuantizedWeight:
-    """An int8 weight [out, in] and its per-output-row scales [out] in the model dtype."""
+    """A quantized weight [out, in] and its scales in the model dtype.
 
-    qweight: Tensor  # int8 [out, in]
-    scales: Tensor   # [out], model dtype
+    bits=8: qweight int8 [out, in], scales [out] (one per output row).
+    bits=4: qweight uint8 [out, in // 2], two values per byte (column 2j in the low nibble, 2j + 1 in the high
+    one), each stored as q + 8; scales [out, in // group] (one per output row and group of input columns).
+    """
+
+    qweight: Tensor
+    scales: Tensor
+    bits: int = 8
+
+    @property
+    def in_features(self) -> int:
+        """Columns of the dense weight."""
+        return self.qweight.shape[1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def group_size(self) -> int:
+        """Input columns per scale (in_features for the per-row int8 scales)."""
+        return self.in_features // self.scales.shape[1] if self.bits == 4 else self.in_features
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the int8 weight and the scales."""
+        """Bytes held by the quantized weight and the scales."""
         return self.qweight.nbytes + self.scales.nbytes
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """q * s as a dense [out, in] weight in dtype (default: the scales' dtype)."""
         dtype = dtype or self.scales.dtype
+        if self.bits == 4:
+            scales = self.scales.to(dtype).repeat_interleave(self.group_size, dim=1)
+            return unpack_int4(self.qweight).to(dtype) * scales
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+
+    def rows(self, start: int, stop: int) -> "QuantizedWeight":
+        """Output rows start..stop-1 as views (scales are per row, so a row slice is a weight of its own)."""
+        return QuantizedWeight(self.qweight[start:stop], self.scales[start:stop], self.bits)
 
     @staticmethod
     def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
         """Row-wise concatenation; per-row scales make it equal to quantizing the concatenated weight."""
-        return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]))
+        return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                               parts[0].bits)
 
 
 def quantize_per_channel(weight: Tensor, dtype: torch.dtype | None = None) -> QuantizedWeight:
@@ -70,12 +102,64 @@ def quantize_per_channel(weight: Tensor, dtype: torch.dtype | None = None) -> Qu
     return QuantizedWeight(q, scales)
 
 
+def int4_group_size(in_features: int) -> int:
+    """INT4_GROUP, or the largest power of two dividing in_features below it (small test models)."""
+    if in_features % 2:
+        raise ValueError(f"int4 packs two columns per byte; in_features {in_features} is odd")
+    group = INT4_GROUP
+    while in_features % group:
+        group //= 2
+    return group
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """int8 values in [-8, 7], [out, in] (in even) -> uint8 [out, in // 2]: column 2j + 8 in the low nibble,
+    2j + 1 + 8 in the high one."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """pack_int4's inverse: uint8 [out, in // 2] -> int8 [out, in]."""
+    low = (packed & 0xF).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)
+
+
+def quantize_int4_groupwise(weight: Tensor, dtype: torch.dtype | None = None) -> QuantizedWeight:
+    """Symmetric int4 of a [out, in] weight, one scale per output row and group of int4_group_size(in) columns;
+    scales in dtype (default: the weight's dtype)."""
+    dtype = dtype or weight.dtype
+    out_features, in_features = weight.shape
+    group = int4_group_size(in_features)
+    w = weight.detach().float().reshape(out_features, in_features // group, group)
+    amax = w.abs().amax(dim=2)
+    scales = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax)).to(dtype)
+    q = torch.round(w / scales.float()[:, :, None]).clamp_(-INT4_MAX, INT4_MAX).to(torch.int8)
+    return QuantizedWeight(pack_int4(q.reshape(out_features, in_features)), scales, bits=4)
+
+
+def quantize_weight(weight: Tensor, bits: int, dtype: torch.dtype | None = None) -> QuantizedWeight:
+    """quantize_per_channel (bits=8) or quantize_int4_groupwise (bits=4)."""
+    if bits == 4:
+        return quantize_int4_groupwise(weight, dtype)
+    return quantize_per_channel(weight, dtype)
+
+
 def int8_matmul_backend(device: torch.device | str) -> str:
-    """'int8pack' when torch has an int8 weight-only matmul kernel for the device (or the env forces it), else
-    'dequant'."""
+    """The matmul backend for quantized weights on device: the one DDTREE_INT8_MATMUL names, else (auto) 'triton'
+    where our Triton kernels run (CUDA, Triton installed), 'int8pack' where torch has an int8 weight-only kernel
+    for the device (the CPU), else 'dequant'."""
     forced = os.environ.get(INT8_MATMUL_ENV, "auto")
-    if forced in ("int8pack", "dequant"):
+    if forced not in (*MATMUL_BACKENDS, "auto"):
+        raise ValueError(f"{INT8_MATMUL_ENV}={forced!r}: one of auto, {', '.join(MATMUL_BACKENDS)}")
+    if forced == "triton" and not int8_matmul.available(device):
+        raise RuntimeError(f"{INT8_MATMUL_ENV}=triton, but the Triton kernels cannot run on {device} "
+                           "(they need a CUDA device of compute capability >= 8.0 and the triton package)")
+    if forced != "auto":
         return forced
+    if int8_matmul.available(device):
+        return "triton"
     key = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS"}.get(torch.device(device).type)
     try:
         has = key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(_INT8_OP, key)
@@ -84,73 +168,96 @@ def int8_matmul_backend(device: torch.device | str) -> str:
     return "int8pack" if has else "dequant"
 
 
+def _triton_takes(x: Tensor, weight: QuantizedWeight, backend: str) -> bool:
+    return backend == "triton" and int8_matmul.supports(x, weight.bits, weight.in_features, weight.group_size)
+
+
 def int8_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None, backend: str = "int8pack") -> Tensor:
-    """x [..., in] @ (q * s)^T (+ bias) -> [..., out] in x's dtype."""
+    """x [..., in] @ (q * s)^T (+ bias) -> [..., out] in x's dtype, for an int8 weight."""
+    if _triton_takes(x, weight, backend):
+        return int8_matmul.matmul(x, weight.qweight, weight.scales, bias, bits=8)
     lead = x.shape[:-1]
     if backend == "int8pack":
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
         scales = weight.scales if weight.scales.dtype == x.dtype else weight.scales.to(x.dtype)
         y = torch._weight_int8pack_mm(x2d, weight.qweight, scales).view(*lead, -1)
         return y if bias is None else y + bias
+    # "dequant", and "triton" for what the kernels do not take (float32 activations)
+    return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+def int4_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None, backend: str = "dequant") -> Tensor:
+    """x [..., in] @ (q * s)^T (+ bias) -> [..., out] in x's dtype, for an int4 weight: the Triton kernel, else
+    dequantized (torch's int8 kernel does not apply)."""
+    if _triton_takes(x, weight, backend):
+        return int8_matmul.matmul(x, weight.qweight, weight.scales, bias, bits=4)
     return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
 def linear(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = None, backend: str = "int8pack") -> Tensor:
-    """F.linear for a dense weight, int8_linear for a quantized one (the fused dense path calls this)."""
+    """F.linear for a dense weight, int8_linear / int4_linear for a quantized one (the fused dense path calls
+    this)."""
     if isinstance(weight, QuantizedWeight):
-        return int8_linear(x, weight, bias, backend)
+        return (int4_linear if weight.bits == 4 else int8_linear)(x, weight, bias, backend)
     return F.linear(x, weight, bias)
 
 
 class QuantizedLinear(nn.Module):
-    """nn.Linear with an int8 weight [out, in] and per-output-row scales [out] (buffers `qweight`, `scales`)."""
+    """nn.Linear with a quantized weight (buffers `qweight`, `scales`; shapes as in QuantizedWeight for bits)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device | str | None = None, backend: str = "int8pack") -> None:
+                 device: torch.device | str | None = None, backend: str = "int8pack", bits: int = 8) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.backend = in_features, out_features, backend
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))
+        self.in_features, self.out_features, self.backend, self.bits = in_features, out_features, backend, bits
+        if bits == 4:
+            group = int4_group_size(in_features)
+            qweight = torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+            scales = torch.ones(out_features, in_features // group, dtype=dtype, device=device)
+        else:
+            qweight = torch.zeros(out_features, in_features, dtype=torch.int8, device=device)
+            scales = torch.ones(out_features, dtype=dtype, device=device)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias \
             else None
 
     @property
     def quantized(self) -> QuantizedWeight:
         """The weight as a QuantizedWeight (views of the buffers)."""
-        return QuantizedWeight(self.qweight, self.scales)
+        return QuantizedWeight(self.qweight, self.scales, self.bits)
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Points the buffers at weight's tensors (views into a fused weight share its memory)."""
         self.qweight, self.scales = weight.qweight, weight.scales
 
     def forward(self, x: Tensor) -> Tensor:
-        return int8_linear(x, self.quantized, self.bias, self.backend)
+        return linear(x, self.quantized, self.bias, self.backend)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"int8 ({self.backend})"
+               f"int{self.bits} ({self.backend})"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, backend: str = "int8pack") -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear, backend: str = "int8pack", bits: int = 8) -> "QuantizedLinear":
         """Quantizes a loaded nn.Linear (its float weight is not kept)."""
         w = linear.weight
-        q = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, "meta", backend)
-        q.set_quantized(quantize_per_channel(w))
+        q = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, "meta", backend, bits)
+        q.set_quantized(quantize_weight(w, bits))
         if linear.bias is not None:
             q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
         return q
 
 
-def replace_linears(layers: nn.Module, prefix: str, dtype: torch.dtype, backend: str) -> set[str]:
-    """Swaps every nn.Linear under `layers` (on the meta device, before loading) for a QuantizedLinear; returns
-    their full names (prefix + relative name) so the loader quantizes those checkpoint weights."""
+def replace_linears(layers: nn.Module, prefix: str, dtype: torch.dtype, backend: str, bits: int = 8) -> set[str]:
+    """Swaps every nn.Linear under `layers` (on the meta device, before loading) for a QuantizedLinear of `bits`;
+    returns their full names (prefix + relative name) so the loader quantizes those checkpoint weights."""
     names = set()
     for name, module in list(layers.named_modules()):
         if type(module) is nn.Linear:
             parent_name, _, attr = name.rpartition(".")
             parent = layers.get_submodule(parent_name) if parent_name else layers
             setattr(parent, attr, QuantizedLinear(module.in_features, module.out_features, module.bias is not None,
-                                                  dtype, "meta", backend))
+                                                  dtype, "meta", backend, bits))
             names.add(prefix + name)
     return names
 

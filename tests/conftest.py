@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from launch.local_stack import LocalStack
-from target_svc.quantization import quantize_per_channel
+from target_svc.quantization import BITS, quantize_weight
 from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 from tests.fixtures.tiny_drafter import make_tiny_drafter
@@ -60,34 +60,34 @@ def start_stack(target: Path, drafter: Path, **kw) -> LocalStack:
 def reference_model(model_dir: str, quantize: str = "none"):
     """The checkpoint loaded by transformers itself, float32 on CPU (the losslessness oracle).
 
-    quantize="int8": the decoder layers' Linear weights are replaced by their dequantized int8 weights (q * s),
-    i.e. the model that `--quantize int8` serves.
+    quantize="int8" / "int4": the decoder layers' Linear weights are replaced by their dequantized quantized
+    weights (q * s), i.e. the model that `--quantize int8` / `int4` serves.
     """
     config = transformers.AutoConfig.from_pretrained(model_dir)
     cls = getattr(transformers, config.architectures[0])
     model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # compare fixed lengths; the services get ignore_eos
-    if quantize == "int8":
-        dequantize_decoder_linears_(model)
+    if quantize != "none":
+        dequantize_decoder_linears_(model, BITS[quantize])
     return model
 
 
-def dequantize_decoder_linears_(model: torch.nn.Module) -> int:
-    """Replaces every decoder-layer Linear weight (text model only) by q * s of its int8 quantization; returns
-    how many were replaced."""
+def dequantize_decoder_linears_(model: torch.nn.Module, bits: int = 8) -> int:
+    """Replaces every decoder-layer Linear weight (text model only) by q * s of its int8 (or int4) quantization;
+    returns how many were replaced."""
     n = 0
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name.split(".layers.")[0] in ("model", "model.language_model") \
                     and ".layers." in name:
-                module.weight.copy_(quantize_per_channel(module.weight).dequantize(torch.float32))
+                module.weight.copy_(quantize_weight(module.weight, bits).dequantize(torch.float32))
                 n += 1
     return n
 
 
 def reference_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int,
                      quantize: str = "none") -> list[int]:
-    """transformers' own greedy generate(), new tokens only (of the int8-dequantized model with quantize="int8")."""
+    """transformers' own greedy generate(), new tokens only (of the dequantized int8 / int4 model with quantize=)."""
     model = reference_model(str(model_dir), quantize)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),

@@ -461,3 +461,110 @@ def test_cuda_hybrid_runner_greedy_with_fla_kernels_equals_kernels_off(monkeypat
     assert runner.graphs is not None and runner.graphs.forwards.graphs  # the fla decode step ran captured
     without, _ = decode(False)
     assert with_kernels == without
+# ---- the Triton weight-only matmul (target_svc/int8_matmul.py) -----------------------------------------------------
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+needs_triton = pytest.mark.skipif(not _has_triton(), reason="needs the triton package")
+KERNEL_SHAPES = [(17408, 5120), (4096, 12288), (6144, 4096)]  # 27B MLP up, 8B down, 8B fused qkv
+
+
+def _quantized(n: int, k: int, bits: int):
+    from target_svc.quantization import quantize_weight
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + bits)
+    return quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02, bits)
+
+
+def _assert_close_to_reference(got: torch.Tensor, ref: torch.Tensor, what) -> None:
+    """Stated tolerance: max |got - ref| <= 2e-2 * max |ref|. Kernel and reference add the same float32 products in
+    different orders, the reference rounds each q * s to bf16 before its GEMM, and both round the output to bf16
+    (half an ulp is 2^-9 of a value): the H200 showed <= 4e-3 of the largest output, while a wrong tile, mask,
+    scale or split is off by O(1)."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape, what
+    err = (got.float() - ref.float()).abs().max().item()
+    assert err <= 2e-2 * ref.float().abs().max().item(), (what, err)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n, k", KERNEL_SHAPES)
+def test_cuda_triton_weight_only_matmul_equals_the_dequantized_reference(n, k, bits):
+    """The tiles chosen for each row count (decode: batch; verify: batch x tree nodes), with and without bias."""
+    import torch.nn.functional as F
+
+    from target_svc import int8_matmul
+
+    q = _quantized(n, k, bits)
+    w = q.dequantize(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 3, 16, 65, 130, 520):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for b in (None, bias):
+            got = int8_matmul.matmul(x, q.qweight, q.scales, b, bits)
+            _assert_close_to_reference(got, F.linear(x, w, b), (m, b is not None))
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cuda_triton_weight_only_matmul_every_kernel_path(bits):
+    """Split K, the swapped dot, tiles wider and narrower than M, ragged N and K, a 3-D input, fp16."""
+    import torch.nn.functional as F
+
+    from target_svc import int8_matmul
+    from target_svc.int8_matmul import TileConfig
+
+    configs = [TileConfig(16, 64, 128, 4), TileConfig(16, 32, 128, 1, True), TileConfig(64, 128, 64, 2, False, 8, 3),
+               TileConfig(128, 64, 64, 1, True, 4, 3), TileConfig(32, 64, 128, 1, False, 4, 3)]
+    n, k = (4100, 1000) if bits == 8 else (4100, 1024)  # N not a multiple of any tile; int8 K not of BLOCK_K
+    q = _quantized(n, k, bits)
+    for dtype in (torch.bfloat16, torch.float16):
+        w = q.dequantize(dtype)
+        for m in (1, 20, 65):
+            x = torch.randn(2, m, k, device="cuda", dtype=dtype)
+            ref = F.linear(x, w)
+            for cfg in configs:
+                got = int8_matmul.matmul(x, q.qweight, q.scales.to(dtype), None, bits, cfg)
+                _assert_close_to_reference(got, ref, (dtype, m, cfg))
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cuda_triton_weight_only_matmul_replays_inside_a_captured_graph(bits):
+    """Captured as the engine captures (warm-up runs on a side stream, then recorded; split-K workspace allocated
+    during the capture), the replay equals an eager call bit for bit: no host syncs, no atomics."""
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc import int8_matmul
+
+    q = _quantized(4096, 12288, bits)
+    pool = torch.cuda.graph_pool_handle()
+    for m in (1, 16, 65, 520):
+        captured = CapturedFunction.capture(lambda x: int8_matmul.matmul(x, q.qweight, q.scales, None, bits),
+                                            [torch.randn(m, 12288, device="cuda", dtype=torch.bfloat16)], pool)
+        for _ in range(3):
+            x = torch.randn(m, 12288, device="cuda", dtype=torch.bfloat16)
+            want = int8_matmul.matmul(x, q.qweight, q.scales, None, bits)
+            assert torch.equal(captured(x), want), m
+
+
+@needs_triton
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_cuda_quantized_target_runs_the_triton_kernels_and_greedy_is_the_same_graphed_and_eager(checkpoints,
+                                                                                                quantize):
+    target_dir, _ = checkpoints("qwen3")
+    prompt = prompts_for(target_dir, [13], seed=3)[0]
+    outputs = []
+    for eager in (False, True):
+        runner = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cuda", dtype=torch.bfloat16,
+                                           max_batch=2, max_seq_len=128, max_tree_nodes=16, quantize=quantize,
+                                           enforce_eager=eager, kv_cache_memory_bytes=2**26))
+        assert runner.model.int8_backend == "triton"
+        generated = [runner.prefill([PrefillItem("s", prompt, SamplingParams())])[0].next_token]
+        while len(generated) < 24:
+            generated.append(runner.verify([VerifyItem("s", torch.tensor([generated[-1]]), torch.tensor([-1]))])[0]
+                             .next_token)
+        outputs.append(generated)
+    assert outputs[0] == outputs[1]

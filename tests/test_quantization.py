@@ -129,8 +129,8 @@ def test_the_fused_dense_path_runs_on_fused_int8_weights_that_the_modules_view(c
 
 
 def test_an_unknown_quantize_mode_is_refused(checkpoints):
-    with pytest.raises(ValueError, match="unknown quantize mode 'int4'"):
-        load_target(checkpoints("qwen3")[0], "cpu", torch.float32, quantize="int4")
+    with pytest.raises(ValueError, match="unknown quantize mode 'int3'"):
+        load_target(checkpoints("qwen3")[0], "cpu", torch.float32, quantize="int3")
 
 
 # ---- lossless with respect to the quantized target ---------------------------------------------------------------

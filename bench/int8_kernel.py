@@ -1,0 +1,165 @@
+"""Weight-only int8 / int4 Triton matmul against bf16 F.linear, at the projection shapes of Qwen3-8B and Qwen3.6-27B.
+
+Each case is timed inside a CUDA graph, as the engine runs it: one graph of --calls back-to-back calls, replayed
+--replays times, CUDA-event timed; the median replay / calls is reported. The calls cycle through enough copies
+of the weight to total >= 256 MiB per format, so no call finds its weight in the 50 MB L2 left by the previous
+one (in a model step every projection reads a different weight). Each case also reports how far the kernel's
+output is from the dequantized reference F.linear(x, q * s) (max |diff| / max |ref|).
+
+    python -m bench.int8_kernel                       # Qwen3-8B shapes + the 27B MLP, M in 1, 8, 65, 520
+    python -m bench.int8_kernel --ms 1,16,65,130,520 --bits 8
+
+Writes bench/results/int8-kernel-<hardware>.{md,json} (or --out-dir). Needs CUDA and Triton.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/int8_kernel.py` too
+
+from bench import common  # noqa: E402
+from target_svc import int8_matmul  # noqa: E402
+from target_svc.quantization import QuantizedWeight, quantize_weight  # noqa: E402
+
+# (name, N = out_features, K = in_features)
+SHAPES = [
+    ("8b q_proj / o_proj", 4096, 4096),
+    ("8b k_proj / v_proj", 1024, 4096),
+    ("8b fused qkv", 6144, 4096),
+    ("8b fused gate_up", 24576, 4096),
+    ("8b down_proj", 4096, 12288),
+    ("27b gate / up", 17408, 5120),
+]
+L2_DEFEAT_BYTES = 256 * 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.int8_kernel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ms", default="1,8,65,520", help="rows of x (decode: batch; verify: batch x tree nodes)")
+    p.add_argument("--bits", default="8,4", help="weight formats to time (8, 4 or both)")
+    p.add_argument("--calls", type=int, default=20, help="back-to-back calls captured in one graph")
+    p.add_argument("--replays", type=int, default=5, help="timed replays (median reported)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    return p.parse_args(argv)
+
+
+def graph_ms(fns: list[Callable[[], object]], calls: int, replays: int) -> float:
+    """Median ms per call of a captured graph of `calls` calls, cycling through fns (warm-up runs first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles the kernels before the capture, as CapturedFunction does
+        for fn in fns[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def copies_for(nbytes: int) -> int:
+    """Weight copies whose calls together read >= L2_DEFEAT_BYTES (at least 2)."""
+    return max(2, -(-L2_DEFEAT_BYTES // nbytes))
+
+
+def measure_shape(n: int, k: int, ms: list[int], bits_list: list[int], args, device: torch.device) -> list[dict]:
+    """Rows {M, bf16_ms, int8_ms, int8_err, ...} for one weight shape."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+             for _ in range(copies_for(n * k * 2))]
+    quant: dict[int, list[QuantizedWeight]] = {}
+    for bits in bits_list:
+        one = n * k * bits // 8
+        quant[bits] = [quantize_weight(dense[i % len(dense)], bits) for i in range(copies_for(one))]
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+        row: dict = {"N": n, "K": k, "M": m}
+        row["bf16_ms"] = graph_ms([lambda w=w: F.linear(x, w) for w in dense], args.calls, args.replays)
+        for bits in bits_list:
+            ws = quant[bits]
+            key = f"int{bits}"
+            try:
+                cfg = int8_matmul.choose_config(m, n, k, bits, ws[0].group_size, torch.cuda.get_device_properties(
+                    device).multi_processor_count)
+                row[f"{key}_config"] = cfg.__dict__
+                ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
+                got = int8_matmul.matmul(x, ws[0].qweight, ws[0].scales, bits=bits).float()
+                row[f"{key}_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+                row[f"{key}_ms"] = graph_ms([lambda w=w: int8_matmul.matmul(x, w.qweight, w.scales, bits=bits)
+                                             for w in ws], args.calls, args.replays)
+                row[f"{key}_ratio"] = row[f"{key}_ms"] / row["bf16_ms"]
+            except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
+                row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if not int8_matmul.available(device):
+        raise SystemExit(f"the Triton kernels cannot run on {device} (CUDA device of capability >= 8.0 and "
+                         "the triton package needed)")
+    ms = [int(v) for v in args.ms.split(",")]
+    bits_list = [int(v) for v in args.bits.split(",")]
+    rows = []
+    with torch.inference_mode():
+        for name, n, k in SHAPES:
+            for row in measure_shape(n, k, ms, bits_list, args, device):
+                rows.append({"shape": name, **row})
+                torch.cuda.empty_cache()
+    hw = common.hardware(args.device, "bfloat16", None)
+    data = {"command": common.command_line("bench.int8_kernel"), "date": common.now_utc(), "hardware": hw,
+            "calls_per_graph": args.calls, "replays": args.replays, "rows": rows}
+    headers = ["shape", "N", "K", "M", "bf16 ms"]
+    for bits in bits_list:
+        headers += [f"int{bits} ms", f"int{bits}/bf16", f"int{bits} err"]
+    table = []
+    for r in rows:
+        line = [r["shape"], r["N"], r["K"], r["M"], _fmt(r["bf16_ms"], ".4f")]
+        for bits in bits_list:
+            key = f"int{bits}"
+            line += [_fmt(r.get(f"{key}_ms"), ".4f"), _fmt(r.get(f"{key}_ratio"), ".2f"),
+                     _fmt(r.get(f"{key}_err"), ".1e") if f"{key}_error" not in r else "FAILED"]
+        table.append(line)
+    failures = [f"- {r['shape']} M={r['M']} int{b}: {r[f'int{b}_error']}" for r in rows for b in bits_list
+                if f"int{b}_error" in r]
+    md = [f"# Weight-only matmul kernels: {hw.get('gpu', hw['cpu_model'])}", "",
+          f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
+          f"Each time: ms per call, median of {args.replays} replays of a CUDA graph of {args.calls} calls over "
+          "weight copies that total >= 256 MiB (no L2 reuse between calls). err: max |kernel - F.linear(x, q * s)| "
+          "/ max |F.linear(x, q * s)|, bf16 output.", "", common.md_table(headers, table)]
+    if failures:
+        md += ["", "Failures:", *failures]
+    common.write_outputs(args.out_dir, f"int8-kernel-{common.hardware_tag(hw)}", data, "\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

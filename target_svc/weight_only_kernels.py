@@ -1,0 +1,153 @@
+"""Triton kernels of the weight-only matmul y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W stored as int8 or int4.
+
+Imported only where Triton is installed (target_svc/int8_matmul.py imports it lazily); the launch logic and the
+choice of tile sizes live there. With a decode or verify step M is small (1 to a few hundred rows), so reading
+W dominates: each weight tile is loaded once per M tile, widened to x's dtype in registers and fed to tl.dot,
+accumulating in float32.
+
+Weight formats (see target_svc/quantization.py):
+- BITS=8: q int8 [N, K], scales [N]; the per-row scale commutes with the sum over K, so it is applied once to
+  the float32 accumulator in the epilogue.
+- BITS=4: q uint8 [N, K // 2], two values per byte (even k in the low nibble), each stored + 8; scales
+  [N, K // GROUP]. A K tile never straddles a group (BLOCK_K divides GROUP): its integer dot is scaled by the
+  group's scale as it is added to the accumulator.
+
+Either way the integer weights enter the dot exactly (|q| <= 127 is exact in bf16 and fp16), so the result is
+the float32 sum of x * q * s, rounded once to x's dtype.
+
+SPLIT_K > 1 splits the K loop over grid axis 1; each split writes its float32 partial sums to a workspace
+[SPLIT_K, M, N] and `splitk_reduce_kernel` adds them in a fixed order (deterministic, unlike atomics).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _offset_binary_to(u, ZERO: tl.constexpr, dtype: tl.constexpr):
+    """u - ZERO in dtype, exactly, for int32 u in [0, 256).
+
+    Built with integer ops and one float add rather than int->float conversion instructions, which run at a
+    fraction of the ALU rate and would bound the kernel: the float32 with bits 0x4B000000 | u is 2^23 + u.
+    """
+    f = (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
+    if dtype == tl.bfloat16:
+        # An integer below 2^8 in magnitude has at most 8 significant bits: its bf16 is the float32's top half.
+        return (f.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return f.to(dtype)
+
+
+@triton.jit
+def _weight_tile(q_ptr, offs_n, k0, N, K, stride_qn, dtype: tl.constexpr, BITS: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The integer weights q[offs_n, k0 : k0 + BLOCK_K] in dtype ([BLOCK_N, BLOCK_K], exact: |q| <= 127); rows
+    >= N and columns >= K read as 0."""
+    n_mask = offs_n[:, None] < N
+    if BITS == 8:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            mask = n_mask
+        else:
+            mask = n_mask & (offs_k[None, :] < K)
+        q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask, other=0)
+        return _offset_binary_to(q.to(tl.int32) + 128, 128, dtype)
+    else:
+        # K is a multiple of BLOCK_K for int4 (checked by the launcher): no mask along K.
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], mask=n_mask, other=0x88)
+        low = _offset_binary_to((packed & 0xF).to(tl.int32), 8, dtype)
+        high = _offset_binary_to((packed >> 4).to(tl.int32), 8, dtype)
+        return tl.interleave(low, high)  # k = 2j from the low nibble of byte j, 2j + 1 from the high one
+
+
+@triton.jit
+def _epilogue(acc, s_ptr, bias_ptr, offs_n, N, BITS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BM, BN] float32 sums over all of K -> times the int8 row scales (int4 sums were scaled per group),
+    plus the bias, in float32."""
+    n_ok = offs_n < N
+    if BITS == 8:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)[None, :]
+    return acc
+
+
+# M changes with every batch and tree size: not specialised on (M == 1, M % 16 == 0), so one compile serves all M.
+@triton.jit(do_not_specialize=["M"])
+def weight_only_matmul_kernel(
+    x_ptr, q_ptr, s_ptr, bias_ptr, dst_ptr,
+    M, N, K, stride_xm, stride_qn, stride_sn, stride_dm,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] output tile over one K split. SPLIT_K == 1: the finished output (scale, bias, cast
+    to dst's dtype) in dst [M, N]; else the float32 partial sums in dst [SPLIT_K, M, N] (contiguous)."""
+    pid_mn = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # M tiles of one N tile are neighbours in launch order, so a weight tile read by one is still in L2 for the
+    # others.
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid_mn % num_m
+    pid_n = pid_mn // num_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m[:, None] < M
+
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = pid_k * k_per_split
+    k_stop = tl.minimum(K, k_begin + k_per_split)
+    # SWAP_AB computes the transposed tile W x^T: the weight is the dot's left operand, whose rows fill the MMA's
+    # large dimension when M is only a few rows.
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x_mask = m_mask
+        else:
+            x_mask = m_mask & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+        w = _weight_tile(q_ptr, offs_n, k0, N, K, stride_qn, x_ptr.dtype.element_ty, BITS, EVEN_K, BLOCK_K)
+        if BITS == 8:
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            # The tile lies in one scale group (BLOCK_K divides GROUP): its exact integer sums times the scale.
+            s = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP, mask=offs_n < N, other=0).to(tl.float32)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x)) * s[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w)) * s[None, :]
+    if SWAP_AB:
+        acc = tl.trans(acc)
+
+    out_mask = m_mask & (offs_n[None, :] < N)
+    if SPLIT_K == 1:
+        y = _epilogue(acc, s_ptr, bias_ptr, offs_n, N, BITS, HAS_BIAS)
+        tl.store(dst_ptr + offs_m[:, None] * stride_dm + offs_n[None, :], y.to(dst_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        tl.store(dst_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def splitk_reduce_kernel(
+    ws_ptr, s_ptr, bias_ptr, out_ptr, M, N, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[m, n-block] = epilogue(sum over the splits of ws[:, m, n-block]), the splits added in order."""
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    for p in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + (p * M + m) * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+    y = _epilogue(acc, s_ptr, bias_ptr, offs_n, N, BITS, HAS_BIAS)
+    tl.store(out_ptr + m * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])

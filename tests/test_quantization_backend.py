@@ -1,0 +1,163 @@
+"""Which matmul backend runs the quantized projections, and the pure parts of the Triton launcher
+(target_svc/int8_matmul.py): what the kernels accept and the tile sizes they are given. CI has neither a GPU nor
+Triton, so the kernels themselves run here only under Triton's interpreter, when Triton is installed."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from target_svc import int8_matmul
+from target_svc.int8_matmul import TileConfig, choose_config, supports
+from target_svc.quantization import (
+    INT8_MATMUL_ENV,
+    int4_linear,
+    int8_linear,
+    int8_matmul_backend,
+    quantize_int4_groupwise,
+    quantize_per_channel,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- backend selection ------------------------------------------------------------------------------------------
+
+def _pretend_cuda(monkeypatch, capability=(9, 0), triton: bool = True) -> None:
+    """A CUDA device of `capability` and Triton present or not, as available() sees them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if triton else None) if name == "triton" else real(name, *a))
+
+
+def test_the_triton_kernels_are_never_available_on_a_cpu():
+    assert not int8_matmul.available("cpu")
+    assert int8_matmul_backend("cpu") == "int8pack"  # unchanged: torch's CPU kernel
+
+
+def test_cuda_with_triton_chooses_the_triton_backend(monkeypatch):
+    monkeypatch.delenv(INT8_MATMUL_ENV, raising=False)
+    _pretend_cuda(monkeypatch)
+    assert int8_matmul.available("cuda") and int8_matmul_backend("cuda") == "triton"
+
+
+@pytest.mark.parametrize("capability, triton", [((9, 0), False), ((7, 5), True)])
+def test_cuda_without_triton_or_without_bf16_dots_does_not_choose_triton(monkeypatch, capability, triton):
+    monkeypatch.delenv(INT8_MATMUL_ENV, raising=False)
+    _pretend_cuda(monkeypatch, capability, triton)
+    assert not int8_matmul.available("cuda")
+    assert int8_matmul_backend("cuda") in ("int8pack", "dequant")
+
+
+def test_the_environment_forces_a_backend_and_refuses_what_cannot_run(monkeypatch):
+    monkeypatch.setenv(INT8_MATMUL_ENV, "dequant")
+    assert int8_matmul_backend("cpu") == "dequant"
+    monkeypatch.setenv(INT8_MATMUL_ENV, "int8pack")
+    _pretend_cuda(monkeypatch)
+    assert int8_matmul_backend("cuda") == "int8pack"  # forced even where Triton would be chosen
+    monkeypatch.setenv(INT8_MATMUL_ENV, "triton")
+    assert int8_matmul_backend("cuda") == "triton"
+    with pytest.raises(RuntimeError, match="cannot run on cpu"):
+        int8_matmul_backend("cpu")
+    monkeypatch.setenv(INT8_MATMUL_ENV, "fast")
+    with pytest.raises(ValueError, match="one of auto, triton, int8pack, dequant"):
+        int8_matmul_backend("cpu")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_triton_backend_dequantizes_what_the_kernels_do_not_take(bits):
+    """float32 activations (a float32 model on CUDA, or any CPU model) go through the dequantized weight."""
+    w = torch.randn(48, 256)
+    q = quantize_per_channel(w) if bits == 8 else quantize_int4_groupwise(w)
+    x, b = torch.randn(3, 256), torch.randn(48)
+    fn = int8_linear if bits == 8 else int4_linear
+    torch.testing.assert_close(fn(x, q, b, backend="triton"), F.linear(x, q.dequantize(), b))
+
+
+# ---- what the kernels take, and their tiles ---------------------------------------------------------------------
+
+def test_the_kernels_take_16_bit_activations_and_int4_groups_of_at_least_16_columns():
+    x = torch.empty(2, 256, dtype=torch.bfloat16)
+    assert supports(x, 8, 256) and supports(x.half(), 8, 256)
+    assert not supports(x.float(), 8, 256) and not supports(x, 8, 128)
+    assert supports(x, 4, 256, 128) and supports(x, 4, 256, 16)
+    assert not supports(x, 4, 256, 8) and not supports(x, 4, 256, 96)
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+SHAPES = [(4096, 4096), (1024, 4096), (6144, 4096), (24576, 4096), (4096, 12288), (17408, 5120), (48, 256)]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_tiles_are_valid_triton_blocks_for_every_row_count(n, k, bits):
+    group = 128 if k % 128 == 0 else 64
+    for m in list(range(1, 70)) + [130, 260, 520, 1000, 4096]:
+        cfg = choose_config(m, n, k, bits, group)
+        assert all(_is_pow2(v) for v in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps))
+        assert cfg.block_m >= 16 and cfg.block_n >= 16 and cfg.block_k >= 16  # tl.dot's smallest tile
+        assert cfg.num_stages >= 2
+        if bits == 4:
+            assert group % cfg.block_k == 0  # a K tile never straddles a scale group
+        k_steps = -(-k // cfg.block_k)
+        assert cfg.split_k <= k_steps  # every split has K to sum
+
+
+def test_tiles_depend_on_the_row_bucket_not_on_each_row_count():
+    """Padded graph buckets and eager calls of nearby sizes share compiled kernels."""
+    assert len({choose_config(m, 4096, 4096) for m in range(1, 17)}) == 1
+    assert len({choose_config(m, 24576, 4096) for m in range(33, 65)}) == 1
+
+
+def test_an_explicit_tile_config_is_a_frozen_value():
+    cfg = TileConfig(16, 64, 128, 2)
+    assert cfg == TileConfig(16, 64, 128, 2) and hash(cfg) == hash(TileConfig(16, 64, 128, 2))
+    with pytest.raises(AttributeError):
+        cfg.block_m = 32
+
+
+# ---- the kernels under Triton's interpreter (where Triton is installed; never in CI) -----------------------------
+
+INTERPRETED = """
+import itertools, torch
+from target_svc import int8_matmul as im
+from target_svc.quantization import quantize_int4_groupwise, quantize_per_channel
+torch.manual_seed(0)
+configs = [None, im.TileConfig(16, 32, 64, 1, False, 4, 2), im.TileConfig(16, 16, 32, 3, True, 4, 2),
+           im.TileConfig(64, 32, 64, 2, False, 4, 2)]
+for (m, n, k), cfg, bits, bias in itertools.product([(1, 40, 96), (3, 33, 128), (65, 50, 256)], configs, (8, 4),
+                                                    (False, True)):
+    w = torch.randn(n, k) * 0.05
+    q = quantize_per_channel(w, torch.float16) if bits == 8 else quantize_int4_groupwise(w, torch.float16)
+    if bits == 4 and cfg is not None:
+        cfg = im.TileConfig(cfg.block_m, cfg.block_n, min(cfg.block_k, q.group_size), cfg.split_k, cfg.swap_ab,
+                            cfg.num_warps, cfg.num_stages)
+    x = torch.randn(m, k).half()
+    b = torch.randn(n).half() if bias else None
+    y = im.matmul(x, q.qweight, q.scales, b, bits, cfg).float()
+    ref = torch.nn.functional.linear(x.float(), q.dequantize().float(), None if b is None else b.float())
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-2, (m, n, k, cfg, bits, bias, err)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+def test_the_kernels_under_tritons_interpreter_equal_the_dequantized_reference_in_fp16():
+    """fp16 only: Triton 3.6's interpreter multiplies bf16 dot operands as raw bits (the GPU tests cover bf16)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
