@@ -21,8 +21,8 @@ for s in $SECTIONS; do
   echo "== $s $(date -u +%T)"
   case $s in
     tests)
-      timeout 150 python3 -m pytest -q tests/test_gpu.py tests/test_gdn_kernels.py \
-        -k "graph or padded_batch or float32_runners or fla" > "$R/gpu-tests.log" 2>&1
+      timeout 200 python3 -m pytest -q tests/test_gpu.py tests/test_gdn_kernels.py \
+        -k "graph or padded_batch or float32_runners or fla or triton" > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests.log" | head -20 ;;
     8b)
       timeout 170 python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --work-dir /tmp/w8 \
