@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -58,42 +57,39 @@ def supports(x: Tensor, bits: int, in_features: int, group: int = 0) -> bool:
     return bits == 8
 
 
-def _pow2_at_least(n: int, lo: int) -> int:
-    return max(lo, 1 << max(0, n - 1).bit_length())
+# Row buckets -> (BLOCK_M, BLOCK_N, BLOCK_K), from sweeps on an H200 (torch 2.11, Triton 3.6) over the Qwen3-8B
+# and Qwen3.6-27B projection shapes, each call inside a CUDA graph: one M tile per N tile up to 128 rows, so each
+# weight tile is read and widened once; narrow N tiles for few rows (more programs in flight to pull the weight
+# through); the plain x W^T dot won over the swapped one, 3 stages and 4 warps were best or within a few %.
+_BUCKETS = ((16, (16, 64, 128)), (32, (32, 64, 128)), (64, (64, 128, 64)), (128, (128, 64, 64)))
+_BEYOND = (64, 128, 64)  # more rows: several M tiles per N tile, the weight re-read from L2
+# K is split while the programs stay under this many per SM: a projection with few output tiles (o_proj, down
+# at 4096 columns) then still spreads its weight read over every SM (about 2x faster there), while one with many
+# (gate_up at 24576) loses to the split's extra reduction pass.
+_PROGRAMS_PER_SM = 5
+_MAX_SPLIT = 4  # the sweeps went no further
+_MIN_K_STEPS_PER_SPLIT = 4
 
 
 def choose_config(m: int, n: int, k: int, bits: int = 8, group: int = 0, num_sms: int = 132) -> TileConfig:
-    """Tile sizes for an [m, k] x [k, n] product (pure; M-bucketed rather than autotuned).
-
-    Few rows: the weight read is the whole cost, so tiles are narrow in N (many programs in flight on every SM)
-    and the weight is the dot's left operand (swap_ab); when N alone gives too few programs, K is split too.
-    More rows: square-ish tiles, one M tile per N tile up to 64 rows, so each weight byte is read once.
-    """
-    block_k = 256 if bits == 8 else 128
+    """Tile sizes for an [m, k] x [k, n] product: a pure function of the row bucket and the shape (no autotuning,
+    so a captured graph replays exactly what its warm-up compiled). int4 tiles fit inside a scale group."""
+    block_m, block_n, block_k = next((tiles for top, tiles in _BUCKETS if m <= top), _BEYOND)
     if bits == 4:
         block_k = min(block_k, group)
-    if m <= 16:
-        cfg = TileConfig(block_m=16, block_n=32, block_k=block_k, swap_ab=True, num_warps=4, num_stages=4)
-    elif m <= 32:
-        cfg = TileConfig(block_m=32, block_n=64, block_k=block_k, swap_ab=True, num_warps=4, num_stages=4)
-    elif m <= 64:
-        cfg = TileConfig(block_m=64, block_n=64, block_k=min(block_k, 128), num_warps=4, num_stages=4)
-    else:
-        cfg = TileConfig(block_m=64, block_n=128, block_k=min(block_k, 128), num_warps=8, num_stages=3)
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    k_steps = -(-k // cfg.block_k)
+    tiles = -(-m // block_m) * -(-n // block_n)
+    k_steps = -(-k // block_k)
     split = 1
-    # Split K until there are about two programs per SM, keeping at least 4 K steps per split.
-    while tiles * split * 2 <= 2 * num_sms and k_steps // (split * 2) >= 4:
+    while (split < _MAX_SPLIT and tiles * split * 2 <= _PROGRAMS_PER_SM * num_sms
+           and k_steps // (split * 2) >= _MIN_K_STEPS_PER_SPLIT):
         split *= 2
-    return TileConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.swap_ab, cfg.num_warps, cfg.num_stages)
+    return TileConfig(block_m, block_n, block_k, split, swap_ab=False, num_warps=4, num_stages=3)
 
 
-@lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the Triton interpreter (tests on a CPU): any count will do
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count  # torch caches the properties
 
 
 def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None, bits: int = 8,
@@ -113,14 +109,16 @@ def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = Non
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
-    if max(m * k, n * k, m * n) > _MAX_ELEMENTS:
-        raise ValueError(f"weight-only matmul of [{m}, {k}] x [{n}, {k}] exceeds int32 offsets")
-    if qweight.stride(-1) != 1:
-        qweight = qweight.contiguous()
+    # The kernels index rows by stride and everything else densely (no-ops for the usual contiguous tensors and
+    # row slices of fused weights).
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    bias = None if bias is None else bias.contiguous()
     group = k // scales.shape[1] if bits == 4 else 0
-    if scales.dim() == 2 and scales.stride(-1) != 1:
-        scales = scales.contiguous()
     cfg = config or choose_config(m, n, k, bits, group, _num_sms(x.device))
+    if bits == 4 and (group % cfg.block_k or k % group):
+        raise ValueError(f"int4 tiles must sit inside a scale group: K {k}, group {group}, BLOCK_K {cfg.block_k}")
+    if max(m * k, n * k, cfg.split_k * m * n) > _MAX_ELEMENTS:
+        raise ValueError(f"weight-only matmul of [{m}, {k}] x [{n}, {k}] exceeds int32 offsets")
     dst = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.split_k)
     has_bias = bias is not None

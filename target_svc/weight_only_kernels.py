@@ -9,11 +9,8 @@ Weight formats (see target_svc/quantization.py):
 - BITS=8: q int8 [N, K], scales [N]; the per-row scale commutes with the sum over K, so it is applied once to
   the float32 accumulator in the epilogue.
 - BITS=4: q uint8 [N, K // 2], two values per byte (even k in the low nibble), each stored + 8; scales
-  [N, K // GROUP]. A K tile never straddles a group (BLOCK_K divides GROUP): its integer dot is scaled by the
-  group's scale as it is added to the accumulator.
-
-Either way the integer weights enter the dot exactly (|q| <= 127 is exact in bf16 and fp16), so the result is
-the float32 sum of x * q * s, rounded once to x's dtype.
+  [N, K // GROUP]. A K tile never straddles a group (BLOCK_K divides GROUP), and its weights enter the dot as the
+  reference dequantizes them: (q * s) rounded to x's dtype.
 
 SPLIT_K > 1 splits the K loop over grid axis 1; each split writes its float32 partial sums to a workspace
 [SPLIT_K, M, N] and `splitk_reduce_kernel` adds them in a fixed order (deterministic, unlike atomics).
@@ -25,25 +22,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _offset_binary_to(u, ZERO: tl.constexpr, dtype: tl.constexpr):
-    """u - ZERO in dtype, exactly, for int32 u in [0, 256).
-
-    Built with integer ops and one float add rather than int->float conversion instructions, which run at a
-    fraction of the ALU rate and would bound the kernel: the float32 with bits 0x4B000000 | u is 2^23 + u.
-    """
-    f = (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
-    if dtype == tl.bfloat16:
-        # An integer below 2^8 in magnitude has at most 8 significant bits: its bf16 is the float32's top half.
-        return (f.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return f.to(dtype)
-
-
-@triton.jit
-def _weight_tile(q_ptr, offs_n, k0, N, K, stride_qn, dtype: tl.constexpr, BITS: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The integer weights q[offs_n, k0 : k0 + BLOCK_K] in dtype ([BLOCK_N, BLOCK_K], exact: |q| <= 127); rows
-    >= N and columns >= K read as 0."""
+def _weight_tile(q_ptr, s_ptr, offs_n, k0, N, K, stride_qn, stride_sn, dtype: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile W[offs_n, k0 : k0 + BLOCK_K] in dtype ([BLOCK_N, BLOCK_K]); rows >= N and columns >= K
+    read as 0. int8: the integers q themselves (exact), the row scale comes in the epilogue. int4: q * s rounded
+    to dtype, as the reference's dequantized weight."""
     n_mask = offs_n[:, None] < N
     if BITS == 8:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -52,19 +35,23 @@ def _weight_tile(q_ptr, offs_n, k0, N, K, stride_qn, dtype: tl.constexpr, BITS: 
         else:
             mask = n_mask & (offs_k[None, :] < K)
         q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask, other=0)
-        return _offset_binary_to(q.to(tl.int32) + 128, 128, dtype)
+        # Through float32: Triton's interpreter mis-casts int8 straight to bf16, and on the H200 this was faster
+        # than building the bf16 bits with integer ops.
+        return q.to(tl.float32).to(dtype)
     else:
-        # K is a multiple of BLOCK_K for int4 (checked by the launcher): no mask along K.
+        # K is a multiple of GROUP and GROUP of BLOCK_K (checked by the launcher): no mask along K.
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], mask=n_mask, other=0x88)
-        low = _offset_binary_to((packed & 0xF).to(tl.int32), 8, dtype)
-        high = _offset_binary_to((packed >> 4).to(tl.int32), 8, dtype)
-        return tl.interleave(low, high)  # k = 2j from the low nibble of byte j, 2j + 1 from the high one
+        packed = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], mask=n_mask, other=0)
+        low = (packed & 0xF).to(tl.int8) - 8
+        high = (packed >> 4).to(tl.int8) - 8
+        q = tl.interleave(low, high)  # [BLOCK_N, BLOCK_K]: k = 2j from the low nibble, 2j + 1 from the high one
+        s = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP, mask=offs_n < N, other=0).to(tl.float32)
+        return (q.to(tl.float32) * s[:, None]).to(dtype)
 
 
 @triton.jit
 def _epilogue(acc, s_ptr, bias_ptr, offs_n, N, BITS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """acc [BM, BN] float32 sums over all of K -> times the int8 row scales (int4 sums were scaled per group),
+    """acc [BM, BN] float32 sums over all of K -> times the int8 row scales (int4 tiles were scaled already),
     plus the bias, in float32."""
     n_ok = offs_n < N
     if BITS == 8:
@@ -112,19 +99,12 @@ def weight_only_matmul_kernel(
         else:
             x_mask = m_mask & (offs_k[None, :] < K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-        w = _weight_tile(q_ptr, offs_n, k0, N, K, stride_qn, x_ptr.dtype.element_ty, BITS, EVEN_K, BLOCK_K)
-        if BITS == 8:
-            if SWAP_AB:
-                acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+        w = _weight_tile(q_ptr, s_ptr, offs_n, k0, N, K, stride_qn, stride_sn, x_ptr.dtype.element_ty, BITS, GROUP,
+                         EVEN_K, BLOCK_K)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)
         else:
-            # The tile lies in one scale group (BLOCK_K divides GROUP): its exact integer sums times the scale.
-            s = tl.load(s_ptr + offs_n * stride_sn + k0 // GROUP, mask=offs_n < N, other=0).to(tl.float32)
-            if SWAP_AB:
-                acc += tl.dot(w, tl.trans(x)) * s[:, None]
-            else:
-                acc += tl.dot(x, tl.trans(w)) * s[None, :]
+            acc = tl.dot(x, tl.trans(w), acc)
     if SWAP_AB:
         acc = tl.trans(acc)
 
