@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind bench/results/h200.md. Sections (default: tests 8b speed8b report):
-#   tests      GPU equality tests (graphs == eager, Triton weight-only kernels == dequantized reference)
+#   tests      GPU equality tests (graphs == eager, Triton weight-only kernels == dequantized reference), the
+#              --gpu-memory-cap allocator bound
 #   testshyb   fla kernels == the PyTorch reference
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8)
 #   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8)
@@ -8,6 +9,11 @@
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27)
 #   int8       weight-only kernel microbench + int8/int4 step costs at the 8B shape (needs /tmp/w8)
 #   report     bench/results/h200.{md,json} from what the run produced
+#   fitbuild   the Qwen3.6-27B checkpoint with all 64 layers (builds /tmp/wfit: ~58 GB of a 64 GiB disk, so it
+#              removes /tmp/w8 and /tmp/w27 first)
+#   fit        that target, int8, capped at a 48 GB card (--gpu-memory-cap) through the three services: memory
+#              plan, peak memory, batch 1 and 8, ar == ddtree (builds /tmp/wfit when fitbuild has not; FIT_ARGS
+#              adds flags, e.g. FIT_ARGS=--lazy-graphs when capturing every graph bucket up front runs too long)
 # Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
 set -uo pipefail
 OUT=${1:?output directory}
@@ -22,7 +28,7 @@ for s in $SECTIONS; do
   echo "== $s $(date -u +%T)"
   case $s in
     tests)   # graphs == eager for the dense target and the drafter, the Triton weight-only kernels
-      timeout 120 python3 -m pytest -q tests/test_gpu.py -k "graph_steps or padded_batch or triton" \
+      timeout 120 python3 -m pytest -q tests/test_gpu.py -k "graph_steps or padded_batch or triton or memory_cap" \
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests.log" | head -20 ;;
     testshyb)   # fla kernels == the PyTorch reference, a hybrid runner with kernels on == off
@@ -57,11 +63,25 @@ for s in $SECTIONS; do
           --work-dir /tmp/w8 --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1
         grep "^|" "$R/step-cost-8b-$q.log" | head -6
       done ;;
+    fitbuild)   # the disk holds one big checkpoint: the 27B's ~54 GB of bf16 shards + its ~3.5 GB drafter
+      rm -rf /tmp/w8 /tmp/w27
+      df -h /tmp | tail -1
+      timeout 540 python3 -m bench.flagship_fit --work-dir /tmp/wfit --build-only > "$R/fit-build.log" 2>&1
+      tail -4 "$R/fit-build.log" ;;
+    fit)
+      rm -rf /tmp/w8 /tmp/w27
+      mkdir -p "$R/fit"
+      timeout 570 python3 -m bench.flagship_fit --work-dir /tmp/wfit --out-dir "$R/fit" --log-dir "$R/logs-fit" \
+        ${FIT_ARGS:-} > "$R/fit.log" 2>&1
+      grep -E "tok/s|memory plan|^FITS|^DOES|^INCOMPLETE|^SERVED|Error|error" "$R/fit.log" | tail -20 ;;
     report)
       HYB_STEP=$(ls "$R"/step-cost-qwen3.6-27b-*.json 2>/dev/null | head -1)
       HYB_SPEED=$(ls "$R"/hybrid/speed-calibrated-*.json 2>/dev/null | head -1)
-      python3 -m bench.h200_report --step-cost "$R"/step-cost-qwen3-8b-*.json --speed "$R"/speed-calibrated-*.json \
-        ${HYB_STEP:+--hybrid-step-cost "$HYB_STEP"} ${HYB_SPEED:+--hybrid-speed "$HYB_SPEED"} \
+      STEP8=$(ls "$R"/step-cost-qwen3-8b-*.json 2>/dev/null | head -1)
+      SPEED8=$(ls "$R"/speed-calibrated-*.json 2>/dev/null | head -1)
+      FIT=$(ls "$R"/fit/flagship-fit-*.json 2>/dev/null | head -1)
+      python3 -m bench.h200_report ${STEP8:+--step-cost "$STEP8"} ${SPEED8:+--speed "$SPEED8"} \
+        ${HYB_STEP:+--hybrid-step-cost "$HYB_STEP"} ${HYB_SPEED:+--hybrid-speed "$HYB_SPEED"} ${FIT:+--fit "$FIT"} \
         --out-dir "$R" > "$R/report.log" 2>&1
       tail -40 "$R/report.log" ;;
   esac

@@ -1,7 +1,8 @@
 """Assembles bench/results/h200.{md,json} (and a tokens/s-vs-budget plot) from one run's step-cost and speed files.
 
     python -m bench.h200_report --step-cost step-cost-qwen3-8b-*.json --speed speed-*.json \
-        [--hybrid-step-cost step-cost-qwen3.6-27b-*.json] [--hybrid-speed speed-hybrid-*.json] --out-dir bench/results
+        [--hybrid-step-cost step-cost-qwen3.6-27b-*.json] [--hybrid-speed speed-hybrid-*.json] \
+        [--fit flagship-fit-*.json] --out-dir bench/results
 
 Every figure is a ratio or a time from the files named; the report restates their commands, dates and GPU.
 """
@@ -114,10 +115,11 @@ def plot(speed: dict, path: Path) -> bool:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.h200_report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--step-cost", required=True)
+    p.add_argument("--step-cost", help="the Qwen3-8B step costs (the 8B figures; optional with --fit)")
     p.add_argument("--speed")
     p.add_argument("--hybrid-step-cost")
     p.add_argument("--hybrid-speed")
+    p.add_argument("--fit", help="bench.flagship_fit's JSON: the Qwen3.6-27B-within-48-GB figures (fit_*)")
     p.add_argument("--budget", type=int, default=None,
                    help="the budget the headline ratios use (default: the fastest measured budget per batch size)")
     p.add_argument("--note", action="append", default=[], help="a line for the report's Notes section")
@@ -125,9 +127,13 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     step, speed = _load(args.step_cost), _load(args.speed)
     hstep, hspeed = _load(args.hybrid_step_cost), _load(args.hybrid_speed)
-    data = {"date": step["date"], "gpu": step["hardware"].get("gpu"), "command": step["command"],
-            "commands": [x["command"] for x in (step, speed, hstep, hspeed) if x],
-            **summarize(step, speed, args.budget, "8b")}
+    fit = _load(args.fit)
+    first = step or fit
+    if first is None:
+        p.error("give --step-cost, --fit or both")
+    data = {"date": first["date"], "gpu": first["hardware"].get("gpu"), "command": first["command"],
+            "commands": [x["command"] for x in (step, speed, hstep, hspeed, fit) if x],
+            **(summarize(step, speed, args.budget, "8b") if step else {})}
     if hstep:
         h = summarize(hstep, hspeed, args.budget, "hybrid")
         data.update(h)
@@ -135,6 +141,10 @@ def main(argv=None) -> None:
         data["hybrid_floor_ms"] = h["gemv_floor_ms_hybrid"]
         data["hybrid_verify64_over_decode"] = h["verify64_over_decode_hybrid"]
         data["hybrid_ddtree_over_ar_b1"] = h.get("ddtree_over_ar_hybrid_b1")
+    if fit:
+        from bench.flagship_fit import headline
+
+        data.update(headline(fit))
     if speed and speed.get("calibration"):
         data["calibration"] = speed["calibration"]
     out = Path(args.out_dir)

@@ -77,20 +77,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(faster start; the first steps of each new shape then stall for the capture)")
 
 
+def target_config(args):
+    """The TargetServerConfig of parsed `target` arguments."""
+    from target_svc.server import TargetServerConfig
+
+    return TargetServerConfig(model_dir=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+                              max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes,
+                              prefill_chunk=args.prefill_chunk, enforce_eager=args.enforce_eager,
+                              lazy_graphs=args.lazy_graphs,
+                              allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s,
+                              quantize=args.quantize, gpu_memory_utilization=args.gpu_memory_utilization,
+                              kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_cap_gb=args.gpu_memory_cap)
+
+
 def cmd_target(args) -> None:
     from target_svc.memory_plan import MemoryPlanError
-    from target_svc.server import TargetServerConfig, serve
+    from target_svc.server import serve
 
     _setup_logging("target", args.log_level)
     _security(args)
     _set_threads(args.threads)
-    cfg = TargetServerConfig(model_dir=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                             max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes,
-                             prefill_chunk=args.prefill_chunk, enforce_eager=args.enforce_eager,
-                             lazy_graphs=args.lazy_graphs,
-                             allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s,
-                             quantize=args.quantize, gpu_memory_utilization=args.gpu_memory_utilization,
-                             kv_cache_memory_gb=args.kv_cache_memory)
+    cfg = target_config(args)
     try:
         asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection))
     except MemoryPlanError as exc:  # a configuration that cannot hold one sequence: one line, not a traceback
@@ -346,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=_float_in(0.0, lo_open=True), default=None, metavar="GB",
                    help="GiB for the KV cache and GDN states, given directly (overrides --gpu-memory-utilization; "
                         "enforced on CPU too)")
+    p.add_argument("--gpu-memory-cap", type=_float_in(0.0, lo_open=True), default=None, metavar="GB",
+                   help="CUDA only: GiB this target's allocator may hold, from before the weights load; the memory "
+                        "plan takes the cap as the card (--gpu-memory-utilization x cap - what the process holds). "
+                        "Emulates a smaller card on a larger one, or shares a card; refused on CPU and above the "
+                        "card's size")
     p.add_argument("--lease-s", type=float, default=60.0,
                    help="a sequence whose gateway has not been heard from for this long is freed")
     p.set_defaults(func=cmd_target)

@@ -10,14 +10,19 @@ The cache is one padded slot per sequence (docs/ARCHITECTURE.md), so its size is
 refuses when not even one sequence fits. On CUDA the budget is vLLM-style: --gpu-memory-utilization x the
 card's memory, minus what is in use once the weights are loaded, minus an activation workspace estimate;
 --kv-cache-memory gives the cache's bytes directly. The workspace is an estimate, not a profiled peak.
+--gpu-memory-cap makes the process a smaller card: torch's allocator may hold at most the cap, and the plan takes
+the cap as the card (utilization x cap - what this process holds).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 
 import torch
 
 from target_svc.gated_deltanet import LinearAttnStateShape
+
+log = logging.getLogger(__name__)
 
 GIB = 1024**3
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -143,10 +148,45 @@ def workspace_estimate(vocab_size: int, hidden_size: int, widest_projection: int
 def gpu_cache_budget(total_bytes: int, free_bytes: int, utilization: float) -> int:
     """vLLM-style: this process may use utilization x the card; what is in use now (weights, context, other
     processes) is already spent."""
+    return capped_cache_budget(total_bytes, total_bytes - free_bytes, utilization)
+
+
+def capped_cache_budget(cap_bytes: int, held_bytes: int, utilization: float) -> int:
+    """utilization x cap_bytes minus held_bytes: the cache budget of a card of cap_bytes on which held_bytes are
+    already spent (with --gpu-memory-cap: what this process's allocator holds, weights included)."""
     if not 0 < utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
-    used = total_bytes - free_bytes
-    return int(utilization * total_bytes) - used
+    return int(utilization * cap_bytes) - held_bytes
+
+
+def memory_cap_fraction(cap_bytes: int, card_bytes: int) -> float:
+    """The share of a card of card_bytes that a cap of cap_bytes is; MemoryPlanError unless 0 < cap <= card."""
+    if cap_bytes <= 0:
+        raise MemoryPlanError(f"--gpu-memory-cap must be > 0, got {human_bytes(cap_bytes)}")
+    if cap_bytes > card_bytes:
+        raise MemoryPlanError(f"--gpu-memory-cap {human_bytes(cap_bytes)} is larger than the card "
+                              f"({human_bytes(card_bytes)}); a cap can only make the card smaller")
+    return cap_bytes / card_bytes
+
+
+def cap_gpu_memory(device: torch.device, cap_bytes: int) -> float:
+    """Caps torch's CUDA allocator of this process on device at cap_bytes (set_per_process_memory_fraction);
+    returns the fraction. MemoryPlanError off CUDA or for a cap outside (0, card]."""
+    if device.type != "cuda":
+        # Refused, not ignored: the cap exists to bound memory, and silently serving unbounded on the CPU would
+        # let a configuration look like it fits a card when nothing was checked (vLLM also rejects GPU-only
+        # settings that cannot take effect rather than dropping them).
+        raise MemoryPlanError(f"--gpu-memory-cap needs a CUDA device; the target runs on {device} "
+                              "(on the CPU, --kv-cache-memory bounds the cache)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    card = torch.cuda.mem_get_info(index)[1]   # the total the allocator's fraction is taken of
+    fraction = memory_cap_fraction(cap_bytes, card)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    # The allocator's limit covers tensors, caches and graph pools, not the CUDA context and kernel images
+    # (a few hundred MiB on a real card of that size): the utilization's headroom is what covers them.
+    log.info("GPU memory capped at %s of cuda:%d's %s (fraction %.4f): the memory plan treats the cap as the card",
+             human_bytes(cap_bytes), index, human_bytes(card), fraction)
+    return fraction
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -14,9 +14,12 @@ from target_svc.loader import LoadedTarget, load_target
 from target_svc.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     MemoryPlan,
+    cap_gpu_memory,
+    capped_cache_budget,
     dtype_bytes,
     geometry_of,
     gpu_cache_budget,
+    human_bytes,
     plan_cache,
     workspace_estimate,
 )
@@ -44,6 +47,9 @@ class TargetConfig:
     # The cache is sized from memory (memory_plan.py): max_batch becomes min(max_batch, what fits).
     gpu_memory_utilization: float | None = None  # fraction of the card this target may use (CUDA; None: 0.9)
     kv_cache_memory_bytes: int | None = None     # the cache's bytes, given directly (any device; enforced)
+    # CUDA only: the allocator may hold at most this many bytes, and the plan takes it as the card's size (a
+    # smaller card emulated on a larger one, or a share of a card other processes also use).
+    gpu_memory_cap_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,8 @@ class _Tree:
 
 def plan_memory(target: LoadedTarget, cfg: TargetConfig, max_seq_len: int) -> MemoryPlan:
     """The cache plan for a loaded target: --kv-cache-memory if given, else on CUDA --gpu-memory-utilization of
-    the card minus what is in use, else (CPU) reported but not enforced. MemoryPlanError if one sequence won't fit."""
+    the card (or of --gpu-memory-cap) minus what is in use, else (CPU) reported but not enforced. MemoryPlanError if
+    one sequence won't fit."""
     weights = tensor_bytes(target.embed_tokens, target.layers, target.norm, target.lm_head)
     geometry = geometry_of(target)
     budget, workspace, source = None, 0, "unbounded"
@@ -119,9 +126,19 @@ def plan_memory(target: LoadedTarget, cfg: TargetConfig, max_seq_len: int) -> Me
         budget, source = cfg.kv_cache_memory_bytes, "--kv-cache-memory"
     elif target.device.type == "cuda":
         utilization = cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-        free, total = torch.cuda.mem_get_info(target.device)
-        budget = gpu_cache_budget(total, free, utilization)
-        source = f"--gpu-memory-utilization {utilization}"
+        # Blocks the load's temporaries (quantization) left in torch's cache are free to reuse, not in use.
+        torch.cuda.empty_cache()
+        if cfg.gpu_memory_cap_bytes is not None:
+            # What this process holds, not total - free: other processes on a shared card (the drafter of a
+            # one-GPU bench) are not on the card the cap stands for.
+            budget = capped_cache_budget(cfg.gpu_memory_cap_bytes, torch.cuda.memory_reserved(target.device),
+                                         utilization)
+            source = (f"--gpu-memory-utilization {utilization} of --gpu-memory-cap "
+                      f"{human_bytes(cfg.gpu_memory_cap_bytes)}")
+        else:
+            free, total = torch.cuda.mem_get_info(target.device)
+            budget = gpu_cache_budget(total, free, utilization)
+            source = f"--gpu-memory-utilization {utilization}"
         tc = target.text_config
         widest = max(getattr(tc, "intermediate_size", 4 * target.hidden_size), 2 * target.num_heads * target.head_dim)
         workspace = workspace_estimate(target.vocab_size, target.hidden_size, widest, dtype_bytes(target.dtype),
@@ -137,6 +154,9 @@ class TargetRunner:
         if cfg.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: whole prompts), got {cfg.prefill_chunk}")
         self.cfg = cfg
+        if cfg.gpu_memory_cap_bytes is not None:
+            # Before the weights load: loading is part of what must fit under the cap.
+            cap_gpu_memory(torch.device(cfg.device), cfg.gpu_memory_cap_bytes)
         self.target = load_target(cfg.model_dir, cfg.device, cfg.dtype, cfg.quantize)
         # Positions past the model's trained range are not served.
         self.max_seq_len = min(cfg.max_seq_len, self.target.max_position_embeddings)

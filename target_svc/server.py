@@ -39,6 +39,7 @@ class TargetServerConfig(ModelServiceConfig):
     quantize: str = "none"                   # "int8": weight-only int8 decoder projections
     gpu_memory_utilization: float | None = None   # CUDA: fraction of the card (None: 0.9)
     kv_cache_memory_gb: float | None = None       # GiB for the cache, given directly
+    gpu_memory_cap_gb: float | None = None        # CUDA: GiB this process's allocator may hold, taken as the card
 
 
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
@@ -64,7 +65,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                   lazy_graphs=self.cfg.lazy_graphs,
                                   gpu_memory_utilization=self.cfg.gpu_memory_utilization,
                                   kv_cache_memory_bytes=None if self.cfg.kv_cache_memory_gb is None
-                                  else int(self.cfg.kv_cache_memory_gb * GIB))
+                                  else int(self.cfg.kv_cache_memory_gb * GIB),
+                                  gpu_memory_cap_bytes=None if self.cfg.gpu_memory_cap_gb is None
+                                  else int(self.cfg.gpu_memory_cap_gb * GIB))
         await self.load_runner(TargetRunner, runner_cfg, self.cfg.device, f"target model {self.cfg.model_dir}")
         if self.metrics is not None:
             self.metrics.set_memory_plan(self.runner.memory)

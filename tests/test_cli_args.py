@@ -27,6 +27,9 @@ BAD_ARGS = {
     "up with a missing model directory": ["up", "--model", "/nonexistent/model", "--prompt", "hi"],
     "up with clashing ports": ["up", "--port", "50100", "--http-port", "50100"],
     "gateway port out of range": ["gateway", "--http-port", "70000"],
+    "zero gpu memory cap": ["target", "--model", "m", "--gpu-memory-cap", "0"],
+    "negative gpu memory cap": ["target", "--model", "m", "--gpu-memory-cap", "-48"],
+    "gpu memory cap not a number": ["target", "--model", "m", "--gpu-memory-cap", "48GB"],
 }
 
 
@@ -97,3 +100,21 @@ def test_top_p_and_top_k_reach_the_request():
 def test_the_default_budget_is_small_on_cpu_and_large_on_gpu():
     assert default_budget("cpu") == 16
     assert default_budget("cuda") == default_budget("cuda:1") == 64
+
+
+def test_the_gpu_memory_cap_reaches_the_target_config():
+    parser = cli.build_parser()
+    cfg = cli.target_config(parser.parse_args(["target", "--model", "m", "--device", "cuda", "--quantize", "int8",
+                                               "--gpu-memory-cap", "44.98828125"]))
+    assert cfg.gpu_memory_cap_gb == 44.98828125 and cfg.quantize == "int8" and cfg.device == "cuda"
+    assert cli.target_config(parser.parse_args(["target", "--model", "m"])).gpu_memory_cap_gb is None
+
+
+def test_a_gpu_memory_cap_on_the_cpu_exits_with_one_line(tmp_path, capsys):
+    # The refusal is the target's (MemoryPlanError before the weights load), printed as one line with exit 1.
+    with pytest.raises(SystemExit) as info:
+        cli.main(["target", "--model", str(tmp_path), "--port", "0", "--gpu-memory-cap", "48", "--log-level",
+                  "ERROR"])
+    err = capsys.readouterr().err
+    assert info.value.code == 1
+    assert err.strip().splitlines()[-1].startswith("ddtree-serve target: error: --gpu-memory-cap needs a CUDA device")

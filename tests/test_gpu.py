@@ -568,3 +568,25 @@ def test_cuda_quantized_target_runs_the_triton_kernels_and_greedy_is_the_same_gr
                              .next_token)
         outputs.append(generated)
     assert outputs[0] == outputs[1]
+
+
+def test_cuda_gpu_memory_cap_bounds_the_allocator_and_the_plan_takes_it_as_the_card(checkpoints):
+    from target_svc.memory_plan import GIB, MemoryPlanError
+
+    target_dir, _ = checkpoints("qwen3")
+    cap = 2 * GIB
+    try:
+        runner = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cuda", dtype=torch.bfloat16,
+                                           max_batch=4, max_seq_len=256, max_tree_nodes=16, enforce_eager=True,
+                                           gpu_memory_cap_bytes=cap))
+        plan = runner.memory
+        assert "--gpu-memory-cap 2.00 GiB" in plan.source and plan.max_batch == 4
+        # The budget is 0.9 x the cap minus what this process held after the weights loaded (<= the cap).
+        assert 0 < plan.budget_bytes <= int(0.9 * cap)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(cap, dtype=torch.uint8, device="cuda")   # more than the capped allocator may hold
+        with pytest.raises(MemoryPlanError, match="larger than the card"):
+            TargetRunner(TargetConfig(model_dir=str(target_dir), device="cuda",
+                                      gpu_memory_cap_bytes=torch.cuda.mem_get_info()[1] + GIB))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)   # the cap is process-wide: the other tests run uncapped

@@ -12,7 +12,10 @@ from target_svc.memory_plan import (
     GIB,
     CacheGeometry,
     MemoryPlanError,
+    cap_gpu_memory,
+    capped_cache_budget,
     gpu_cache_budget,
+    memory_cap_fraction,
     plan_cache,
     plan_for_config,
     qwen36_27b_plan_table,
@@ -72,6 +75,31 @@ def test_gpu_budget_is_the_utilized_share_of_the_card_minus_what_is_already_in_u
         gpu_cache_budget(100, 60, 1.5)
 
 
+def test_a_capped_budget_takes_the_cap_as_the_card_and_counts_only_this_process():
+    # A 48 GB card emulated on a larger one: 0.9 x the cap, minus what this process's allocator holds.
+    assert capped_cache_budget(cap_bytes=100, held_bytes=30, utilization=0.9) == 60
+    assert capped_cache_budget(CARD_48GB_BYTES, 28 * GIB, 0.9) == int(0.9 * CARD_48GB_BYTES) - 28 * GIB
+    # The uncapped budget is the same arithmetic with the whole card and everything in use on it.
+    assert gpu_cache_budget(100, 60, 0.9) == capped_cache_budget(100, 40, 0.9)
+    assert capped_cache_budget(100, 95, 0.9) < 0   # plan_cache then refuses
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        capped_cache_budget(100, 0, 0.0)
+
+
+def test_a_cap_is_a_share_of_the_card_and_never_larger_than_it():
+    assert memory_cap_fraction(CARD_48GB_BYTES, 141 * GIB) == pytest.approx(CARD_48GB_BYTES / (141 * GIB))
+    assert memory_cap_fraction(80 * GIB, 80 * GIB) == 1.0
+    for cap, message in ((81 * GIB, "larger than the card"), (0, "must be > 0"), (-GIB, "must be > 0")):
+        with pytest.raises(MemoryPlanError, match=message) as err:
+            memory_cap_fraction(cap, 80 * GIB)
+        assert "\n" not in str(err.value) and "--gpu-memory-cap" in str(err.value)
+
+
+def test_a_cap_off_cuda_is_refused_not_ignored():
+    with pytest.raises(MemoryPlanError, match="--gpu-memory-cap needs a CUDA device"):
+        cap_gpu_memory(torch.device("cpu"), 48 * GIB)
+
+
 # ---- the runner sized by its plan (CPU: only --kv-cache-memory is enforced) --------------------------------------
 
 def _cache_bytes(runner: TargetRunner) -> int:
@@ -104,6 +132,12 @@ def test_kv_cache_memory_short_of_one_sequence_refuses_to_start(checkpoints):
     with pytest.raises(MemoryPlanError, match="not enough memory for one sequence of --max-seq-len 64"):
         TargetRunner(TargetConfig(model_dir=str(target_dir), max_seq_len=64, max_tree_nodes=8,
                                   kv_cache_memory_bytes=1000))
+
+
+def test_a_target_given_a_gpu_memory_cap_on_the_cpu_refuses_before_loading(tmp_path):
+    # The model directory is empty: the refusal comes before any weights are read.
+    with pytest.raises(MemoryPlanError, match="needs a CUDA device"):
+        TargetRunner(TargetConfig(model_dir=str(tmp_path), gpu_memory_cap_bytes=48 * GIB))
 
 
 def test_int8_weights_shrink_the_planned_weight_bytes(checkpoints):

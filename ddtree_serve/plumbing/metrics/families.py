@@ -71,9 +71,19 @@ class _ServiceMetrics:
         self.gpu_memory_reserved = Gauge("ddtree_gpu_memory_reserved_bytes",
                                          "GPU memory reserved by torch's caching allocator.",
                                          ["model_name", "device"], registry=registry)
+        # Peaks since start (the allocator tracks them): what a card must hold, which a scrape's snapshot misses.
+        self.gpu_memory_peak_allocated = Gauge("ddtree_gpu_memory_peak_allocated_bytes",
+                                               "Peak GPU memory held by tensors of this process "
+                                               "(torch.cuda.max_memory_allocated).",
+                                               ["model_name", "device"], registry=registry)
+        self.gpu_memory_peak_reserved = Gauge("ddtree_gpu_memory_peak_reserved_bytes",
+                                              "Peak GPU memory reserved by torch's caching allocator "
+                                              "(torch.cuda.max_memory_reserved).",
+                                              ["model_name", "device"], registry=registry)
 
     def track_gpu_memory(self, device: Any) -> bool:
-        """Exports torch's allocated/reserved bytes for `device` at scrape time; False (no-op) unless it is CUDA."""
+        """Exports torch's allocated/reserved bytes (now and peak) for `device` at scrape time; False (no-op) unless
+        it is CUDA."""
         try:
             import torch
         except ImportError:  # the gateway image may run without torch
@@ -84,6 +94,10 @@ class _ServiceMetrics:
         label = str(dev)
         self.gpu_memory_allocated.labels(self.model_name, label).set_function(lambda: torch.cuda.memory_allocated(dev))
         self.gpu_memory_reserved.labels(self.model_name, label).set_function(lambda: torch.cuda.memory_reserved(dev))
+        self.gpu_memory_peak_allocated.labels(self.model_name, label).set_function(
+            lambda: torch.cuda.max_memory_allocated(dev))
+        self.gpu_memory_peak_reserved.labels(self.model_name, label).set_function(
+            lambda: torch.cuda.max_memory_reserved(dev))
         return True
 
 
