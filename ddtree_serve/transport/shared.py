@@ -14,6 +14,7 @@ from ddtree_serve.transport.push import PushSender
 from ddtree_serve.transport.shared_buffer import StagingBuffer, plan_pieces
 
 DEFAULT_STAGING_BYTES = 64 << 20   # a bigger push (a long prompt's rows) goes out in several
+READY_POLLS = 32                     # event-loop turns spent polling a staging copy before waiting on a thread
 
 
 @dataclass
@@ -79,6 +80,12 @@ class SharedBufferFeatureSender(PushSender):
             nbytes = sum(staging.write(p, rows[p.index]) for p in pieces)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
+        # A step's rows are a few hundred KB copied after the forward that made them has finished: the copy is
+        # usually done within a few event-loop turns, and polling then spares the thread hop of a blocking wait.
+        for _ in range(READY_POLLS):
+            if done.query():
+                return nbytes
+            await asyncio.sleep(0)
         await asyncio.to_thread(done.synchronize)   # off the event loop: the copy may queue behind a forward
         return nbytes
 
