@@ -51,13 +51,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """A one-message chat exactly as the gateway renders it (gateway/server.py _render_chat)."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return tokenizer(rendered, add_special_tokens=False).input_ids
-
-
 def eos_ids(model_dir: str, tokenizer) -> set[int]:
     import transformers
 
@@ -137,7 +130,7 @@ def main(argv=None) -> None:
     chain_acc, tree_acc, n_steps, n_tokens = 0, 0, 0, 0
     t_run = time.perf_counter()
     for i, p in enumerate(prompts):
-        tokens, steps = run_prompt(target, drafter, f"p{i}", chat_ids(tokenizer, p["text"]), args, eos)
+        tokens, steps = run_prompt(target, drafter, f"p{i}", common.chat_ids(tokenizer, p["text"]), args, eos)
         used = 0
         for start, lp, ids, accepted in steps:
             if start > args.max_tokens:  # this step's bonus lies past the measured window

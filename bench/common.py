@@ -69,6 +69,13 @@ def load_prompts(path: str | Path | None, limit: int | None, offset: int = 0) ->
     return prompts, source
 
 
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """A one-message chat exactly as the gateway renders it (gateway/server.py _render_chat)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False).input_ids
+
+
 def resolve_model(model: str | None) -> str:
     """The target directory: --model, else the default SmolLM2-135M-Instruct (converted once from the GGUF)."""
     if model:
