@@ -8,6 +8,7 @@
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27)
 #   int8       weight-only kernel microbench + int8/int4 step costs at the 8B shape (needs /tmp/w8)
+#   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     bench/results/h200.{md,json} from what the run produced
 #   fitbuild   the Qwen3.6-27B checkpoint with all 64 layers (builds /tmp/wfit: ~58 GB of a 64 GiB disk, so it
 #              removes /tmp/w8 and /tmp/w27 first)
@@ -74,6 +75,10 @@ for s in $SECTIONS; do
       timeout 570 python3 -m bench.flagship_fit --work-dir /tmp/wfit --out-dir "$R/fit" --log-dir "$R/logs-fit" \
         ${FIT_ARGS:-} > "$R/fit.log" 2>&1
       grep -E "tok/s|memory plan|^FITS|^DOES|^INCOMPLETE|^SERVED|Error|error" "$R/fit.log" | tail -20 ;;
+    quality)   # the issue's check: int8 perplexity within 2 % of bf16's, DDTree-64 tau within 5 %
+      timeout 580 python3 -m bench.quant_quality --device cuda --dtype bfloat16 --num-prompts 0 --max-tokens 256 \
+        --quantize ${QUANTS_QUALITY:-int8} --out-dir "$R" > "$R/quant-quality.log" 2>&1
+      tail -6 "$R/quant-quality.log" ;;
     report)
       HYB_STEP=$(ls "$R"/step-cost-qwen3.6-27b-*.json 2>/dev/null | head -1)
       HYB_SPEED=$(ls "$R"/hybrid/speed-calibrated-*.json 2>/dev/null | head -1)
