@@ -1,5 +1,6 @@
 """--quantize int8: the quantizer, QuantizedLinear, the fused dense path, freed memory, and greedy decoding of the
-quantized target equal to transformers running the dequantized weights (lossless w.r.t. the target as served)."""
+quantized (int8 and int4) target equal to transformers running the dequantized weights (lossless w.r.t. the target
+as served)."""
 from __future__ import annotations
 
 import pytest
@@ -135,30 +136,32 @@ def test_an_unknown_quantize_mode_is_refused(checkpoints):
 
 # ---- lossless with respect to the quantized target ---------------------------------------------------------------
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_int8_greedy_decoding_equals_transformers_with_the_dequantized_weights(kind, checkpoints):
+def test_quantized_greedy_decoding_equals_transformers_with_the_dequantized_weights(kind, mode, checkpoints):
     target_dir, _ = checkpoints(kind)
     runner = TargetRunner(TargetConfig(model_dir=str(target_dir), max_batch=2, max_seq_len=128, max_tree_nodes=16,
-                                       quantize="int8"))
+                                       quantize=mode))
     prompt = prompts_for(target_dir, [13], seed=3)[0]
     generated = [runner.prefill([PrefillItem("s", prompt, SamplingParams())])[0].next_token]
     while len(generated) < 40:
         out = runner.verify([VerifyItem("s", torch.tensor([generated[-1]]), torch.tensor([-1]))])[0]
         generated.append(out.next_token)
-    expected = reference_greedy(target_dir, prompt, 40, quantize="int8")
+    expected = reference_greedy(target_dir, prompt, 40, quantize=mode)
     assert generated == expected
-    # The int8 model is a different model: on this prompt its greedy output departs from the float one, so the
-    # equality above could not hold by accident of an unquantized forward.
+    # The quantized model is a different model: on this prompt its greedy output departs from the float one, so
+    # the equality above could not hold by accident of an unquantized forward.
     assert expected != reference_greedy(target_dir, prompt, 40)
 
 
-def test_a_chain_verified_against_the_quantized_target_is_accepted_whole(checkpoints):
-    """Drafts equal to the quantized model's own greedy continuation are all accepted (trees verify on int8 too)."""
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_chain_verified_against_the_quantized_target_is_accepted_whole(mode, checkpoints):
+    """Drafts equal to the quantized model's own greedy continuation are all accepted (trees verify on it too)."""
     target_dir, _ = checkpoints("qwen3_5")
     runner = TargetRunner(TargetConfig(model_dir=str(target_dir), max_batch=2, max_seq_len=128, max_tree_nodes=16,
-                                       quantize="int8"))
+                                       quantize=mode))
     prompt = prompts_for(target_dir, [9], seed=5)[0]
-    truth = reference_greedy(target_dir, prompt, 12, quantize="int8")
+    truth = reference_greedy(target_dir, prompt, 12, quantize=mode)
     first = runner.prefill([PrefillItem("s", prompt, SamplingParams())])[0].next_token
     assert first == truth[0]
     out = runner.verify([VerifyItem("s", torch.tensor(truth[:8]), torch.arange(8) - 1)])[0]

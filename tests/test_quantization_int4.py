@@ -1,5 +1,5 @@
 """--quantize int4: the packing, the group-wise quantizer, QuantizedLinear and the fused dense path on int4 weights,
-freed memory, and greedy decoding of the int4 target equal to transformers running its dequantized weights."""
+and freed memory (lossless decoding of the int4 target: tests/test_quantization.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree_serve.decoding.config import SamplingParams
 from target_svc.dense_layers import fusable
 from target_svc.loader import load_target
 from target_svc.memory_plan import weight_bytes_of_config
@@ -21,8 +20,7 @@ from target_svc.quantization import (
     tensor_bytes,
     unpack_int4,
 )
-from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
-from tests.conftest import prompts_for, reference_greedy
+from tests.conftest import prompts_for
 
 KINDS = ("qwen3", "llama", "qwen3_5")
 
@@ -135,32 +133,5 @@ def test_the_fused_dense_path_runs_on_fused_int4_weights_that_the_modules_view(c
                                atol=1e-4, rtol=1e-4)
 
 
-# ---- lossless with respect to the int4 target -------------------------------------------------------------------
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_int4_greedy_decoding_equals_transformers_with_the_dequantized_weights(kind, checkpoints):
-    target_dir, _ = checkpoints(kind)
-    runner = TargetRunner(TargetConfig(model_dir=str(target_dir), max_batch=2, max_seq_len=128, max_tree_nodes=16,
-                                       quantize="int4"))
-    prompt = prompts_for(target_dir, [13], seed=3)[0]
-    generated = [runner.prefill([PrefillItem("s", prompt, SamplingParams())])[0].next_token]
-    while len(generated) < 40:
-        out = runner.verify([VerifyItem("s", torch.tensor([generated[-1]]), torch.tensor([-1]))])[0]
-        generated.append(out.next_token)
-    expected = reference_greedy(target_dir, prompt, 40, quantize="int4")
-    assert generated == expected
-    # The int4 model is a different model: its greedy output departs from the float one's on this prompt.
-    assert expected != reference_greedy(target_dir, prompt, 40)
-
-
-def test_a_chain_verified_against_the_int4_target_is_accepted_whole(checkpoints):
-    """Drafts equal to the int4 model's own greedy continuation are all accepted."""
-    target_dir, _ = checkpoints("qwen3_5")
-    runner = TargetRunner(TargetConfig(model_dir=str(target_dir), max_batch=2, max_seq_len=128, max_tree_nodes=16,
-                                       quantize="int4"))
-    prompt = prompts_for(target_dir, [9], seed=5)[0]
-    truth = reference_greedy(target_dir, prompt, 12, quantize="int4")
-    first = runner.prefill([PrefillItem("s", prompt, SamplingParams())])[0].next_token
-    assert first == truth[0]
-    out = runner.verify([VerifyItem("s", torch.tensor(truth[:8]), torch.arange(8) - 1)])[0]
-    assert out.accepted_tokens == truth[1:8] and out.next_token == truth[8]
+# Greedy decoding of the int4 target equal to transformers with its dequantized weights, and a chain accepted
+# whole: tests/test_quantization.py, parametrized over int8 and int4.
