@@ -19,7 +19,6 @@ Writes bench/results/calibration-profile-smollm2.{json,md} (or --out).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -99,10 +98,7 @@ def main(argv=None) -> None:
     from drafter_svc.runner import DrafterConfig, DrafterRunner
     from target_svc.runner import TargetConfig, TargetRunner
 
-    if args.threads is None and args.device == "cpu" and (os.cpu_count() or 1) <= 2:
-        args.threads = 1  # measured: a 65-node verify takes 0.23 s with 1 thread, 1-5 s with 2 on a busy 2-core box
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.threads = common.in_process_threads(args.device, args.threads)
     model, drafter_dir = common.resolve_model(args.model), common.resolve_drafter(args.drafter)
     prompts, source = common.load_prompts(args.prompts, args.num_prompts or None, args.offset)
     command, date = common.command_line("bench.calibration_profile"), common.now_utc()

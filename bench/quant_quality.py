@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import sys
 import time
 
@@ -169,10 +168,7 @@ def main(argv=None) -> None:
     bad = [m for m in modes if m not in QUANTIZE_MODES or m == "none"]
     if bad or not modes:
         raise SystemExit(f"--quantize: one or more of {', '.join(QUANTIZE_MODES[1:])}, got {args.quantize!r}")
-    if args.threads is None and args.device == "cpu" and (os.cpu_count() or 1) <= 2:
-        args.threads = 1  # as bench.calibration_profile: on a busy 2-core box a second thread slows the verify
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.threads = common.in_process_threads(args.device, args.threads)
     model, drafter_dir = common.resolve_model(args.model), common.resolve_drafter(args.drafter)
     prompts, source = common.load_prompts(args.prompts, args.num_prompts or None, args.offset)
     command, date = common.command_line("bench.quant_quality"), common.now_utc()

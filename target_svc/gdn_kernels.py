@@ -73,28 +73,26 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tens
         raise ValueError(f"state must be fp32 [{bsz}, {hv}, {dk}, {dv}], got {state.dtype} {tuple(state.shape)}")
 
 
+def _fla_delta_rule(kernel: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                    state: Tensor) -> tuple[Tensor, Tensor]:
+    """One of fla's gated delta rule kernels in our layout: q/k already l2-normed and scaled, natural-log g."""
+    _check(q, k, v, g, beta, state)
+    fn = getattr(importlib.import_module(_FLA_MODULE), kernel)
+    o, final = fn(q, k, v, g=g, beta=beta, scale=1.0, initial_state=state, output_final_state=True,
+                  use_qk_l2norm_in_kernel=False)
+    return o, final
+
+
 def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                          state: Tensor) -> tuple[Tensor, Tensor]:
     """fla's fused_recurrent_gated_delta_rule in our layout: one token at a time (decode steps, short chains)."""
-    _check(q, k, v, g, beta, state)
-    ops = importlib.import_module(_FLA_MODULE)
-    o, final = ops.fused_recurrent_gated_delta_rule(
-        q, k, v, g=g, beta=beta, scale=1.0, initial_state=state, output_final_state=True,
-        use_qk_l2norm_in_kernel=False,
-    )
-    return o, final
+    return _fla_delta_rule("fused_recurrent_gated_delta_rule", q, k, v, g, beta, state)
 
 
 def chunk_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                      state: Tensor) -> tuple[Tensor, Tensor]:
     """fla's chunk_gated_delta_rule in our layout: 64-token chunks in parallel (prefill)."""
-    _check(q, k, v, g, beta, state)
-    ops = importlib.import_module(_FLA_MODULE)
-    o, final = ops.chunk_gated_delta_rule(
-        q, k, v, g=g, beta=beta, scale=1.0, initial_state=state, output_final_state=True,
-        use_qk_l2norm_in_kernel=False,
-    )
-    return o, final
+    return _fla_delta_rule("chunk_gated_delta_rule", q, k, v, g, beta, state)
 
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
