@@ -280,8 +280,7 @@ class DrafterRunner:
             n = len(items)
             # Top-k outside the graph (one kernel): K varies with the budget, and the result is a fresh tensor that
             # the next replay does not overwrite.
-            values, indices = torch.topk(logprobs[:n, :depth], k, dim=-1, sorted=True)
-            return values, indices
+            return torch.topk(logprobs[:n, :depth], k, dim=-1, sorted=True)
 
     def _block_graph(self, batch: int, keys: int):
         """The captured block forward of a (batch, context) bucket (captured on first use)."""

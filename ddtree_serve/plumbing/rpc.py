@@ -90,7 +90,7 @@ class ModelThread:
 
     async def run(self, fn, *args):
         """Runs fn(*args) on the model thread and awaits its result."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await self.submit(fn, *args)
 
     def submit(self, fn, *args) -> asyncio.Future:
         """Queues fn(*args) on the model thread now (behind the work already queued) without awaiting it."""
