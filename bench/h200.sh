@@ -7,7 +7,7 @@
 #   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27)
-#   int8       weight-only kernel microbench + int8/int4 step costs at the 8B shape (needs /tmp/w8)
+#   int8       bf16 / int8 / int4 step costs at the 8B shape (builds /tmp/w8 unless there), kernel microbench
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     bench/results/h200.{md,json} from what the run produced
 #   fitbuild   the Qwen3.6-27B checkpoint with all 64 layers (builds /tmp/wfit: ~58 GB of a 64 GiB disk, so it
@@ -56,14 +56,14 @@ for s in $SECTIONS; do
         --dtype bfloat16 --num-prompts 4 --max-tokens 64 --batch 4 --budget 16,64 --no-hf-batch "${CALIB[@]}" \
         --out-dir "$R/hybrid" --log-dir "$R/logs-27b" > "$R/speed-27b.log" 2>&1
       grep -E "tok/s|CALIB|Error|error" "$R/speed-27b.log" | tail -12 ;;
-    int8)
-      timeout 90 python3 -m bench.int8_kernel --out-dir "$R" > "$R/int8-kernel.log" 2>&1
-      grep "^|" "$R/int8-kernel.log" | head -30
-      for q in ${QUANTS:-int8 int4}; do
-        timeout 120 python3 -m bench.step_cost --shape qwen3-8b --batches 1 --nodes 1,65 --steps 10 --quantize $q \
-          --work-dir /tmp/w8 --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1
+    int8)   # bf16, int8 and int4 step costs from one checkpoint (ratios within one run), then the kernel microbench
+      for q in ${QUANTS:-none int8 int4}; do
+        timeout 200 python3 -m bench.step_cost --shape qwen3-8b --batches 1 --nodes 1,65 --steps 10 --quantize $q \
+          --work-dir /tmp/w8 --reuse-checkpoints --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1
         grep "^|" "$R/step-cost-8b-$q.log" | head -6
-      done ;;
+      done
+      timeout 200 python3 -m bench.int8_kernel --ms ${INT8_MS:-1,65} --out-dir "$R" > "$R/int8-kernel.log" 2>&1
+      grep "^|" "$R/int8-kernel.log" | head -30 ;;
     fitbuild)   # the disk holds one big checkpoint: the 27B's ~54 GB of bf16 shards + its ~3.5 GB drafter
       rm -rf /tmp/w8 /tmp/w27
       df -h /tmp | tail -1

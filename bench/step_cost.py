@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.shapes import SHAPES, build_drafter, build_target
+from bench.shapes import SHAPES, build_drafter, build_target, target_config
 from ddtree_serve.decoding.config import SamplingParams
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 from target_svc.quantization import QUANTIZE_MODES, QuantizedLinear, tensor_bytes
@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="prompt length of every sequence")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median reported)")
     p.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temporary dir)")
+    p.add_argument("--reuse-checkpoints", action="store_true",
+                   help="load the checkpoints already in --work-dir when they have this shape (else build them)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -212,6 +214,19 @@ def drafter_costs(drafter: DrafterRunner, batches: list[int], context: int, step
     return rows
 
 
+def checkpoint_matches(work: Path, shape: str, layers: int | None) -> bool:
+    """Whether work holds a target and drafter built for (shape, layers) by an earlier run."""
+    import json
+
+    paths = [work / "target" / "config.json", work / "drafter" / "config.json"]
+    if not all(p.is_file() for p in paths):
+        return False
+    saved = json.loads(paths[0].read_text())
+    wanted = target_config(shape, layers).to_dict()
+    return all(saved.get(k) == wanted.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers",
+                                                       "intermediate_size", "vocab_size"))
+
+
 @torch.inference_mode()
 def main(argv=None) -> None:
     args = parse_args(argv)
@@ -221,8 +236,11 @@ def main(argv=None) -> None:
     nodes_list = [int(x) for x in args.nodes.split(",")]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="ddtree-step-cost-"))
     t0 = time.perf_counter()
-    target_dir = build_target(args.shape, work / "target", args.layers, device=args.device, dtype=dtype)
-    drafter_dir = build_drafter(target_dir, work / "drafter", device=args.device, dtype=dtype)
+    if args.reuse_checkpoints and checkpoint_matches(work, args.shape, args.layers):
+        target_dir, drafter_dir = work / "target", work / "drafter"
+    else:
+        target_dir = build_target(args.shape, work / "target", args.layers, device=args.device, dtype=dtype)
+        drafter_dir = build_drafter(target_dir, work / "drafter", device=args.device, dtype=dtype)
     build_s = time.perf_counter() - t0
     max_batch = max(batches)
     runner = TargetRunner(TargetConfig(str(target_dir), device=args.device, dtype=dtype, max_batch=max_batch,
