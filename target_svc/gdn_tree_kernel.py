@@ -1,0 +1,123 @@
+"""The WY core of the one-pass tree Gated DeltaNet (target_svc/gdn_tree_wy.py) as one fused Triton kernel on CUDA.
+
+PyTorch computes the core (G, the decay matrix, I + A, its triangular solve, the outputs) as dozens of small
+kernels plus a batched triangular solve per layer; here it is one launch (target_svc/gdn_tree_wy_kernels.py)
+returning the same (core, u, cum). This module checks what the kernel accepts, picks tile sizes from the shapes
+alone and launches it. No autotuning and no host synchronisation: the first call of a shape compiles (a CUDA-graph
+capture's warm-up runs do that) and a captured replay launches exactly what the warm-up ran. Triton is imported
+only when the kernel is launched: this module imports on machines without it (available() then says False).
+
+Supported: head dims Dk, Dv powers of two from 16 to 256, 1 <= T <= MAX_NODES nodes (no tile grows with T; the
+cap bounds the quadratic, sequential work of one program and the sizes tested). Anything else goes through the
+PyTorch reference (supports() says False).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Trees larger than this take the PyTorch path: a program walks its T nodes in order (T / BT row blocks, each
+# over all earlier column chunks), so its time grows as T^2; the GPU tests go to 256.
+MAX_NODES = 1024
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+# Flat offsets inside the kernel are int32.
+_MAX_ELEMENTS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch's tiling: BLOCK_T nodes per substitution step (the diagonal block inverted in registers),
+    BLOCK_C ancestor columns per inner step, BLOCK_V value columns per program."""
+
+    block_t: int = 16
+    block_c: int = 32
+    block_v: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def available(device: torch.device | str) -> bool:
+    """True when the kernel can run on device: CUDA of compute capability >= 8.0 and Triton installed."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def supports(nodes: int, head_k_dim: int, head_v_dim: int) -> bool:
+    """Whether the kernel takes trees of `nodes` nodes with these head dims (else: the PyTorch reference)."""
+    return 1 <= nodes <= MAX_NODES and head_k_dim in _HEAD_DIMS and head_v_dim in _HEAD_DIMS
+
+
+def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132) -> TileConfig:
+    """Tile sizes for batch_heads = B * Hv programs' worth of heads: a pure function of the shape.
+
+    The kernel is latency-bound (a chain of small dependent steps per program), so the value columns are split
+    further (BLOCK_V 64 -> 32 -> 16) while there are fewer programs than SMs: e.g. one 27B tree (48 heads of 128)
+    runs as 192 programs of 32 columns, eight trees as 768 of 64."""
+    block_v = min(64, head_v_dim)
+    while block_v > 16 and batch_heads * (head_v_dim // block_v) < num_sms:
+        block_v //= 2
+    return TileConfig(block_v=block_v)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the Triton interpreter (tests on a CPU): any count will do
+    return torch.cuda.get_device_properties(device).multi_processor_count  # torch caches the properties
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    """t itself when its last dim is dense (the kernel's assumption), else a contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, anc: Tensor, s0: Tensor,
+                 config: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused WY core: (core [B, Hv, T, Dv], u [B, Hv, T, Dv], cum [B, Hv, T]), all float32, as the reference.
+
+    qh, kh [B, Hv, T, Dk], vh [B, Hv, T, Dv], g, beta [B, Hv, T], s0 [B, Hv, Dk, Dv]: float32, any strides (views
+    of transposes need no copy); anc [B, T, T] bool, ancestors-or-self with parents before children. The caller
+    checks supports() first."""
+    bsz, heads, t, dk = kh.shape
+    dv = vh.shape[-1]
+    if (qh.shape != kh.shape or vh.shape[:3] != (bsz, heads, t) or g.shape != (bsz, heads, t)
+            or beta.shape != g.shape or anc.shape != (bsz, t, t) or s0.shape != (bsz, heads, dk, dv)):
+        raise ValueError(f"bad shapes: q {tuple(qh.shape)} k {tuple(kh.shape)} v {tuple(vh.shape)} g {tuple(g.shape)} "
+                         f"beta {tuple(beta.shape)} anc {tuple(anc.shape)} s0 {tuple(s0.shape)}")
+    if any(x.dtype != torch.float32 for x in (qh, kh, vh, g, beta, s0)) or anc.dtype != torch.bool:
+        raise ValueError("q, k, v, g, beta, s0 must be float32 and anc bool")
+    if not supports(t, dk, dv):
+        raise ValueError(f"unsupported tree: {t} nodes (1..{MAX_NODES}), head dims {dk}, {dv} (powers of two 16..256)")
+    if bsz * heads * t * max(dk, dv) > _MAX_ELEMENTS or bsz * heads * dk * dv > _MAX_ELEMENTS:
+        raise ValueError("tree WY core exceeds int32 offsets")
+    kernels = importlib.import_module("target_svc.gdn_tree_wy_kernels")
+    qh, kh, vh, s0 = _unit_last(qh), _unit_last(kh), _unit_last(vh), _unit_last(s0)
+    anc_u8 = anc.view(torch.uint8)  # same bytes; Triton loads it as 0/1
+    core = torch.empty(bsz, heads, t, dv, dtype=torch.float32, device=vh.device)
+    u = torch.empty_like(core)
+    cum = torch.empty(bsz, heads, t, dtype=torch.float32, device=vh.device)
+    if core.numel() == 0:
+        return core, u, cum.zero_()
+    cfg = config or choose_config(bsz * heads, dv, _num_sms(vh.device))
+    if dv % cfg.block_v or cfg.block_t < 16 or cfg.block_c < 16:
+        raise ValueError(f"bad tiles for Dv {dv}: {cfg}")
+    # Value blocks of one head are neighbours in launch order: they share the head's keys in L2.
+    grid = (dv // cfg.block_v, bsz * heads)
+    kernels.tree_wy_core_kernel[grid](
+        qh, kh, vh, g, beta, anc_u8, s0, core, u, cum,
+        t, heads,
+        qh.stride(0), qh.stride(1), qh.stride(2), kh.stride(0), kh.stride(1), kh.stride(2),
+        vh.stride(0), vh.stride(1), vh.stride(2), g.stride(0), g.stride(1), g.stride(2),
+        beta.stride(0), beta.stride(1), beta.stride(2), anc_u8.stride(0), anc_u8.stride(1), anc_u8.stride(2),
+        s0.stride(0), s0.stride(1), s0.stride(2),
+        DK=dk, DV=dv, BT=cfg.block_t, BC=cfg.block_c, BV=cfg.block_v,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return core, u, cum
