@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, depths_from_parents_batch
+from target_svc import gdn_kernels, gdn_tree_kernel
 from target_svc.gated_deltanet import (
     LinearAttnStateShape,
     _conv_taps,
@@ -46,10 +47,30 @@ class GdnTreeWYTrace:
     anc: Tensor  # [B, T, T] bool, ancestors-or-self
 
 
+def _wy_core_reference(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, anc: Tensor,
+                       s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The WY core in PyTorch (reference; CPU path): (core [B, Hv, T, Dv], u [B, Hv, T, Dv], cum [B, Hv, T])."""
+    t = kh.shape[2]
+    ancf = anc.to(torch.float32)
+    cum = torch.einsum("bij,bhj->bhi", ancf, g)  # G_i
+    path = anc[:, None]  # [B, 1, T, T]
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~path, float("-inf")).exp()  # [B, Hv, i, r]
+    k_beta = kh * beta.unsqueeze(-1)
+    eye = torch.eye(t, dtype=torch.float32, device=kh.device)
+    system = (k_beta @ kh.transpose(-1, -2)) * decay * (1.0 - eye) + eye  # I + A (strict ancestors only)
+    rhs = vh * beta.unsqueeze(-1) - (k_beta * cum.exp().unsqueeze(-1)) @ s0
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [B, Hv, T, Dv]
+    core = (qh * cum.exp().unsqueeze(-1)) @ s0 + ((qh @ kh.transpose(-1, -2)) * decay) @ u
+    return core, u, cum
+
+
 def gdn_tree_forward_wy(
-    module: nn.Module, x: Tensor, parents: Tensor, valid: Tensor, conv_state: Tensor, rec_state: Tensor
+    module: nn.Module, x: Tensor, parents: Tensor, valid: Tensor, conv_state: Tensor, rec_state: Tensor,
+    kernel: bool | None = None,
 ) -> tuple[Tensor, GdnTreeWYTrace]:
     """Verify padded trees x [B, T, H] (parents [B, T], valid [B, T] prefix) -> (out [B, T, H], trace); no sync."""
+    # kernel: the WY core through the fused Triton kernel (target_svc/gdn_tree_kernel.py); None = where it is
+    # available for x's device and takes these shapes, unless DDTREE_GDN_KERNELS is off.
     dims = LinearAttnStateShape.from_module(module)
     dtype = _model_dtype(module)
     bsz, t, _ = x.shape
@@ -83,17 +104,14 @@ def gdn_tree_forward_wy(
     vh = v.transpose(1, 2)
     g = (p.g * vf[..., None]).transpose(1, 2)  # [B, Hv, T]
     beta = (p.beta * vf[..., None]).transpose(1, 2)
-    ancf = anc.to(torch.float32)
-    cum = torch.einsum("bij,bhj->bhi", ancf, g)  # G_i
-    path = anc[:, None]  # [B, 1, T, T]
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~path, float("-inf")).exp()  # [B, Hv, i, r]
-    k_beta = kh * beta.unsqueeze(-1)
-    eye = torch.eye(t, dtype=torch.float32, device=dev)
-    system = (k_beta @ kh.transpose(-1, -2)) * decay * (1.0 - eye) + eye  # I + A (strict ancestors only)
     s0 = rec_state.float()  # [B, Hv, Dk, Dv]
-    rhs = vh * beta.unsqueeze(-1) - (k_beta * cum.exp().unsqueeze(-1)) @ s0
-    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [B, Hv, T, Dv]
-    core = (qh * cum.exp().unsqueeze(-1)) @ s0 + ((qh @ kh.transpose(-1, -2)) * decay) @ u
+    if kernel is None:
+        kernel = (not gdn_kernels.disabled_by_env() and gdn_tree_kernel.available(dev)
+                  and gdn_tree_kernel.supports(t, dims.head_k_dim, dims.head_v_dim))
+    if kernel:
+        core, u, cum = gdn_tree_kernel.tree_wy_core(qh, kh, vh, g, beta, anc, s0)
+    else:
+        core, u, cum = _wy_core_reference(qh, kh, vh, g, beta, anc, s0)
     out = _output(module, core.transpose(1, 2), p.z, dims)
     out = out * valid.unsqueeze(-1).to(out.dtype)
     return out, GdnTreeWYTrace(node_conv=node_conv, key=kh, u=u, cum_g=cum, anc=anc)
