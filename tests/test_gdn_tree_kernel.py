@@ -1,0 +1,208 @@
+"""The fused tree WY core (target_svc/gdn_tree_kernel.py) equals the PyTorch reference core of gdn_tree_wy.py.
+
+The kernel runs here under Triton's interpreter on the CPU, where Triton is installed (CI has none: those tests
+are skipped); tests/test_gpu.py runs it compiled at the 27B's head dims.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddtree_serve.decoding.tree_mask import ancestor_mask_batch
+from target_svc import gdn_tree_kernel
+from target_svc.gdn_tree_kernel import TileConfig, choose_config, supports
+from target_svc.gdn_tree_wy import _wy_core_reference, gdn_tree_forward_wy
+
+KERNELS = "target_svc.gdn_tree_wy_kernels"
+# Stated tolerance, as a fraction of the reference's largest magnitude: kernel and reference do the same float32
+# arithmetic in other orders (blocked substitution instead of LAPACK's solve, other summation orders): the
+# interpreter showed up to 9e-7 on these cases; a wrong mask, block or index is off by 1e-3 or more.
+REL_TOL = 1e-5
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs the triton package (not in CI)")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """For this module's tests: the kernel module as Triton's interpreter runs it, in place of the compiled one."""
+    with pytest.MonkeyPatch.context() as mp:
+        # Read when @triton.jit decorates, i.e. while the fresh copy below is executed; set only for this module,
+        # so that kernels imported later in the session (on a GPU) are compiled as usual.
+        mp.setenv("TRITON_INTERPRET", "1")
+        from triton.runtime import interpreter
+
+        patch_tensor = interpreter._patch_lang_tensor
+
+        def patch_with_index(tensor, scope) -> None:
+            patch_tensor(tensor, scope)
+            # Triton 3.6's interpreter turns a scalar into a loop bound with int() of a one-element array, which
+            # numpy >= 2.4 refuses; Triton 3.8 squeezes it first, as here.
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+        mp.setattr(interpreter, "_patch_lang_tensor", patch_with_index)
+        path = Path(gdn_tree_kernel.__file__).with_name("gdn_tree_wy_kernels.py")
+        spec = importlib.util.spec_from_file_location(KERNELS, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        mp.setitem(sys.modules, KERNELS, module)
+        yield module
+
+
+def random_parents(n: int, max_depth: int, gen: torch.Generator) -> list[int]:
+    """Parents of an n-node tree no deeper than max_depth, parents before children (max_depth >= n - 1: any)."""
+    parents, depth = [-1], [0]
+    for i in range(1, n):
+        while True:
+            p = int(torch.randint(0, i, (1,), generator=gen))
+            if depth[p] < max_depth:
+                break
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return parents
+
+
+def core_inputs(trees: list[list[int]], heads: int, dk: int, dv: int, seed: int):
+    """(qh, kh, vh, g, beta, anc, s0) as gdn_tree_forward_wy hands them over: padded trees (parents [B, T] with
+    -1 past each tree), heads-first transposed views, normalised keys, padded nodes with k = g = beta = 0."""
+    gen = torch.Generator().manual_seed(seed)
+    bsz, t = len(trees), max(len(p) for p in trees)
+    parents = torch.full((bsz, t), -1, dtype=torch.long)
+    for b, p in enumerate(trees):
+        parents[b, : len(p)] = torch.tensor(p)
+    sizes = torch.tensor([len(p) for p in trees])
+    anc = ancestor_mask_batch(parents, sizes)
+    vf = (torch.arange(t)[None, :] < sizes[:, None]).float()
+    q = F.normalize(torch.randn(bsz, t, heads, dk, generator=gen), dim=-1) * dk**-0.5
+    k = F.normalize(torch.randn(bsz, t, heads, dk, generator=gen), dim=-1) * vf[:, :, None, None]
+    v = torch.randn(bsz, t, heads, dv, generator=gen)
+    # Decays from slow heads to fast ones, as -exp(A_log) * softplus(.) makes them.
+    rate = torch.linspace(-3.0, 1.0, heads).exp()
+    g = -rate * F.softplus(torch.randn(bsz, t, heads, generator=gen)) * vf[..., None]
+    beta = torch.sigmoid(torch.randn(bsz, t, heads, generator=gen)) * vf[..., None]
+    s0 = torch.randn(bsz, heads, dk, dv, generator=gen) * 0.3
+    return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2), beta.transpose(1, 2), anc,
+            s0)
+
+
+def assert_matches_reference(args, config: TileConfig | None = None) -> None:
+    got = gdn_tree_kernel.tree_wy_core(*args, config=config)
+    want = _wy_core_reference(*args)
+    for name, x, ref in zip(("core", "u", "cum"), got, want):
+        assert x.shape == ref.shape and x.dtype == torch.float32, name
+        err = ((x - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item()
+        assert err <= REL_TOL, f"{name}: {err:.2e} of the largest magnitude (config {config})"
+
+
+def chain(n: int) -> list[int]:
+    return list(range(-1, n - 1))
+
+
+GEN = torch.Generator().manual_seed(0)
+CASES = {
+    "one node": ([[-1], [-1]], 16, 16),
+    "chains, a depth-16 chain, padded": ([chain(17), chain(9)], 32, 16),
+    "65 nodes, depth 16, padded": ([random_parents(65, 16, GEN), random_parents(40, 16, GEN)], 16, 32),
+    "65 nodes, any depth": ([random_parents(65, 64, GEN), chain(65)], 32, 32),
+    "16-node trees": ([random_parents(16, 15, GEN), random_parents(11, 3, GEN)], 32, 16),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_equals_the_reference_core_on_random_trees(interpreted, case):
+    trees, dk, dv = CASES[case]
+    assert_matches_reference(core_inputs(trees, heads=2, dk=dk, dv=dv, seed=len(case)))
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [TileConfig(block_t=16, block_c=16, block_v=16),
+                                    TileConfig(block_t=32, block_c=16, block_v=32),
+                                    TileConfig(block_t=16, block_c=64, block_v=32)])
+def test_kernel_equals_the_reference_core_under_other_tilings(interpreted, config):
+    """Several ancestor chunks per block, chunks wider than the solved rows, 32-row diagonal blocks."""
+    trees = [random_parents(50, 16, GEN), chain(37)]
+    assert_matches_reference(core_inputs(trees, heads=2, dk=32, dv=32, seed=7), config)
+
+
+@needs_triton
+def test_tree_forward_with_the_kernel_equals_it_without(interpreted):
+    """gdn_tree_forward_wy on a layer: outputs and the trace the commit reads agree; the trace's layout is kept."""
+    layer, x, parents, valid, conv, rec = _small_forward_inputs(seed=5)
+    with torch.no_grad():
+        want_out, want = gdn_tree_forward_wy(layer, x, parents, valid, conv, rec, kernel=False)
+        got_out, got = gdn_tree_forward_wy(layer, x, parents, valid, conv, rec, kernel=True)
+    scale = want_out.abs().max()
+    torch.testing.assert_close(got_out, want_out, atol=REL_TOL * scale, rtol=0)
+    torch.testing.assert_close(got.u, want.u, atol=REL_TOL * want.u.abs().max(), rtol=0)
+    torch.testing.assert_close(got.cum_g, want.cum_g, atol=REL_TOL * want.cum_g.abs().max(), rtol=0)
+    assert torch.equal(got.key, want.key) and torch.equal(got.anc, want.anc)
+    assert torch.equal(got.node_conv, want.node_conv)
+
+
+def _small_forward_inputs(seed: int):
+    from target_svc.gated_deltanet import LinearAttnStateShape
+    from tests.test_gated_deltanet import HIDDEN, _make_layer
+
+    layer = _make_layer(seed=seed)
+    dims = LinearAttnStateShape.from_module(layer)
+    gen = torch.Generator().manual_seed(seed)
+    trees = [random_parents(20, 16, gen), random_parents(13, 4, gen)]
+    parents = torch.full((2, 20), -1, dtype=torch.long)
+    for b, p in enumerate(trees):
+        parents[b, : len(p)] = torch.tensor(p)
+    valid = torch.arange(20)[None, :] < torch.tensor([20, 13])[:, None]
+    x = torch.randn(2, 20, HIDDEN, generator=gen)
+    conv = torch.randn(dims.conv_shape(2), generator=gen)
+    rec = torch.randn(dims.rec_shape(2), generator=gen) * 0.3
+    return layer, x, parents, valid, conv, rec
+
+
+def test_the_forward_takes_the_kernel_where_available_unless_switched_off(monkeypatch):
+    """kernel=None: the kernel where available (never on the CPU) unless DDTREE_GDN_KERNELS=off."""
+    from target_svc import gdn_kernels
+
+    assert not gdn_tree_kernel.available("cpu")
+    calls: list[int] = []
+
+    def spy(*args):
+        calls.append(args[0].shape[2])
+        return _wy_core_reference(*args)
+
+    args = _small_forward_inputs(seed=8)
+    monkeypatch.setattr(gdn_tree_kernel, "tree_wy_core", spy)
+    monkeypatch.delenv(gdn_kernels.ENV_VAR, raising=False)
+    with torch.no_grad():
+        gdn_tree_forward_wy(*args)
+        assert calls == []  # the CPU: the reference
+        monkeypatch.setattr(gdn_tree_kernel, "available", lambda device: True)
+        gdn_tree_forward_wy(*args)
+        assert calls == [20]
+        monkeypatch.setenv(gdn_kernels.ENV_VAR, "off")
+        gdn_tree_forward_wy(*args)
+        assert calls == [20]
+
+
+def test_supported_shapes_and_tiles():
+    assert supports(1, 128, 128) and supports(256, 128, 128) and supports(gdn_tree_kernel.MAX_NODES, 16, 256)
+    assert not supports(0, 128, 128) and not supports(gdn_tree_kernel.MAX_NODES + 1, 128, 128)
+    assert not supports(65, 96, 128) and not supports(65, 128, 8) and not supports(65, 512, 128)
+    # One 27B tree (48 value heads of 128) on 132 SMs: value blocks of 32 (192 programs); eight trees: of 64.
+    assert choose_config(48, 128, 132).block_v == 32 and choose_config(8 * 48, 128, 132).block_v == 64
+    assert choose_config(2, 16, 132).block_v == 16 and choose_config(1, 64, 1).block_v == 64
+
+
+def test_bad_inputs_are_refused_before_any_launch():
+    args = core_inputs([[-1, 0]], heads=2, dk=16, dv=16, seed=1)
+    with pytest.raises(ValueError, match="float32"):
+        gdn_tree_kernel.tree_wy_core(*(a.double() if i == 0 else a for i, a in enumerate(args)))
+    with pytest.raises(ValueError, match="shapes"):
+        gdn_tree_kernel.tree_wy_core(*args[:5], args[5][:, :1], args[6])
+    with pytest.raises(ValueError, match="unsupported"):
+        wide = core_inputs([[-1, 0]], heads=2, dk=24, dv=16, seed=1)
+        gdn_tree_kernel.tree_wy_core(*wide)
