@@ -110,6 +110,7 @@ CASES = {
     "65 nodes, depth 16, padded": ([random_parents(65, 16, GEN), random_parents(40, 16, GEN)], 16, 32),
     "65 nodes, any depth": ([random_parents(65, 64, GEN), chain(65)], 32, 32),
     "16-node trees": ([random_parents(16, 15, GEN), random_parents(11, 3, GEN)], 32, 16),
+    "a 256-node chain, a 200-node tree": ([chain(256), random_parents(200, 16, GEN)], 16, 16),
 }
 
 
@@ -117,7 +118,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_equals_the_reference_core_on_random_trees(interpreted, case):
     trees, dk, dv = CASES[case]
-    assert_matches_reference(core_inputs(trees, heads=2, dk=dk, dv=dv, seed=len(case)))
+    heads = 1 if max(map(len, trees)) > 128 else 2  # the interpreter's time grows as T^2
+    assert_matches_reference(core_inputs(trees, heads=heads, dk=dk, dv=dv, seed=len(case)))
 
 
 @needs_triton
@@ -126,7 +128,7 @@ def test_kernel_equals_the_reference_core_on_random_trees(interpreted, case):
                                     TileConfig(block_t=16, block_c=64, block_v=32)])
 def test_kernel_equals_the_reference_core_under_other_tilings(interpreted, config):
     """Several ancestor chunks per block, chunks wider than the solved rows, 32-row diagonal blocks."""
-    trees = [random_parents(50, 16, GEN), chain(37)]
+    trees = [random_parents(50, 16, torch.Generator().manual_seed(9)), chain(37)]
     assert_matches_reference(core_inputs(trees, heads=2, dk=32, dv=32, seed=7), config)
 
 
