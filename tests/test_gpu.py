@@ -461,6 +461,133 @@ def test_cuda_hybrid_runner_greedy_with_fla_kernels_equals_kernels_off(monkeypat
     assert runner.graphs is not None and runner.graphs.forwards.graphs  # the fla decode step ran captured
     without, _ = decode(False)
     assert with_kernels == without
+# ---- the fused tree WY core (target_svc/gdn_tree_kernel.py; Triton) ------------------------------------------------
+def _tree_kernel_usable() -> bool:
+    from target_svc import gdn_tree_kernel
+
+    return gdn_tree_kernel.available("cuda")
+
+
+needs_tree_kernel = pytest.mark.skipif(not _tree_kernel_usable(), reason="needs the triton package and sm_80+")
+# As a fraction of the reference's largest magnitude: both do float32 arithmetic (IEEE dots, no TF32), in other
+# orders and with the kernel's approximate exp; the interpreter showed <= 1e-6, a wrong mask or block is O(1e-3+).
+TREE_KERNEL_TOL = 1e-4
+
+
+def _tree_core_inputs_27b(trees: list[list[int]], seed: int):
+    """(qh, kh, vh, g, beta, anc, s0) at the 27B's GDN heads as gdn_tree_forward_wy hands them to the core:
+    padded trees, key heads repeated to the 48 value heads, heads-first views, padded nodes with k = g = beta = 0."""
+    from ddtree_serve.decoding.tree_mask import ancestor_mask_batch
+
+    bsz, t = len(trees), max(len(p) for p in trees)
+    parents = torch.full((bsz, t), -1, dtype=torch.long)
+    for b, p in enumerate(trees):
+        parents[b, : len(p)] = torch.tensor(p)
+    sizes = torch.tensor([len(p) for p in trees])
+    anc = ancestor_mask_batch(parents.cuda(), sizes.cuda())
+    q, k, v, g, beta, state = _gdn_inputs_27b(bsz, t, random_state=True, seed=seed)
+    vf = (torch.arange(t)[None, :] < sizes[:, None]).float().cuda()
+    q, k = q.repeat_interleave(3, dim=2), k.repeat_interleave(3, dim=2) * vf[:, :, None, None]
+    g, beta = g * vf[..., None], beta * vf[..., None]
+    return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2), beta.transpose(1, 2), anc,
+            state)
+
+
+def _tree_parents(n: int, max_depth: int, seed: int) -> list[int]:
+    from tests.test_gdn_tree_kernel import random_parents
+
+    return random_parents(n, max_depth, torch.Generator().manual_seed(seed))
+
+
+TREE_CASES = {
+    "one node": lambda: [[-1]],
+    "16-node chain": lambda: [list(range(-1, 15))],
+    "65 nodes, depth 16, and a padded 40": lambda: [_tree_parents(65, 16, 1), _tree_parents(40, 16, 2)],
+    "8 trees of 65": lambda: [_tree_parents(65, 16, 10 + b) for b in range(8)],
+    "256 nodes, depth 16": lambda: [_tree_parents(256, 16, 3)],
+    "a 256-node chain": lambda: [list(range(-1, 255))],
+}
+
+
+@needs_tree_kernel
+@pytest.mark.parametrize("case", list(TREE_CASES))
+def test_tree_wy_kernel_equals_the_reference_core_at_27b_heads(case):
+    from target_svc.gdn_tree_kernel import tree_wy_core
+    from target_svc.gdn_tree_wy import _wy_core_reference
+
+    args = _tree_core_inputs_27b(TREE_CASES[case](), seed=len(case))
+    want = _wy_core_reference(*args)
+    got = tree_wy_core(*args)
+    for name, x, ref in zip(("core", "u", "cum"), got, want):
+        assert x.shape == ref.shape and x.dtype == torch.float32, name
+        assert _rel_err(x, ref) <= TREE_KERNEL_TOL, f"{case}: {name} {_rel_err(x, ref):.2e}"
+
+
+@needs_tree_kernel
+@pytest.mark.parametrize("nodes", [16, 65])
+def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes):
+    """No host sync, no autotuning: a replay on new inputs equals an eager call bit for bit (the G that the
+    programs of one head all write is the same bits)."""
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc.gdn_tree_kernel import tree_wy_core
+
+    trees = [_tree_parents(nodes, 16, 4), _tree_parents(nodes - 5, 16, 5)]
+    captured = CapturedFunction.capture(tree_wy_core, _tree_core_inputs_27b(trees, seed=6), pool=None)
+    for seed in (7, 8):
+        fresh = _tree_core_inputs_27b([_tree_parents(nodes, 16, seed), _tree_parents(nodes - 5, 16, seed + 1)],
+                                      seed=seed)
+        replay = [x.clone() for x in captured(*fresh)]
+        eager = tree_wy_core(*fresh)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(replay, eager))
+
+
+@needs_tree_kernel
+@torch.no_grad()
+def test_tree_forward_through_the_kernel_equals_the_reference_in_bf16_at_27b_heads():
+    """The layer's one-pass tree verify with the kernel against the PyTorch core; the committed states agree."""
+    from target_svc.gated_deltanet import LinearAttnStateShape
+    from target_svc.gdn_tree_wy import gdn_commit_path_wy, gdn_tree_forward_wy
+
+    layer = _gdn_layer_27b_heads(seed=21)
+    dims = LinearAttnStateShape.from_module(layer)
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    trees = [_tree_parents(65, 16, 23), _tree_parents(30, 16, 24)]
+    parents = torch.full((2, 65), -1, dtype=torch.long)
+    for b, p in enumerate(trees):
+        parents[b, : len(p)] = torch.tensor(p)
+    parents = parents.cuda()
+    valid = torch.arange(65, device="cuda")[None, :] < torch.tensor([65, 30], device="cuda")[:, None]
+    x = torch.randn(2, 65, 1024, generator=gen, device="cuda").bfloat16()
+    conv = torch.randn(dims.conv_shape(2), generator=gen, device="cuda").bfloat16()
+    rec = torch.randn(dims.rec_shape(2), generator=gen, device="cuda") * 0.1
+    want_out, want = gdn_tree_forward_wy(layer, x, parents, valid, conv, rec, kernel=False)
+    got_out, got = gdn_tree_forward_wy(layer, x, parents, valid, conv, rec, kernel=True)
+    assert _rel_err(got_out, want_out) <= 2e-2  # bf16 outputs: one bf16 rounding on top
+    assert _rel_err(got.u, want.u) <= TREE_KERNEL_TOL and _rel_err(got.cum_g, want.cum_g) <= TREE_KERNEL_TOL
+    # The deepest node of each tree: the committed state from the kernel's trace equals the reference's.
+    last = [max(range(len(p)), key=lambda i, p=p: _depth(p, i)) for p in trees]
+    paths = [_path_to(p, i) for p, i in zip(trees, last)]
+    path = torch.full((2, 17), -1, dtype=torch.long, device="cuda")
+    for b, nodes in enumerate(paths):
+        path[b, : len(nodes)] = torch.tensor(nodes)
+    path_len = torch.tensor([len(nodes) for nodes in paths], device="cuda")
+    want_rec = gdn_commit_path_wy(want, path, path_len, conv, rec)[1]
+    got_rec = gdn_commit_path_wy(got, path, path_len, conv, rec)[1]
+    assert _rel_err(got_rec, want_rec) <= TREE_KERNEL_TOL
+
+
+def _path_to(parents: list[int], node: int) -> list[int]:
+    nodes = [node]
+    while parents[nodes[-1]] >= 0:
+        nodes.append(parents[nodes[-1]])
+    return nodes[::-1]
+
+
+def _depth(parents: list[int], node: int) -> int:
+    return len(_path_to(parents, node)) - 1
+
+
 # ---- the Triton weight-only matmul (target_svc/int8_matmul.py) -----------------------------------------------------
 def _has_triton() -> bool:
     import importlib.util
