@@ -1,0 +1,130 @@
+"""The tree WY core on the GPU: the PyTorch core of gdn_tree_wy.py against the fused Triton kernel, 27B GDN heads.
+
+48 value heads of 128 (keys repeated from 16), fp32, per tree shape (a 65-node tree of depth 16, a 16-node chain,
+eight 65-node trees, a 256-node tree), the kernel under its default tiles and under each --sweep tiling. Each
+timing: --calls calls captured in one CUDA graph and replayed --replays times (median per call, as
+bench/gdn_kernels.py times). The agreement column is max |kernel - reference| / max |reference| over core and u.
+
+    python -m bench.gdn_tree_kernel                 # on the GPU machine, triton installed
+    python -m bench.gdn_tree_kernel --sweep         # also every tiling of the sweep grid
+
+Prints a markdown table (and writes it with --out-dir).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+
+from bench import common
+from bench.gdn_kernels import agreement, time_per_call
+
+KEY_HEADS, VALUE_HEADS, HEAD_DIM = 16, 48, 128
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gdn_tree_kernel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=20, help="back-to-back calls captured in one graph")
+    p.add_argument("--replays", type=int, default=20, help="timed replays (median reported)")
+    p.add_argument("--sweep", action="store_true", help="time every tiling of the sweep grid too")
+    p.add_argument("--out-dir", default=None, help="write gdn-tree-kernel-<hardware>.{md,json} there")
+    return p.parse_args(argv)
+
+
+def _parents(n: int, max_depth: int, gen: torch.Generator) -> list[int]:
+    """Random parents (parents first) of an n-node tree no deeper than max_depth."""
+    parents, depth = [-1], [0]
+    for i in range(1, n):
+        while True:
+            p = int(torch.randint(0, i, (1,), generator=gen))
+            if depth[p] < max_depth:
+                break
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return parents
+
+
+def core_inputs(trees: list[list[int]], seed: int) -> tuple[torch.Tensor, ...]:
+    """(qh, kh, vh, g, beta, anc, s0) as gdn_tree_forward_wy hands them to the core (heads-first views)."""
+    from ddtree_serve.decoding.tree_mask import ancestor_mask_batch
+    from target_svc.gated_deltanet import _l2norm
+
+    bsz, t = len(trees), max(len(p) for p in trees)
+    parents = torch.full((bsz, t), -1, dtype=torch.long)
+    for b, p in enumerate(trees):
+        parents[b, : len(p)] = torch.tensor(p)
+    anc = ancestor_mask_batch(parents.cuda(), torch.tensor([len(p) for p in trees]).cuda())
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    rep = VALUE_HEADS // KEY_HEADS
+    q = (_l2norm(randn(bsz, t, KEY_HEADS, HEAD_DIM)) * HEAD_DIM**-0.5).repeat_interleave(rep, dim=2)
+    k = _l2norm(randn(bsz, t, KEY_HEADS, HEAD_DIM)).repeat_interleave(rep, dim=2)
+    v = randn(bsz, t, VALUE_HEADS, HEAD_DIM)
+    rate = torch.linspace(-4.0, 1.0, VALUE_HEADS, device="cuda").exp()
+    g = -rate * torch.nn.functional.softplus(randn(bsz, t, VALUE_HEADS))
+    beta = torch.sigmoid(randn(bsz, t, VALUE_HEADS))
+    s0 = randn(bsz, VALUE_HEADS, HEAD_DIM, HEAD_DIM) * 0.1
+    return (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2), beta.transpose(1, 2), anc,
+            s0)
+
+
+def cases() -> list[tuple[str, list[list[int]]]]:
+    gen = torch.Generator().manual_seed(0)
+    return [("65-node tree, depth 16", [_parents(65, 16, gen)]), ("16-node chain", [list(range(-1, 15))]),
+            ("8 x 65-node trees", [_parents(65, 16, gen) for _ in range(8)]),
+            ("256-node tree, depth 16", [_parents(256, 16, gen)])]
+
+
+def sweep_grid():
+    from target_svc.gdn_tree_kernel import TileConfig
+
+    for bc, bv, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2)):
+        yield TileConfig(block_t=16, block_c=bc, block_v=bv, num_warps=warps, num_stages=stages)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from target_svc import gdn_tree_kernel
+    from target_svc.gdn_tree_wy import _wy_core_reference
+
+    if not gdn_tree_kernel.available("cuda"):
+        print("needs a CUDA device of sm_80+ and triton", file=sys.stderr)
+        return 2
+    rows = []
+    for name, trees in cases():
+        inputs = core_inputs(trees, seed=len(name))
+        want = _wy_core_reference(*inputs)
+        ref_ms, mode = time_per_call(lambda: _wy_core_reference(*inputs), args.calls, args.replays)
+        rows.append([name, "PyTorch core", f"{ref_ms:.4f}", "", mode])
+        configs = [None] + (list(sweep_grid()) if args.sweep else [])
+        for cfg in configs:
+            label = "kernel, default tiles" if cfg is None else (
+                f"kernel BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps} stages {cfg.num_stages}")
+            try:
+                got = gdn_tree_kernel.tree_wy_core(*inputs, config=cfg)
+                err = agreement(got[:2], want[:2])
+                ms, mode = time_per_call(lambda cfg=cfg: gdn_tree_kernel.tree_wy_core(*inputs, config=cfg),
+                                         args.calls, args.replays)
+                rows.append([name, label, f"{ms:.4f}", f"{err:.1e}", mode])
+            except Exception as exc:  # a tiling that does not compile or fit: reported, the sweep goes on
+                rows.append([name, label, "", "", f"{type(exc).__name__}: {str(exc)[:80]}"])
+                torch.cuda.synchronize()
+            print(" | ".join(rows[-1]), flush=True)
+    md = common.md_table(["case", "core", "ms per call", "agreement", "mode"], rows)
+    print(md, flush=True)
+    if args.out_dir:
+        meta = {"command": common.command_line("bench.gdn_tree_kernel"), "when": common.now_utc(),
+                "hardware": common.hardware("cuda", "float32", None), "torch": torch.__version__}
+        common.write_outputs(args.out_dir, f"gdn-tree-kernel-{common.hardware_tag(meta['hardware'])}",
+                             {"meta": meta, "rows": rows}, md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
