@@ -15,6 +15,9 @@ of node s, u_s = beta_s (v_s - e^{g_s} S_parent(s)^T k_s):
 Parents precede children, so I + A is unit lower triangular in node order: one triangular solve per head. The
 state after the accepted path's last node l needs no replay: S_l = e^{G_l} S_0 + K^T diag(anc(l) e^{G_l - G}) U.
 Padded nodes are isolated roots with k = 0, beta = 0, g = 0: their u is 0 and they touch nothing.
+
+On CUDA the core (G, U, the outputs) runs as one fused Triton kernel (target_svc/gdn_tree_kernel.py); the PyTorch
+core (_wy_core_reference) is the reference and the CPU path.
 """
 from __future__ import annotations
 
