@@ -97,6 +97,8 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError(f"unsupported tree: {t} nodes (1..{MAX_NODES}), head dims {dk}, {dv} (powers of two 16..256)")
     if bsz * heads * t * max(dk, dv) > _MAX_ELEMENTS or bsz * heads * dk * dv > _MAX_ELEMENTS:
         raise ValueError("tree WY core exceeds int32 offsets")
+    if bsz * heads > 65535:  # the grid's second axis
+        raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
     kernels = importlib.import_module("target_svc.gdn_tree_wy_kernels")
     qh, kh, vh, s0 = _unit_last(qh), _unit_last(kh), _unit_last(vh), _unit_last(s0)
     anc_u8 = anc.view(torch.uint8)  # same bytes; Triton loads it as 0/1
