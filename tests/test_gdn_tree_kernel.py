@@ -1,11 +1,17 @@
 """The fused tree WY core (target_svc/gdn_tree_kernel.py) equals the PyTorch reference core of gdn_tree_wy.py.
 
 The kernel runs here under Triton's interpreter on the CPU, where Triton is installed (CI has none: those tests
-are skipped); tests/test_gpu.py runs it compiled at the 27B's head dims.
+are skipped); tests/test_gpu.py runs it compiled at the 27B's head dims. The interpreter must be on before Triton
+is imported (triton.language's own helpers, tl.zeros, tl.sum, are jit functions built at import), and in a whole
+session something imports Triton first: so the `test_interpreted_*` tests run only in a process started with
+TRITON_INTERPRET=1, which test_kernel_cases_under_tritons_interpreter starts for them (this file, -k interpreted).
 """
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,40 +24,48 @@ from target_svc import gdn_tree_kernel
 from target_svc.gdn_tree_kernel import TileConfig, choose_config, supports
 from target_svc.gdn_tree_wy import _wy_core_reference, gdn_tree_forward_wy
 
-KERNELS = "target_svc.gdn_tree_wy_kernels"
+REPO = Path(__file__).resolve().parents[1]
 # Stated tolerance, as a fraction of the reference's largest magnitude: kernel and reference do the same float32
 # arithmetic in other orders (blocked substitution instead of LAPACK's solve, other summation orders): the
 # interpreter showed up to 9e-7 on these cases; a wrong mask, block or index is off by 1e-3 or more.
 REL_TOL = 1e-5
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="needs the triton package (not in CI)")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "") == "1"
+in_interpreter = pytest.mark.skipif(
+    not (HAS_TRITON and IN_INTERPRETER),
+    reason="run under Triton's interpreter by test_kernel_cases_under_tritons_interpreter (needs triton)")
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """For this module's tests: the kernel module as Triton's interpreter runs it, in place of the compiled one."""
+    """Triton's interpreter with loop bounds taken from scalar arguments working under numpy >= 2.4."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_index(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        # Triton 3.6's interpreter turns a scalar into a loop bound with int() of a one-element array, which
+        # numpy >= 2.4 refuses; Triton 3.8 squeezes it first, as here.
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
     with pytest.MonkeyPatch.context() as mp:
-        # Read when @triton.jit decorates, i.e. while the fresh copy below is executed; set only for this module,
-        # so that kernels imported later in the session (on a GPU) are compiled as usual.
-        mp.setenv("TRITON_INTERPRET", "1")
-        from triton.runtime import interpreter
-
-        patch_tensor = interpreter._patch_lang_tensor
-
-        def patch_with_index(tensor, scope) -> None:
-            patch_tensor(tensor, scope)
-            # Triton 3.6's interpreter turns a scalar into a loop bound with int() of a one-element array, which
-            # numpy >= 2.4 refuses; Triton 3.8 squeezes it first, as here.
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
         mp.setattr(interpreter, "_patch_lang_tensor", patch_with_index)
-        path = Path(gdn_tree_kernel.__file__).with_name("gdn_tree_wy_kernels.py")
-        spec = importlib.util.spec_from_file_location(KERNELS, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        mp.setitem(sys.modules, KERNELS, module)
-        yield module
+        yield
+
+
+@pytest.mark.skipif(not HAS_TRITON or IN_INTERPRETER, reason="needs the triton package (not in CI)")
+def test_kernel_cases_under_tritons_interpreter():
+    """This file's test_interpreted_* tests in a fresh process with the interpreter on: all run, all pass."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
+                          str(Path(__file__).resolve())], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=REPO)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert re.fullmatch(r"\d+ passed, \d+ deselected in .*", summary), summary  # nothing skipped, nothing failed
 
 
 def random_parents(n: int, max_depth: int, gen: torch.Generator) -> list[int]:
@@ -114,26 +128,26 @@ CASES = {
 }
 
 
-@needs_triton
+@in_interpreter
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_equals_the_reference_core_on_random_trees(interpreted, case):
+def test_interpreted_kernel_equals_the_reference_core_on_random_trees(interpreted, case):
     trees, dk, dv = CASES[case]
     heads = 1 if max(map(len, trees)) > 128 else 2  # the interpreter's time grows as T^2
     assert_matches_reference(core_inputs(trees, heads=heads, dk=dk, dv=dv, seed=len(case)))
 
 
-@needs_triton
+@in_interpreter
 @pytest.mark.parametrize("config", [TileConfig(block_t=16, block_c=16, block_v=16),
                                     TileConfig(block_t=32, block_c=16, block_v=32),
                                     TileConfig(block_t=16, block_c=64, block_v=32)])
-def test_kernel_equals_the_reference_core_under_other_tilings(interpreted, config):
+def test_interpreted_kernel_equals_the_reference_core_under_other_tilings(interpreted, config):
     """Several ancestor chunks per block, chunks wider than the solved rows, 32-row diagonal blocks."""
     trees = [random_parents(50, 16, torch.Generator().manual_seed(9)), chain(37)]
     assert_matches_reference(core_inputs(trees, heads=2, dk=32, dv=32, seed=7), config)
 
 
-@needs_triton
-def test_tree_forward_with_the_kernel_equals_it_without(interpreted):
+@in_interpreter
+def test_interpreted_tree_forward_with_the_kernel_equals_it_without(interpreted):
     """gdn_tree_forward_wy on a layer: outputs and the trace the commit reads agree; the trace's layout is kept."""
     layer, x, parents, valid, conv, rec = _small_forward_inputs(seed=5)
     with torch.no_grad():
