@@ -2,7 +2,8 @@
 # The H200 runs behind bench/results/h200.md. Sections (default: tests 8b speed8b report):
 #   tests      GPU equality tests (graphs == eager, Triton weight-only kernels == dequantized reference), the
 #              --gpu-memory-cap allocator bound
-#   testshyb   fla kernels == the PyTorch reference
+#   testshyb   fla kernels and the fused tree WY kernel == the PyTorch reference
+#   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel)
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8)
 #   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
@@ -32,9 +33,12 @@ for s in $SECTIONS; do
       timeout 120 python3 -m pytest -q tests/test_gpu.py -k "graph_steps or padded_batch or triton or memory_cap" \
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests.log" | head -20 ;;
-    testshyb)   # fla kernels == the PyTorch reference, a hybrid runner with kernels on == off
-      timeout 200 python3 -m pytest -q tests/test_gpu.py -k "fla" > "$R/gpu-tests-fla.log" 2>&1
+    testshyb)   # fla kernels and the fused tree WY kernel == the PyTorch reference, a hybrid runner with kernels on == off
+      timeout 300 python3 -m pytest -q tests/test_gpu.py -k "fla or tree_wy or tree_forward" > "$R/gpu-tests-fla.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-fla.log" | head -20 ;;
+    treekernel)   # the fused tree WY core against the PyTorch one at 27B heads, every tiling of the sweep
+      timeout 300 python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
+      grep "^|" "$R/gdn-tree-kernel.log" | head -60 ;;
     8b)
       timeout 170 python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --work-dir /tmp/w8 \
         --out-dir "$R" > "$R/step-cost-8b.log" 2>&1
