@@ -49,11 +49,11 @@ for s in $SECTIONS; do
         --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
       grep -E "tok/s|CALIB|Error|error" "$R/speed-8b.log" | tail -14 ;;
     hybrid)
-      timeout 90 python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
-      grep "^|" "$R/gdn-kernels.log" | head -12
-      timeout 150 python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 \
+      timeout 200 python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 --profile \
         --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
-      grep "^|" "$R/step-cost-27b.log" | head -12 ;;
+      grep "^|" "$R/step-cost-27b.log" | head -12
+      timeout ${GDN_BENCH_S:-120} python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
+      grep "^|" "$R/gdn-kernels.log" | head -12 ;;
     speedhyb)
       mkdir -p "$R/hybrid"
       timeout 240 python3 -m bench.speed --model /tmp/w27/target --drafter /tmp/w27/drafter --device cuda \

@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temporary dir)")
     p.add_argument("--reuse-checkpoints", action="store_true",
                    help="load the checkpoints already in --work-dir when they have this shape (else build them)")
+    p.add_argument("--profile", action="store_true",
+                   help="also list the kernels of one eager forward per tree size at the first batch (torch.profiler)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -115,8 +117,9 @@ def random_tree(nodes: int, root: int, vocab: int, gen: torch.Generator) -> tupl
 
 
 def target_costs(runner: TargetRunner, batches: list[int], nodes_list: list[int], context: int, steps: int,
-                 device: torch.device) -> tuple[list[dict], list[dict]]:
-    """Verify-call and forward times per (batch, nodes, eager|graph), and graph/eager agreement rows."""
+                 device: torch.device, profiles: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
+    """Verify-call and forward times per (batch, nodes, eager|graph), and graph/eager agreement rows; with
+    profiles given, the kernel lists of the first batch size's forwards are appended to it."""
     gen = torch.Generator().manual_seed(0)
     vocab = runner.vocab_size
     rows, agreement = [], []
@@ -149,6 +152,12 @@ def target_costs(runner: TargetRunner, batches: list[int], nodes_list: list[int]
             runner.graphs = graphs
             fwd, agree = forward_costs(runner, ids, nodes, gen, steps, device)
             row.update(fwd)
+            if profiles is not None and batch == batches[0]:
+                try:
+                    profiles.append({"batch": batch, "nodes": nodes,
+                                     **profile_forward(runner, ids, nodes, gen, device)})
+                except Exception as exc:  # noqa: BLE001 - a profiler failure must not cost the timings
+                    print(f"profile of {nodes} nodes failed: {type(exc).__name__}: {exc}", flush=True)
             if agree:
                 agreement.append({"batch": batch, "nodes": nodes, **agree})
             rows.append(row)
@@ -187,6 +196,39 @@ def forward_costs(runner: TargetRunner, ids: list[str], nodes: int, gen: torch.G
         "greedy_agreement": (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item(),
     }
     return out, agree
+
+
+def profile_forward(runner: TargetRunner, ids: list[str], nodes: int, gen: torch.Generator, device: torch.device,
+                    top: int = 25) -> dict:
+    """The kernels of one eager forward (device time per kernel name, summed, with call counts): where a step's
+    device time goes. Eager, so every kernel is attributed; a graph replays the same kernels minus launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, scratch = runner.model, runner.model.cache.spec.scratch_slot
+    trees = [random_tree(nodes, runner.seqs[s].pending_token, runner.vocab_size, gen) for s in ids]
+    ctx = [model.cache.ctx_len[runner.seqs[s].slot] for s in ids]
+    key_len = max(ctx) + nodes
+    packed = VerifyBatch.pack(trees, ctx, [runner.seqs[s].slot for s in ids], VerifyShape(len(ids), nodes, key_len),
+                              scratch).packed.to(device)
+    verify_forward(model, packed, nodes, key_len, runner.feature_layers)
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        verify_forward(model, packed, nodes, key_len, runner.feature_layers)
+        sync(device)
+    model.pending_traces = None
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if device.type == "cuda" and ev.device_type.name != "CUDA":
+            continue
+        us = ev.device_time if device.type == "cuda" else ev.cpu_time
+        entry = kernels.setdefault(ev.name[:90], [0.0, 0])
+        entry[0] += us / 1e3
+        entry[1] += 1
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return {"kernel_ms_total": round(sum(v[0] for v in kernels.values()), 3),
+            "kernel_launches": int(sum(v[1] for v in kernels.values())),
+            "top": [{"kernel": name, "ms": round(ms, 4), "calls": calls} for name, (ms, calls) in ranked[:top]]}
 
 
 def drafter_costs(drafter: DrafterRunner, batches: list[int], context: int, steps: int,
@@ -255,13 +297,15 @@ def main(argv=None) -> None:
     floors = {"weight_bytes": weights, "copy_bandwidth_gb_s": bandwidth / 1e9,
               "weight_read_floor_ms": weights / bandwidth * 1e3, "gemv_floor_ms": gemv_floor_ms(runner, device)}
     print(floors, flush=True)
-    target_rows, agreement = target_costs(runner, batches, nodes_list, args.context, args.steps, device)
+    profiles: list[dict] | None = [] if args.profile else None
+    target_rows, agreement = target_costs(runner, batches, nodes_list, args.context, args.steps, device, profiles)
     drafter_rows = drafter_costs(drafter, batches, args.context, args.steps, device)
     hw = common.hardware(args.device, args.dtype, None)
     data = {"command": common.command_line("bench.step_cost"), "date": common.now_utc(), "hardware": hw,
             "shape": args.shape, "quantize": args.quantize, "layers": runner.num_layers, "context": args.context,
             "build_s": build_s,
             "floors": floors, "target": target_rows, "agreement": agreement, "drafter": drafter_rows,
+            "profiles": profiles,
             "graph_capture_s": {"target": (runner.graphs.forwards.capture_seconds + runner.graphs.commits.capture_seconds)
                                 if runner.graphs else 0.0,
                                 "drafter": drafter.graphs.cache.capture_seconds if drafter.graphs else 0.0}}
@@ -284,6 +328,10 @@ def main(argv=None) -> None:
           common.md_table(["batch", "nodes", "max |diff| / max |logit|", "greedy agreement"],
                           [[a["batch"], a["nodes"], a["max_abs_logit_diff_over_max_logit"], a["greedy_agreement"]]
                            for a in agreement])]
+    for prof in profiles or []:
+        md += ["", f"## Kernels of one eager forward, batch {prof['batch']}, {prof['nodes']} nodes: "
+                   f"{prof['kernel_launches']} kernels, {prof['kernel_ms_total']} ms of device time", "",
+               common.md_table(["kernel", "ms", "calls"], [[k["kernel"], k["ms"], k["calls"]] for k in prof["top"]])]
     stem = f"step-cost-{args.shape}-{common.hardware_tag(hw)}"
     if args.quantize != "none":
         stem += f"-{args.quantize}"
