@@ -2,7 +2,8 @@
 
     python -m bench.h200_report --step-cost step-cost-qwen3-8b-*.json --speed speed-*.json \
         [--hybrid-step-cost step-cost-qwen3.6-27b-*.json] [--hybrid-speed speed-hybrid-*.json] \
-        [--fit flagship-fit-*.json] --out-dir bench/results
+        [--fit flagship-fit-*.json] [--quant-step-cost step-cost-qwen3-8b-*.json ...] \
+        [--quality quant-quality-*.json] --out-dir bench/results
 
 Every figure is a ratio or a time from the files named; the report restates their commands, dates and GPU.
 """
@@ -81,6 +82,37 @@ def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -
     return out
 
 
+def summarize_quantized(runs: list[dict]) -> dict:
+    """Weight-only quantization at the 8B shape, from step-cost runs of one session (bf16, int8, int4 on one
+    checkpoint): each format's 1-token forward, its ratio to bf16's, and its 65-node verify over its own 1-token
+    forward (CUDA-graph replays, device time)."""
+    by_mode = {r.get("quantize", "none"): r for r in runs}
+    out = {}
+    base = by_mode.get("none")
+    base_ar = _row(base["target"], batch=1, nodes=1)["forward_graph_ms"] if base else None
+    for mode, run in sorted(by_mode.items()):
+        name = "bf16" if mode == "none" else mode
+        ar = _row(run["target"], batch=1, nodes=1)
+        v65 = _row(run["target"], batch=1, nodes=65)
+        out[f"{name}_ar_forward_graph_ms_8b"] = round(ar["forward_graph_ms"], 3)
+        out[f"{name}_weight_read_floor_ms_8b"] = round(run["floors"]["weight_read_floor_ms"], 3)
+        out[f"{name}_gemv_floor_ms_8b"] = round(run["floors"]["gemv_floor_ms"], 3)
+        out[f"{name}_verify64_over_ar_8b"] = _ratio(v65["forward_graph_ms"], ar["forward_graph_ms"])
+        if mode != "none" and base_ar:
+            out[f"{name}_ar_over_bf16_8b"] = _ratio(ar["forward_graph_ms"], base_ar)
+    return out
+
+
+def summarize_quality(quality: dict) -> dict:
+    """bench.quant_quality's comparison: each format's perplexity and DDTree tau relative to the reference."""
+    out = {"quality_setting": f"{quality['reference']} reference, {quality['prompts']} held-out prompts x "
+                              f"{quality['max_tokens']} tokens, DDTree budget {quality['budget']}"}
+    for mode, c in quality["comparison"].items():
+        out[f"quality_{mode}_perplexity_relative"] = c["perplexity_relative"]
+        out[f"quality_{mode}_tau_relative"] = c["tau_relative"]
+    return out
+
+
 def plot(speed: dict, path: Path) -> bool:
     """tokens/s against budget at batch 1 (ddtree), with ar and dflash as lines; False without matplotlib."""
     try:
@@ -120,6 +152,9 @@ def main(argv=None) -> None:
     p.add_argument("--hybrid-step-cost")
     p.add_argument("--hybrid-speed")
     p.add_argument("--fit", help="bench.flagship_fit's JSON: the Qwen3.6-27B-within-48-GB figures (fit_*)")
+    p.add_argument("--quant-step-cost", action="append", default=[],
+                   help="bench.step_cost JSON at the 8B shape, one per --quantize mode of one session (none too)")
+    p.add_argument("--quality", help="bench.quant_quality's JSON (bf16 vs quantized on the GPU)")
     p.add_argument("--budget", type=int, default=None,
                    help="the budget the headline ratios use (default: the fastest measured budget per batch size)")
     p.add_argument("--note", action="append", default=[], help="a line for the report's Notes section")
@@ -127,12 +162,13 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     step, speed = _load(args.step_cost), _load(args.speed)
     hstep, hspeed = _load(args.hybrid_step_cost), _load(args.hybrid_speed)
-    fit = _load(args.fit)
-    first = step or fit
+    fit, quality = _load(args.fit), _load(args.quality)
+    quant = [_load(f) for f in args.quant_step_cost]
+    first = step or fit or (quant[0] if quant else None)
     if first is None:
-        p.error("give --step-cost, --fit or both")
+        p.error("give --step-cost, --fit or --quant-step-cost")
     data = {"date": first["date"], "gpu": first["hardware"].get("gpu"), "command": first["command"],
-            "commands": [x["command"] for x in (step, speed, hstep, hspeed, fit) if x],
+            "commands": [x["command"] for x in (step, speed, hstep, hspeed, fit, *quant, quality) if x],
             **(summarize(step, speed, args.budget, "8b") if step else {})}
     if hstep:
         h = summarize(hstep, hspeed, args.budget, "hybrid")
@@ -145,6 +181,10 @@ def main(argv=None) -> None:
         from bench.flagship_fit import headline
 
         data.update(headline(fit))
+    if quant:
+        data.update(summarize_quantized(quant))
+    if quality:
+        data.update(summarize_quality(quality))
     if speed and speed.get("calibration"):
         data["calibration"] = speed["calibration"]
     out = Path(args.out_dir)
