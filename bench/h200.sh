@@ -89,7 +89,12 @@ for s in $SECTIONS; do
       STEP8=$(ls "$R"/step-cost-qwen3-8b-*.json 2>/dev/null | head -1)
       SPEED8=$(ls "$R"/speed-calibrated-*.json 2>/dev/null | head -1)
       FIT=$(ls "$R"/fit/flagship-fit-*.json 2>/dev/null | head -1)
-      python3 -m bench.h200_report ${STEP8:+--step-cost "$STEP8"} ${SPEED8:+--speed "$SPEED8"} \
+      QUALITY=$(ls "$R"/quant-quality-*.json 2>/dev/null | head -1)
+      QUANT=()
+      for f in "$R"/none/step-cost-*.json "$R"/int8/step-cost-*.json "$R"/int4/step-cost-*.json; do
+        [ -f "$f" ] && QUANT+=(--quant-step-cost "$f")
+      done
+      python3 -m bench.h200_report "${QUANT[@]}" ${QUALITY:+--quality "$QUALITY"} ${STEP8:+--step-cost "$STEP8"} ${SPEED8:+--speed "$SPEED8"} \
         ${HYB_STEP:+--hybrid-step-cost "$HYB_STEP"} ${HYB_SPEED:+--hybrid-speed "$HYB_SPEED"} ${FIT:+--fit "$FIT"} \
         --out-dir "$R" > "$R/report.log" 2>&1
       tail -40 "$R/report.log" ;;
