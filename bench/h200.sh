@@ -34,10 +34,10 @@ for s in $SECTIONS; do
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests.log" | head -20 ;;
     testshyb)   # fla kernels and the fused tree WY kernel == the PyTorch reference, a hybrid runner with kernels on == off
-      timeout 300 python3 -m pytest -q tests/test_gpu.py -k "fla or tree_wy or tree_forward" > "$R/gpu-tests-fla.log" 2>&1
+      timeout 300 python3 -m pytest -q tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward}" > "$R/gpu-tests-fla.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-fla.log" | head -20 ;;
     treekernel)   # the fused tree WY core against the PyTorch one at 27B heads, every tiling of the sweep
-      timeout 300 python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
+      timeout ${TREE_BENCH_S:-300} python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
       grep "^|" "$R/gdn-tree-kernel.log" | head -60 ;;
     8b)
       timeout 170 python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --work-dir /tmp/w8 \
