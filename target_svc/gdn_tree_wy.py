@@ -21,6 +21,7 @@ core (_wy_core_reference) is the reference and the CPU path.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,10 @@ from target_svc.gated_deltanet import (
     _split_heads,
     _to_v_heads,
 )
+
+log = logging.getLogger(__name__)
+# Set on a GDN layer whose tree WY kernel failed to build or launch: it keeps to the PyTorch core from then on.
+_KERNEL_FAILED = "_ddtree_tree_wy_kernel_failed"
 
 
 @dataclass
@@ -108,12 +113,22 @@ def gdn_tree_forward_wy(
     g = (p.g * vf[..., None]).transpose(1, 2)  # [B, Hv, T]
     beta = (p.beta * vf[..., None]).transpose(1, 2)
     s0 = rec_state.float()  # [B, Hv, Dk, Dv]
-    if kernel is None:
+    auto = kernel is None
+    if auto:
         kernel = (not gdn_kernels.disabled_by_env() and gdn_tree_kernel.available(dev)
-                  and gdn_tree_kernel.supports(t, dims.head_k_dim, dims.head_v_dim))
+                  and gdn_tree_kernel.supports(t, dims.head_k_dim, dims.head_v_dim)
+                  and not getattr(module, _KERNEL_FAILED, False))
+    core = None
     if kernel:
-        core, u, cum = gdn_tree_kernel.tree_wy_core(qh, kh, vh, g, beta, anc, s0)
-    else:
+        try:
+            core, u, cum = gdn_tree_kernel.tree_wy_core(qh, kh, vh, g, beta, anc, s0)
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: the reference, not a dead service
+            if not auto:  # asked for by name (tests, benches): the failure is the answer
+                raise
+            # Seen at the eager warm-up before any graph is captured; the layer remembers it and stops trying.
+            log.warning("tree WY kernel failed (%s: %s); this layer uses the PyTorch core", type(exc).__name__, exc)
+            setattr(module, _KERNEL_FAILED, True)
+    if core is None:
         core, u, cum = _wy_core_reference(qh, kh, vh, g, beta, anc, s0)
     out = _output(module, core.transpose(1, 2), p.z, dims)
     out = out * valid.unsqueeze(-1).to(out.dtype)
