@@ -56,15 +56,17 @@ def supports(nodes: int, head_k_dim: int, head_v_dim: int) -> bool:
 
 
 def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132) -> TileConfig:
-    """Tile sizes for batch_heads = B * Hv programs' worth of heads: a pure function of the shape.
+    """Tile sizes for batch_heads = B * Hv heads: a pure function of the shape.
 
-    The kernel is latency-bound (a chain of small dependent steps per program), so the value columns are split
-    further (BLOCK_V 64 -> 32 -> 16) while there are fewer programs than SMs: e.g. one 27B tree (48 heads of 128)
-    runs as 192 programs of 32 columns, eight trees as 768 of 64."""
+    From a sweep on an H200 at 27B heads (48 x 128; bench.gdn_tree_kernel --sweep, every call inside a CUDA
+    graph): 64 value columns per program and one pipeline stage won for every tree shape, even with fewer
+    programs than SMs (one 65-node tree: 0.113 ms against 0.165 ms with 32 columns and 2 stages); 8 warps won
+    while the programs are fewer than two per SM (one tree: 96 programs), 4 beyond (eight trees: 0.55 ms
+    against 0.70 ms)."""
     block_v = min(64, head_v_dim)
-    while block_v > 16 and batch_heads * (head_v_dim // block_v) < num_sms:
-        block_v //= 2
-    return TileConfig(block_v=block_v)
+    programs = batch_heads * (head_v_dim // block_v)
+    return TileConfig(block_t=16, block_c=32, block_v=block_v, num_warps=8 if programs < 2 * num_sms else 4,
+                      num_stages=1)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -101,7 +103,9 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
     kernels = importlib.import_module("target_svc.gdn_tree_wy_kernels")
     qh, kh, vh, s0 = _unit_last(qh), _unit_last(kh), _unit_last(vh), _unit_last(s0)
-    anc_u8 = anc.view(torch.uint8)  # same bytes; Triton loads it as 0/1
+    # Same bytes, loaded as 0/1; dense, because Triton specialises on strides divisible by 16 and the variants
+    # sum G in different orders: a sliced mask (ancestor_mask_batch's) and its copy would differ in the last bit.
+    anc_u8 = anc.contiguous().view(torch.uint8)
     core = torch.empty(bsz, heads, t, dv, dtype=torch.float32, device=vh.device)
     u = torch.empty_like(core)
     cum = torch.empty(bsz, heads, t, dtype=torch.float32, device=vh.device)

@@ -72,36 +72,57 @@ def _wy_core_reference(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tens
     return core, u, cum
 
 
-def gdn_tree_forward_wy(
-    module: nn.Module, x: Tensor, parents: Tensor, valid: Tensor, conv_state: Tensor, rec_state: Tensor,
-    kernel: bool | None = None,
-) -> tuple[Tensor, GdnTreeWYTrace]:
-    """Verify padded trees x [B, T, H] (parents [B, T], valid [B, T] prefix) -> (out [B, T, H], trace); no sync."""
-    # kernel: the WY core through the fused Triton kernel (target_svc/gdn_tree_kernel.py); None = where it is
-    # available for x's device and takes these shapes, unless DDTREE_GDN_KERNELS is off.
-    dims = LinearAttnStateShape.from_module(module)
-    dtype = _model_dtype(module)
-    bsz, t, _ = x.shape
-    kern = dims.conv_kernel
-    dev = x.device
+@dataclass
+class GdnTreeLayout:
+    """What every GDN layer of one verify forward needs of the trees' shape alone: built once per forward, not
+    once per layer (a 64-layer model would otherwise rebuild the same masks and indices 48 times)."""
+
+    anc: Tensor  # [B, T, T] bool, ancestors-or-self (padded nodes: self only)
+    window_idx: Tensor  # [B, T, k] long: each node's conv window in [committed k-1 inputs | the T nodes], oldest first
+    conv_kernel: int
+
+
+def gdn_tree_layout(parents: Tensor, valid: Tensor, conv_kernel: int) -> GdnTreeLayout:
+    """The ancestor mask and conv windows of padded trees (parents [B, T], valid [B, T] prefix); no sync."""
+    bsz, t = parents.shape
+    dev = parents.device
     sizes = valid.sum(dim=1)
-    anc = ancestor_mask_batch(parents, sizes)  # [B, T, T], padded nodes: self only
+    anc = ancestor_mask_batch(parents, sizes).contiguous()  # a slice otherwise: copied once here, not per layer
     depth = depths_from_parents_batch(parents, sizes)
-
-    x = torch.where(valid.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=dev))
-    p = _project(module, x)
-
+    kern = conv_kernel
     # Conv window of each node: itself and its k-1 nearest ancestors, then the committed conv inputs past the root.
-    ext = torch.cat([conv_state.to(dtype).transpose(1, 2), p.qkv_in], dim=1)  # [B, k-1+T, conv_dim]
     own = torch.arange(t, device=dev).unsqueeze(0).expand(bsz, t)
     par = torch.where(valid & (parents >= 0), parents, torch.full_like(parents, -1))
     cols, cur = [own + (kern - 1)], par
     for m in range(1, kern):  # ancestor at distance m, or committed input (k-1) - (m - depth) past the root
         cols.append(torch.where(cur >= 0, cur + (kern - 1), (kern - 1) - (m - depth)))
         cur = torch.where(cur >= 0, par.gather(1, cur.clamp(min=0)), cur)
-    window_idx = torch.stack(cols[::-1], dim=-1)  # [B, T, k], oldest first
+    return GdnTreeLayout(anc=anc, window_idx=torch.stack(cols[::-1], dim=-1), conv_kernel=kern)
+
+
+def gdn_tree_forward_wy(
+    module: nn.Module, x: Tensor, parents: Tensor, valid: Tensor, conv_state: Tensor, rec_state: Tensor,
+    kernel: bool | None = None, layout: GdnTreeLayout | None = None,
+) -> tuple[Tensor, GdnTreeWYTrace]:
+    """Verify padded trees x [B, T, H] (parents [B, T], valid [B, T] prefix) -> (out [B, T, H], trace); no sync."""
+    # kernel: the WY core through the fused Triton kernel (target_svc/gdn_tree_kernel.py); None = where it is
+    # available for x's device and takes these shapes, unless DDTREE_GDN_KERNELS is off.
+    # layout: gdn_tree_layout(parents, valid, conv kernel) shared by the forward's GDN layers (None: built here).
+    dims = LinearAttnStateShape.from_module(module)
+    dtype = _model_dtype(module)
+    bsz, t, _ = x.shape
+    kern = dims.conv_kernel
+    dev = x.device
+    if layout is None or layout.conv_kernel != kern:
+        layout = gdn_tree_layout(parents, valid, kern)
+    anc = layout.anc
+
+    x = torch.where(valid.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=dev))
+    p = _project(module, x)
+
+    ext = torch.cat([conv_state.to(dtype).transpose(1, 2), p.qkv_in], dim=1)  # [B, k-1+T, conv_dim]
     rows = torch.arange(bsz, device=dev)[:, None, None]
-    window = ext[rows, window_idx]  # [B, T, k, conv_dim]
+    window = ext[rows, layout.window_idx]  # [B, T, k, conv_dim]
     q, k, v = _split_heads(_conv_taps(module, [window[:, :, j] for j in range(kern)], dtype), dims)
     vf = valid.to(torch.float32)
     node_conv = (window[:, :, 1:] * vf[:, :, None, None].to(dtype)).transpose(2, 3).contiguous()

@@ -24,7 +24,13 @@ from target_svc.gated_deltanet import (
     gdn_tree_forward_lean,
 )
 from target_svc.dense_layers import DenseKernels, DenseLayerWeights, fusable, fuse_weights
-from target_svc.gdn_tree_wy import GdnTreeWYTrace, gdn_commit_path_wy, gdn_tree_forward_wy
+from target_svc.gdn_tree_wy import (
+    GdnTreeLayout,
+    GdnTreeWYTrace,
+    gdn_commit_path_wy,
+    gdn_tree_forward_wy,
+    gdn_tree_layout,
+)
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
 from target_svc.quantization import int8_matmul_backend, linear
@@ -158,6 +164,7 @@ class TargetModel:
         wanted = set(feature_layers)
         feature_set: dict[int, Tensor] = {}
         traces: list[GdnTreeTrace | GdnTreeWYTrace] = []
+        layout = self._tree_layout(parents, valid, chain, tmax)
         h = t.embed_tokens(input_ids)
         if self.dense is not None:
             h = self._dense_layers(h, cos, sin, mask, slots, rows, key_len, wanted, feature_set)
@@ -169,7 +176,8 @@ class TargetModel:
                                             key_len)
                 else:
                     mixed = self._linear_attention(
-                        layer.linear_attn, self.linear_index[i], x, parents, valid, sizes, slots, chain, traces
+                        layer.linear_attn, self.linear_index[i], x, parents, valid, sizes, slots, chain, traces,
+                        layout,
                     )
                 h = h + mixed
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -264,6 +272,12 @@ class TargetModel:
             out = out * torch.sigmoid(gate)
         return attn.o_proj(out)
 
+    def _tree_layout(self, parents: Tensor, valid: Tensor, chain: bool, tmax: int) -> GdnTreeLayout | None:
+        """The trees' ancestor mask and conv windows, once for all GDN layers of a one-pass (wy) tree forward."""
+        if chain or not self.linear_index or self.tree_gdn != "wy" or (self.gdn_kernels_on and tmax == 1):
+            return None
+        return gdn_tree_layout(parents, valid, self.cache.spec.linear_shapes[0].conv_kernel)
+
     def _linear_attention(
         self,
         gdn: nn.Module,
@@ -275,6 +289,7 @@ class TargetModel:
         slots: Tensor,
         chain: bool,
         traces: list[GdnTreeTrace],
+        layout: GdnTreeLayout | None = None,
     ) -> Tensor:
         """Gated DeltaNet: chains commit their final state; trees keep a trace for the accepted-path replay."""
         state = self.cache.linear[state_layer]
@@ -288,7 +303,7 @@ class TargetModel:
             # A decode step (one-node trees): fla's recurrent kernel; committed by gdn_commit_path's kernel replay.
             out, trace = gdn_step_forward_lean(gdn, x, valid, conv0, rec0, kernels=True)
         elif self.tree_gdn == "wy":
-            out, trace = gdn_tree_forward_wy(gdn, x, parents, valid, conv0, rec0)
+            out, trace = gdn_tree_forward_wy(gdn, x, parents, valid, conv0, rec0, layout=layout)
         else:
             out, trace = gdn_tree_forward_lean(gdn, x, parents, valid, conv0, rec0)
         traces.append(trace)

@@ -208,9 +208,10 @@ def test_supported_shapes_and_tiles():
     assert supports(1, 128, 128) and supports(256, 128, 128) and supports(gdn_tree_kernel.MAX_NODES, 16, 256)
     assert not supports(0, 128, 128) and not supports(gdn_tree_kernel.MAX_NODES + 1, 128, 128)
     assert not supports(65, 96, 128) and not supports(65, 128, 8) and not supports(65, 512, 128)
-    # One 27B tree (48 value heads of 128) on 132 SMs: value blocks of 32 (192 programs); eight trees: of 64.
-    assert choose_config(48, 128, 132).block_v == 32 and choose_config(8 * 48, 128, 132).block_v == 64
+    # 27B heads (48 value heads of 128) on 132 SMs: value blocks of 64; 8 warps for one tree, 4 for eight.
+    assert choose_config(48, 128, 132).block_v == 64 and choose_config(8 * 48, 128, 132).block_v == 64
     assert choose_config(2, 16, 132).block_v == 16 and choose_config(1, 64, 1).block_v == 64
+    assert choose_config(48, 128, 132).num_warps == 8 and choose_config(8 * 48, 128, 132).num_warps == 4
 
 
 def test_bad_inputs_are_refused_before_any_launch():
