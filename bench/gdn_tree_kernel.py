@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         want = _wy_core_reference(*inputs)
         ref_ms, mode = time_per_call(lambda: _wy_core_reference(*inputs), args.calls, args.replays)
         rows.append([name, "PyTorch core", f"{ref_ms:.4f}", "", mode])
+        print(" | ".join(rows[-1]), flush=True)
         configs = [None] + (list(sweep_grid()) if args.sweep else [])
         for cfg in configs:
             label = "kernel, default tiles" if cfg is None else (

@@ -57,6 +57,9 @@ def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -
         f"ar_forward_graph_ms_{prefix}": round(ar1["forward_graph_ms"], 3),
         f"ar_verify_call_graph_ms_{prefix}": round(ar1["verify_graph_ms"], 3),
         f"verify64_over_decode_{prefix}": _ratio(v65["forward_graph_ms"], ar1["forward_graph_ms"]),
+        f"chain16_over_decode_{prefix}": _ratio(_row(step["target"], batch=1, nodes=16)["forward_graph_ms"],
+                                                ar1["forward_graph_ms"])
+        if any(r.get("batch") == 1 and r.get("nodes") == 16 for r in step["target"]) else None,
         f"drafter_forward_graph_ms_{prefix}": round(draft["draft_graph_ms"], 3),
     }
     if speed is None:
@@ -176,6 +179,7 @@ def main(argv=None) -> None:
         data["hybrid_ar_step_ms"] = h.get("ar_step_ms_hybrid", h["ar_verify_call_graph_ms_hybrid"])
         data["hybrid_floor_ms"] = h["gemv_floor_ms_hybrid"]
         data["hybrid_verify64_over_decode"] = h["verify64_over_decode_hybrid"]
+        data["hybrid_chain16_over_decode"] = h["chain16_over_decode_hybrid"]
         data["hybrid_ddtree_over_ar_b1"] = h.get("ddtree_over_ar_hybrid_b1")
     if fit:
         from bench.flagship_fit import headline
