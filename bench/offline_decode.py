@@ -102,3 +102,23 @@ def teacher_forced_logprobs(target: TargetRunner, seq_id: str, prompt: list[int]
     finally:
         model.cache.release(seq_id)
     return torch.cat(parts)
+
+
+@torch.inference_mode()
+def next_token_gap(target: TargetRunner, seq_id: str, ids: list[int]) -> tuple[float, int, int]:
+    """(log p(top-1) - log p(top-2), top-1, top-2) of the token after ids, from the target's own chunked forward:
+    how near a tie the greedy choice there is."""
+    model, dev = target.model, target.device
+    chunk = target.cfg.prefill_chunk or len(ids)
+    slot = model.cache.add_sequence(seq_id)
+    try:
+        for c0 in range(0, len(ids), chunk):
+            n = min(chunk, len(ids) - c0)
+            x = torch.tensor([ids[c0:c0 + n]], device=dev)
+            logits, _ = model.forward_block(
+                x, (torch.arange(n, device=dev) - 1)[None], torch.ones(1, n, dtype=torch.bool, device=dev),
+                torch.tensor([c0], device=dev), torch.tensor([slot], device=dev), key_len=c0 + n, chain=True)
+    finally:
+        model.cache.release(seq_id)
+    top = logits[0, -1].float().log_softmax(dim=-1).topk(2)
+    return float(top.values[0] - top.values[1]), int(top.indices[0]), int(top.indices[1])

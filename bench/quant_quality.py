@@ -91,7 +91,7 @@ def measure_target(runner, drafter, prompts: list[dict], prompt_ids: list[list[i
                    max_tokens: int, budget: int) -> tuple[dict, list[list[int]]]:
     """Greedy answers, teacher-forced log-probs of the reference answers (its own when answers is None) and DDTree
     decoding on one loaded target; returns (summary, its greedy answers)."""
-    from bench.offline_decode import decode, teacher_forced_logprobs
+    from bench.offline_decode import decode, next_token_gap, teacher_forced_logprobs
 
     t0 = time.perf_counter()
     greedy = [decode(runner, None, f"ar{i}", ids, max_tokens).tokens for i, ids in enumerate(prompt_ids)]
@@ -113,6 +113,13 @@ def measure_target(runner, drafter, prompts: list[dict], prompt_ids: list[list[i
             "ddtree_equals_greedy": d.tokens == g, "greedy_equals_reference": g == ref,
             "greedy_shared_prefix": shared_prefix(g, ref),
         })
+        if d.tokens != g:  # where DDTree and greedy part, and how near a tie the target's choice there was
+            at = shared_prefix(d.tokens, g)
+            gap, top1, top2 = next_token_gap(runner, f"gap{len(per_prompt)}", ids + g[:at])
+            per_prompt[-1]["ddtree_divergence"] = {
+                "position": at, "greedy_token": g[at] if at < len(g) else None,
+                "ddtree_token": d.tokens[at] if at < len(d.tokens) else None,
+                "top1_top2_logprob_gap": round(gap, 5), "top1": top1, "top2": top2}
     tokens = sum(lp.numel() for lp in logprobs)
     summary = {
         "answer_tokens": tokens,
@@ -127,6 +134,10 @@ def measure_target(runner, drafter, prompts: list[dict], prompt_ids: list[list[i
         "ddtree_equals_greedy": sum(pp["ddtree_equals_greedy"] for pp in per_prompt),
         "greedy_equals_reference": sum(pp["greedy_equals_reference"] for pp in per_prompt),
         "greedy_shared_prefix_mean": round(sum(pp["greedy_shared_prefix"] for pp in per_prompt) / len(per_prompt), 2),
+        # Where DDTree's answer left greedy's: the target's top-1 - top-2 log-prob gap there (near 0: a near-tie
+        # that the 1-row and many-row forwards round to different sides).
+        "ddtree_divergence_gaps": [pp["ddtree_divergence"]["top1_top2_logprob_gap"] for pp in per_prompt
+                                   if "ddtree_divergence" in pp],
         "seconds": {"greedy": round(t_ar - t0, 1), "perplexity": round(t_tf - t_ar, 1),
                     "ddtree": round(t_dd - t_tf, 1)},
         "per_prompt": per_prompt,
@@ -265,6 +276,13 @@ def write_report(args, results: dict, comparison: dict, prompts: list[dict], sou
             row.append(round(math.exp(sum(pp["nll_sum"] for pp in pps) / n), 4) if n else None)
         kind_rows.append(row)
     kind_table = common.md_table(["target", *kinds], kind_rows)
+    parted = [f"- {label}: " + ", ".join(f"token {pp['ddtree_divergence']['position']} (gap "
+                                         f"{pp['ddtree_divergence']['top1_top2_logprob_gap']:.3g})"
+                                         for pp in r["per_prompt"] if "ddtree_divergence" in pp)
+              for label, r in results.items() if any("ddtree_divergence" in pp for pp in r["per_prompt"])]
+    divergence = ("\n\nWhere a DDTree answer left the same target's greedy answer, and the target's top-1 minus top-2 "
+                  "log-prob there (near 0: a near-tie that forwards of different shapes round apart):\n\n"
+                  + "\n".join(parted)) if parted else ""
     gpu = f", {hw['gpu']}" if hw.get("gpu") else ""
     md = f"""# Quantized target quality: perplexity and DDTree acceptance ({common.hardware_tag(hw)})
 {caveat}
@@ -283,7 +301,7 @@ with DDTree budget {args.budget} (the gateway's depth bounds). "ddtree == own gr
 same target's autoregressive output; "greedy == {ref}'s" counts the prompts whose greedy answer is unchanged by
 quantization.
 
-{table}
+{table}{divergence}
 
 The issue's thresholds (perplexity within {100 * PPL_TOLERANCE:.0f} %, DDTree-64 tau within {100 * TAU_TOLERANCE:.0f} %, both relative to the unquantized target; the issue states them for int8):
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from bench.offline_decode import decode, teacher_forced_logprobs
+from bench.offline_decode import decode, next_token_gap, teacher_forced_logprobs
 from bench.quant_quality import compare, main, perplexity, shared_prefix
 from target_svc.runner import TargetConfig, TargetRunner
 from tests.conftest import prompts_for, reference_model
@@ -123,3 +123,12 @@ def test_the_bench_runs_end_to_end_on_a_tiny_pair(checkpoints, tmp_path):
     assert ref["ddtree_equals_greedy"] == q["ddtree_equals_greedy"] == 2 and ref["greedy_equals_reference"] == 2
     assert set(data["comparison"]["int8"]) >= {"perplexity_within_2pct", "tau_within_5pct"}
     assert "not the issue's bf16 vs int8 on the GPU" in json_path.with_suffix(".md").read_text()
+
+
+def test_next_token_gap_names_the_greedy_token_and_a_nonnegative_margin(checkpoints):
+    target_dir, _ = checkpoints("llama")
+    runner = _runner(target_dir)
+    prompt = prompts_for(target_dir, [10], seed=3)[0]
+    greedy = decode(runner, None, "g", prompt, 3).tokens
+    gap, top1, top2 = next_token_gap(runner, "gap", prompt + greedy[:2])
+    assert top1 == greedy[2] and top2 != top1 and gap >= 0.0
