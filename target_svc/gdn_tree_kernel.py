@@ -24,20 +24,25 @@ from torch import Tensor
 # over all earlier column chunks), so its time grows as T^2; the GPU tests go to 256.
 MAX_NODES = 1024
 _HEAD_DIMS = (16, 32, 64, 128, 256)
+# Diagonal blocks the kernel is tested at (powers of two: the doubling inversion squares log2(BT) times; larger
+# blocks hold BT x Dk and BT x BT tiles in registers).
+_BLOCK_T = (16, 32, 64)
 # Flat offsets inside the kernel are int32.
 _MAX_ELEMENTS = 2**31 - 1
 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One launch's tiling: BLOCK_T nodes per substitution step (the diagonal block inverted in registers),
-    BLOCK_C ancestor columns per inner step, BLOCK_V value columns per program."""
+    """One launch's tiling: BLOCK_T nodes per substitution step (the diagonal block inverted in registers, by
+    `invert`: "blocks", 2 (log2(BLOCK_T) - 1) dots, or "rows", BLOCK_T - 1 row steps), BLOCK_C ancestor columns
+    per inner step, BLOCK_V value columns per program."""
 
     block_t: int = 16
     block_c: int = 32
     block_v: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    invert: str = "blocks"
 
 
 def available(device: torch.device | str) -> bool:
@@ -62,11 +67,13 @@ def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132) -> Tile
     graph): 64 value columns per program and one pipeline stage won for every tree shape, even with fewer
     programs than SMs (one 65-node tree: 0.113 ms against 0.165 ms with 32 columns and 2 stages); 8 warps won
     while the programs are fewer than two per SM (one tree: 96 programs), 4 beyond (eight trees: 0.55 ms
-    against 0.70 ms)."""
+    against 0.70 ms). Those times are of the row-by-row inversion; the block doubling replaces its 15 dependent
+    steps of two reductions by 6 dots at the same 16-node blocks (and spills less: 208 against 328 bytes under
+    ptxas for sm_90 at 8 warps). Blocks of 32 and 64 nodes are in the --sweep grid, not chosen before it is timed."""
     block_v = min(64, head_v_dim)
     programs = batch_heads * (head_v_dim // block_v)
     return TileConfig(block_t=16, block_c=32, block_v=block_v, num_warps=8 if programs < 2 * num_sms else 4,
-                      num_stages=1)
+                      num_stages=1, invert="blocks")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -112,7 +119,8 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     if core.numel() == 0:
         return core, u, cum.zero_()
     cfg = config or choose_config(bsz * heads, dv, _num_sms(vh.device))
-    if dv % cfg.block_v or cfg.block_t < 16 or cfg.block_c < 16:
+    if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
+            or cfg.invert not in ("blocks", "rows")):
         raise ValueError(f"bad tiles for Dv {dv}: {cfg}")
     # Value blocks of one head are neighbours in launch order: they share the head's keys in L2.
     grid = (dv // cfg.block_v, bsz * heads)
@@ -123,7 +131,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         vh.stride(0), vh.stride(1), vh.stride(2), g.stride(0), g.stride(1), g.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2), anc_u8.stride(0), anc_u8.stride(1), anc_u8.stride(2),
         s0.stride(0), s0.stride(1), s0.stride(2),
-        DK=dk, DV=dv, BT=cfg.block_t, BC=cfg.block_c, BV=cfg.block_v,
+        DK=dk, DV=dv, BT=cfg.block_t, BC=cfg.block_c, BV=cfg.block_v, INVERT=cfg.invert,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return core, u, cum

@@ -58,13 +58,14 @@ class GdnTreeWYTrace:
 def _wy_core_reference(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, anc: Tensor,
                        s0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The WY core in PyTorch (reference; CPU path): (core [B, Hv, T, Dv], u [B, Hv, T, Dv], cum [B, Hv, T])."""
+    # In the inputs' float dtype: float32 on the serving path, float64 where tests measure rounding errors.
     t = kh.shape[2]
-    ancf = anc.to(torch.float32)
+    ancf = anc.to(kh.dtype)
     cum = torch.einsum("bij,bhj->bhi", ancf, g)  # G_i
     path = anc[:, None]  # [B, 1, T, T]
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~path, float("-inf")).exp()  # [B, Hv, i, r]
     k_beta = kh * beta.unsqueeze(-1)
-    eye = torch.eye(t, dtype=torch.float32, device=kh.device)
+    eye = torch.eye(t, dtype=kh.dtype, device=kh.device)
     system = (k_beta @ kh.transpose(-1, -2)) * decay * (1.0 - eye) + eye  # I + A (strict ancestors only)
     rhs = vh * beta.unsqueeze(-1) - (k_beta * cum.exp().unsqueeze(-1)) @ s0
     u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [B, Hv, T, Dv]

@@ -10,9 +10,17 @@ gdn_tree_wy.py (anc(i): ancestors-or-self of node i, parents before children):
 
 I + A is unit lower triangular, so U comes out by block forward substitution over blocks of BT nodes: block R's
 right-hand side loses the terms of the ancestors in earlier blocks (already solved, in chunks of BC columns),
-then the BT x BT diagonal block (I + A_RR) is inverted in registers (BT row steps) and applied with one dot. The
-same column chunks feed the outputs. Every tile is BT, BC or BV by Dk or Dv: the node count T only sets the
-trip counts, so one compile serves every T.
+then the BT x BT diagonal block (I + A_RR) is inverted in registers and applied with one dot. The same column
+chunks feed the outputs. Every tile is BT, BC or BV by Dk or Dv: the node count T only sets the trip counts, so
+one compile serves every T; BT is 16, 32 or 64.
+
+The diagonal block's inverse is on every block's critical path. INVERT="rows" is forward substitution, BT - 1
+dependent row steps of two cross-thread reductions each. INVERT="blocks" (the default) builds it from inverses
+of diagonal blocks of size 1, 2, 4, ..., BT: each doubling is two BT x BT dots, X <- X - X M X, 2 (log2(BT) - 1)
+dots in all, so the latency no longer grows linearly with BT and larger blocks (fewer sequential blocks per
+tree) become affordable. Its entries are formed as substitution forms them (inverse entries times entries of A)
+and round alike; the Neumann product (I + N)(I + N^2)..., as few dots, loses everything to cancellation on
+chains of similar keys (see _invert_unit_lower).
 
 Solved rows of U and G are written to the outputs u and cum and read back by later blocks of the same program,
 after a barrier (a CTA barrier orders a program's global stores before its later loads). Programs of one head
@@ -35,6 +43,39 @@ def _exp_where(mask, x):
     return tl.exp(tl.where(mask, x, float("-inf")))
 
 
+@triton.jit
+def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr):
+    """(I + sys_a)^-1 of a strictly lower triangular BT x BT sys_a (BT a power of two >= 16)."""
+    eye = tl.where(loc[:, None] == loc[None, :], 1.0, 0.0)
+    if INVERT == "rows":
+        # Forward substitution: row i of the inverse is e_i - sum_{r < i} A[i, r] inv[r, :], rows r < i final by
+        # then. BT - 1 dependent steps, each two cross-thread reductions: the kernel's latency at BT = 16.
+        inv = eye
+        for i in tl.static_range(1, BT):
+            sel = loc[:, None] == i
+            a_i = tl.sum(tl.where(sel, sys_a, 0.0), axis=0)  # A[i, :], indexed by column
+            inv = tl.where(sel, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
+    else:
+        tl.static_assert(INVERT == "blocks")
+        tl.static_assert(BT <= 128)
+        # Diagonal blocks of doubling size: with X the inverse of I + A's diagonal blocks of size b, those of size
+        # 2b are X - X M X, M = A's lower-left b x b quarter of each 2b block (the 2 x 2 block inverse
+        # [[X1, 0], [-X2 A21 X1, X2]]). Blocks of 1 are 1, of 2 are I - M: 2 (log2(BT) - 1) dots in place of
+        # BT - 1 steps of two reductions each. Each entry is still a sum of final inverse entries times A, as in
+        # substitution, so it rounds as substitution does. The power series (I + N)(I + N^2)(I + N^4)...
+        # (N = -A), as short in dots, sums binomially growing terms that cancel: on a chain of keys of cosine 0.8
+        # it was off by 2e-5 at BT = 16 and 2e-1 at BT = 32 (tests/test_gdn_tree_kernel.py).
+        row = loc[:, None]
+        col = loc[None, :]
+        inv = eye - tl.where((row % 2 == 1) & (col == row - 1), sys_a, 0.0)
+        for s in tl.static_range(1, 7):
+            if 2**s < BT:  # b = 2^s: blocks of b -> 2b
+                quarter = ((row // 2**s) % 2 == 1) & (col // 2**s == row // 2**s - 1)
+                m = tl.where(quarter, sys_a, 0.0)
+                inv -= tl.dot(inv, tl.dot(m, inv, input_precision="ieee"), input_precision="ieee")
+    return inv
+
+
 # T changes with every tree size: not specialised on it, so one compile serves all T.
 @triton.jit(do_not_specialize=["T"])
 def tree_wy_core_kernel(
@@ -44,6 +85,7 @@ def tree_wy_core_kernel(
     stride_gb, stride_gh, stride_gt, stride_bb, stride_bh, stride_bt, stride_ab, stride_ai, stride_aj,
     stride_sb, stride_sh, stride_sk,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    INVERT: tl.constexpr,
 ):
     """core, u [B, H, T, DV] and cum [B, H, T] (contiguous float32) of one (b, h, value block); q, k [B, H, T, DK],
     v [B, H, T, DV] and s0 [B, H, DK, DV] have unit stride along their last dim, anc [B, T, T] is uint8 (0/1)."""
@@ -67,7 +109,6 @@ def tree_wy_core_kernel(
     # S_0's value block stays in registers: every block of nodes reads it twice.
     s0 = tl.load(s0_ptr + b * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
     strict = loc[:, None] > loc[None, :]
-    eye = tl.where(loc[:, None] == loc[None, :], 1.0, 0.0)
 
     for r0 in range(0, T, BT):
         rows = r0 + loc
@@ -108,17 +149,11 @@ def tree_wy_core_kernel(
             rhs -= tl.dot(kk, u_c, input_precision="ieee")
             o += tl.dot(qk, u_c, input_precision="ieee")
 
-        # The diagonal block: (I + A_RR)^-1 row by row. Row i of the inverse is e_i - sum_{r < i} A[i, r] inv[r, :],
-        # rows r < i being final by then (A_RR is strictly lower triangular).
         a = tl.load(anc_ptr + rows[:, None] * stride_ai + rows[None, :] * stride_aj,
                     mask=rmask[:, None] & rmask[None, :], other=0)
         decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
         sys_a = tl.where(strict, tl.dot(kb_r, tl.trans(k_r), input_precision="ieee") * decay, 0.0)
-        inv = eye
-        for i in tl.static_range(1, BT):
-            sel = loc[:, None] == i
-            a_i = tl.sum(tl.where(sel, sys_a, 0.0), axis=0)  # A[i, :], indexed by column
-            inv = tl.where(sel, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
+        inv = _invert_unit_lower(sys_a, loc, BT, INVERT)
         u_r = tl.dot(inv, rhs, input_precision="ieee")
         o += tl.dot(tl.dot(q_r, tl.trans(k_r), input_precision="ieee") * decay, u_r, input_precision="ieee")
 

@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 # arithmetic in other orders (blocked substitution instead of LAPACK's solve, other summation orders): the
 # interpreter showed up to 9e-7 on these cases; a wrong mask, block or index is off by 1e-3 or more.
 REL_TOL = 1e-5
+# Against the reference computed in float64: the kernel's own float32 rounding (measured up to 1.3e-6).
+F64_TOL = 3e-6
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "") == "1"
@@ -139,11 +141,67 @@ def test_interpreted_kernel_equals_the_reference_core_on_random_trees(interprete
 @in_interpreter
 @pytest.mark.parametrize("config", [TileConfig(block_t=16, block_c=16, block_v=16),
                                     TileConfig(block_t=32, block_c=16, block_v=32),
-                                    TileConfig(block_t=16, block_c=64, block_v=32)])
+                                    TileConfig(block_t=16, block_c=64, block_v=32),
+                                    TileConfig(block_t=64, block_c=16, block_v=16),
+                                    TileConfig(block_t=32, block_c=64, block_v=16, invert="rows")])
 def test_interpreted_kernel_equals_the_reference_core_under_other_tilings(interpreted, config):
-    """Several ancestor chunks per block, chunks wider than the solved rows, 32-row diagonal blocks."""
+    """Several ancestor chunks per block, chunks wider than the solved rows, 32- and 64-row diagonal blocks."""
     trees = [random_parents(50, 16, torch.Generator().manual_seed(9)), chain(37)]
     assert_matches_reference(core_inputs(trees, heads=2, dk=32, dv=32, seed=7), config)
+
+
+BLOCK_CASES = {
+    "one node": [[-1]],
+    "a 16-deep chain, padded": [chain(17), chain(16), chain(3)],
+    "65 nodes, depth 16, padded": [random_parents(65, 16, GEN), random_parents(40, 16, GEN)],
+    "a 200-node tree": [random_parents(200, 16, GEN)],
+}
+
+
+@in_interpreter
+@pytest.mark.parametrize("block_t", [16, 32, 64])
+@pytest.mark.parametrize("invert", ["blocks", "rows"])
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_interpreted_kernel_equals_the_reference_core_for_each_diagonal_block(interpreted, case, block_t, invert):
+    """Diagonal blocks of 16, 32 and 64 nodes, inverted either way: one node, blocks cut through a chain and
+    past a padded tree's end, trees wider than a block."""
+    trees = BLOCK_CASES[case]
+    config = TileConfig(block_t=block_t, block_c=32, block_v=16, invert=invert)
+    assert_matches_reference(core_inputs(trees, heads=1, dk=16, dv=16, seed=len(case) + block_t), config)
+
+
+def correlated_chain_inputs(nodes: int, dk: int, dv: int, cosine: float, seed: int):
+    """A chain whose keys share one direction (pairwise cosine about `cosine`), beta in (0.9, 1), gates near 0:
+    entries of A near 1 all over the lower triangle, the hardest system for the diagonal block's inverse."""
+    qh, kh, vh, g, beta, anc, s0 = core_inputs([chain(nodes)], heads=2, dk=dk, dv=dv, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(1, 2, 1, dk, generator=gen)
+    kh = F.normalize(shared * cosine**0.5 + torch.randn(kh.shape, generator=gen) * (1 - cosine) ** 0.5, dim=-1)
+    beta = 0.9 + 0.1 * torch.rand(beta.shape, generator=gen)
+    return qh, kh, vh, g * 0.01, beta, anc, s0
+
+
+@in_interpreter
+@pytest.mark.parametrize("block_t", [16, 32, 64])
+@pytest.mark.parametrize("invert", ["blocks", "rows"])
+def test_interpreted_inversions_round_like_substitution_against_float64(interpreted, block_t, invert):
+    """Both inversions' error against the reference in float64, on a random tree and on correlated chains.
+
+    Measured under the interpreter (max over core and u, relative to the largest magnitude, over the three
+    inputs): substitution ("rows") 8.7e-7, 9.6e-7, 1.3e-6 and the block doubling ("blocks") 8.7e-7, 8.1e-7,
+    1.3e-6 at BT 16, 32, 64; the float32 reference itself 1.3e-6. The power series (I + N)(I + N^2)...
+    (I + N^(BT/2)), N = -A, was tried and dropped: exact on the random tree (2.8e-7) but on the chains 2.3e-5 and
+    1.3e-4 at BT 16, 1.7e-1 and 2.9e1 at BT 32, 3.9e6 and 9.5e9 at BT 64 (binomially growing terms that cancel)."""
+    config = TileConfig(block_t=block_t, block_c=32, block_v=16, invert=invert)
+    for args in (core_inputs([random_parents(65, 16, torch.Generator().manual_seed(4))], heads=2, dk=128, dv=16,
+                             seed=5),
+                 correlated_chain_inputs(64, dk=128, dv=16, cosine=0.8, seed=7),
+                 correlated_chain_inputs(64, dk=16, dv=16, cosine=0.98, seed=9)):
+        want = _wy_core_reference(*(a.double() if a.is_floating_point() else a for a in args))
+        got = gdn_tree_kernel.tree_wy_core(*args, config=config)
+        for name, x, ref in zip(("core", "u"), got, want):
+            err = ((x.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err <= F64_TOL, f"{name}: {err:.2e} against float64 (config {config})"
 
 
 @in_interpreter
@@ -212,6 +270,7 @@ def test_supported_shapes_and_tiles():
     assert choose_config(48, 128, 132).block_v == 64 and choose_config(8 * 48, 128, 132).block_v == 64
     assert choose_config(2, 16, 132).block_v == 16 and choose_config(1, 64, 1).block_v == 64
     assert choose_config(48, 128, 132).num_warps == 8 and choose_config(8 * 48, 128, 132).num_warps == 4
+    assert choose_config(48, 128, 132).block_t == 16 and choose_config(48, 128, 132).invert == "blocks"
 
 
 def test_bad_inputs_are_refused_before_any_launch():
@@ -223,3 +282,7 @@ def test_bad_inputs_are_refused_before_any_launch():
     with pytest.raises(ValueError, match="unsupported"):
         wide = core_inputs([[-1, 0]], heads=2, dk=24, dv=16, seed=1)
         gdn_tree_kernel.tree_wy_core(*wide)
+    for bad in (TileConfig(block_t=48, block_v=16), TileConfig(block_t=128, block_v=16),
+                TileConfig(block_v=16, invert="doubling")):
+        with pytest.raises(ValueError, match="bad tiles"):
+            gdn_tree_kernel.tree_wy_core(*args, config=bad)
