@@ -7,6 +7,7 @@ bench/gdn_kernels.py times). The agreement column is max |kernel - reference| / 
 
     python -m bench.gdn_tree_kernel                 # on the GPU machine, triton installed
     python -m bench.gdn_tree_kernel --sweep         # also every tiling of the sweep grid
+    python -m bench.gdn_tree_kernel --sweep --block-t 16,32,64   # with 64-node diagonal blocks too (slow to build)
 
 Prints a markdown table (and writes it with --out-dir).
 """
@@ -30,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=20, help="back-to-back calls captured in one graph")
     p.add_argument("--replays", type=int, default=20, help="timed replays (median reported)")
     p.add_argument("--sweep", action="store_true", help="time every tiling of the sweep grid too")
+    # 64-node blocks at Dk 128: ptxas (sm_90) spills 64 KB and more per thread and takes about a minute per
+    # variant (several at 4 warps), so they are swept only when asked for.
+    p.add_argument("--block-t", default="16,32", help="diagonal block sizes of the sweep grid (of 16, 32, 64)")
     p.add_argument("--out-dir", default=None, help="write gdn-tree-kernel-<hardware>.{md,json} there")
     return p.parse_args(argv)
 
@@ -81,11 +85,16 @@ def cases() -> list[tuple[str, list[list[int]]]]:
             ("256-node tree, depth 16", [_parents(256, 16, gen)])]
 
 
-def sweep_grid():
+def sweep_grid(block_ts: tuple[int, ...] = (16, 32)):
+    """Diagonal blocks of block_ts nodes inverted by block doubling, and the row-by-row inversion at 16 nodes
+    (at 32 or 64 it takes 31 or 63 dependent steps per block: more than 16's 15 per block times the blocks
+    saved); 64 value columns and one stage, the earlier sweep's winners."""
     from target_svc.gdn_tree_kernel import TileConfig
 
-    for bc, bv, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2)):
-        yield TileConfig(block_t=16, block_c=bc, block_v=bv, num_warps=warps, num_stages=stages)
+    for bt, invert, bc, warps in itertools.product(block_ts, ("blocks", "rows"), (32, 64), (4, 8)):
+        if invert == "rows" and bt > 16:
+            continue
+        yield TileConfig(block_t=bt, block_c=bc, block_v=64, num_warps=warps, num_stages=1, invert=invert)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         ref_ms, mode = time_per_call(lambda: _wy_core_reference(*inputs), args.calls, args.replays)
         rows.append([name, "PyTorch core", f"{ref_ms:.4f}", "", mode])
         print(" | ".join(rows[-1]), flush=True)
-        configs = [None] + (list(sweep_grid()) if args.sweep else [])
+        grid = sweep_grid(tuple(int(x) for x in args.block_t.split(","))) if args.sweep else []
+        configs = [None, *grid]
         for cfg in configs:
             label = "kernel, default tiles" if cfg is None else (
-                f"kernel BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps} stages {cfg.num_stages}")
+                f"kernel BT {cfg.block_t} {cfg.invert} BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps} "
+                f"stages {cfg.num_stages}")
             try:
                 got = gdn_tree_kernel.tree_wy_core(*inputs, config=cfg)
                 err = agreement(got[:2], want[:2])

@@ -524,6 +524,23 @@ def test_tree_wy_kernel_equals_the_reference_core_at_27b_heads(case):
 
 
 @needs_tree_kernel
+@pytest.mark.parametrize("tiles", [(16, 32, 8, "rows"), (32, 32, 8, "blocks"), (32, 64, 4, "blocks")])
+def test_tree_wy_kernel_equals_the_reference_core_under_the_swept_tilings(tiles):
+    """Tilings the sweep may pick besides the default: the row-by-row inversion, 32-node diagonal blocks."""
+    from target_svc.gdn_tree_kernel import TileConfig, tree_wy_core
+    from target_svc.gdn_tree_wy import _wy_core_reference
+
+    block_t, block_c, warps, invert = tiles
+    config = TileConfig(block_t=block_t, block_c=block_c, block_v=64, num_warps=warps, num_stages=1, invert=invert)
+    for trees in ([_tree_parents(65, 16, 1), _tree_parents(40, 16, 2)], [list(range(-1, 255))]):
+        args = _tree_core_inputs_27b(trees, seed=3)
+        want = _wy_core_reference(*args)
+        got = tree_wy_core(*args, config=config)
+        for name, x, ref in zip(("core", "u", "cum"), got, want):
+            assert _rel_err(x, ref) <= TREE_KERNEL_TOL, f"{config}: {name} {_rel_err(x, ref):.2e}"
+
+
+@needs_tree_kernel
 @pytest.mark.parametrize("nodes", [16, 65])
 def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes):
     """No host sync, no autotuning: a replay on new inputs equals an eager call bit for bit (the G that the
