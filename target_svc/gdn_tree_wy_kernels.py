@@ -12,14 +12,15 @@ I + A is unit lower triangular, so U comes out by block forward substitution ove
 right-hand side loses the terms of the ancestors in earlier blocks (already solved, in chunks of BC columns),
 then the BT x BT diagonal block (I + A_RR) is inverted in registers and applied with one dot. The same column
 chunks feed the outputs. Every tile is BT, BC or BV by Dk or Dv: the node count T only sets the trip counts, so
-one compile serves every T; BT is 16, 32 or 64.
+one compile serves every T. BT is 16, 32 or 64; at Dk = 128 the BT x Dk tiles of q, k and beta k make BT = 64
+spill heavily (ptxas, sm_90), so it is for sweeps, not a default.
 
 The diagonal block's inverse is on every block's critical path. INVERT="rows" is forward substitution, BT - 1
 dependent row steps of two cross-thread reductions each. INVERT="blocks" (the default) builds it from inverses
 of diagonal blocks of size 1, 2, 4, ..., BT: each doubling is two BT x BT dots, X <- X - X M X, 2 (log2(BT) - 1)
 dots in all, so the latency no longer grows linearly with BT and larger blocks (fewer sequential blocks per
 tree) become affordable. Its entries are formed as substitution forms them (inverse entries times entries of A)
-and round alike; the Neumann product (I + N)(I + N^2)..., as few dots, loses everything to cancellation on
+and round alike; the Neumann product (I + N)(I + N^2)..., as many dots, loses accuracy to cancellation on
 chains of similar keys (see _invert_unit_lower).
 
 Solved rows of U and G are written to the outputs u and cum and read back by later blocks of the same program,
@@ -63,7 +64,7 @@ def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr):
         # [[X1, 0], [-X2 A21 X1, X2]]). Blocks of 1 are 1, of 2 are I - M: 2 (log2(BT) - 1) dots in place of
         # BT - 1 steps of two reductions each. Each entry is still a sum of final inverse entries times A, as in
         # substitution, so it rounds as substitution does. The power series (I + N)(I + N^2)(I + N^4)...
-        # (N = -A), as short in dots, sums binomially growing terms that cancel: on a chain of keys of cosine 0.8
+        # (N = -A), as many dots, sums binomially growing terms that cancel: on a chain of keys of cosine 0.8
         # it was off by 2e-5 at BT = 16 and 2e-1 at BT = 32 (tests/test_gdn_tree_kernel.py).
         row = loc[:, None]
         col = loc[None, :]
@@ -149,6 +150,7 @@ def tree_wy_core_kernel(
             rhs -= tl.dot(kk, u_c, input_precision="ieee")
             o += tl.dot(qk, u_c, input_precision="ieee")
 
+        # The diagonal block: A_RR, then (I + A_RR)^-1 in registers.
         a = tl.load(anc_ptr + rows[:, None] * stride_ai + rows[None, :] * stride_aj,
                     mask=rmask[:, None] & rmask[None, :], other=0)
         decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
