@@ -67,13 +67,14 @@ def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132) -> Tile
     graph): 64 value columns per program and one pipeline stage won for every tree shape, even with fewer
     programs than SMs (one 65-node tree: 0.113 ms against 0.165 ms with 32 columns and 2 stages); 8 warps won
     while the programs are fewer than two per SM (one tree: 96 programs), 4 beyond (eight trees: 0.55 ms
-    against 0.70 ms). Those times are of the row-by-row inversion; the block doubling replaces its 15 dependent
-    steps of two reductions by 6 dots at the same 16-node blocks (and spills less: 208 against 328 bytes under
-    ptxas for sm_90 at 8 warps). Blocks of 32 and 64 nodes are in the --sweep grid, not chosen before it is timed."""
+    against 0.70 ms). Those times are of the row-by-row inversion, which stays the choice until the block
+    doubling (6 dots instead of 15 dependent steps of two reductions at 16-node blocks; it spills less: 208
+    against 328 bytes under ptxas for sm_90 at 8 warps) has been timed on the GPU: both, and blocks of 32 nodes,
+    are in the --sweep grid."""
     block_v = min(64, head_v_dim)
     programs = batch_heads * (head_v_dim // block_v)
     return TileConfig(block_t=16, block_c=32, block_v=block_v, num_warps=8 if programs < 2 * num_sms else 4,
-                      num_stages=1, invert="blocks")
+                      num_stages=1, invert="rows")
 
 
 def _num_sms(device: torch.device) -> int:
