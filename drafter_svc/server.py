@@ -302,9 +302,9 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
 
 async def serve(cfg: DrafterServerConfig, host: str, port: int, metrics_port: int | None = None,
-                ready_file: str | None = None, reflection: bool | None = None) -> None:
-    """Runs the drafter service until SIGTERM."""
+                ready_file: str | None = None, reflection: bool | None = None, unix_socket: str | None = None) -> None:
+    """Runs the drafter service until SIGTERM (also on `unix_socket` when given)."""
     await serve_model_service("drafter", SERVICE_NAME, cfg.drafter_dir, DrafterMetrics,
                               lambda metrics, _client_interceptors: DrafterServicer(cfg, metrics),
                               drafter_pb2_grpc.add_DrafterServiceServicer_to_server, host, port, metrics_port,
-                              ready_file, reflection=reflection)
+                              ready_file, reflection=reflection, unix_socket=unix_socket)

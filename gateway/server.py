@@ -348,7 +348,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | None = None,
                 ready_file: str | None = None, http_port: int | None = None, api_key: str | None = None,
-                reflection: bool | None = None) -> None:
+                reflection: bool | None = None, unix_socket: str | None = None) -> None:
     """Runs the gateway until SIGTERM: health turns SERVING once every pair is connected. With http_port, the
     OpenAI-compatible HTTP front runs in the same event loop, on the same engines."""
     # The HTTP front serves /metrics too, so it needs a registry even without a separate metrics port.
@@ -381,4 +381,4 @@ async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | No
                       [*interceptors, limits.MalformedRequestInterceptor()], host, port, start=start,
                       on_stop=on_stop, registry=registry, metrics_port=metrics_port, ready_file=ready_file,
                       public=True, reflection=reflection, on_host=lambda h: setattr(servicer, "host", h),
-                      max_receive_bytes=limits.MAX_REQUEST_BYTES)
+                      max_receive_bytes=limits.MAX_REQUEST_BYTES, unix_socket=unix_socket)

@@ -39,6 +39,9 @@ def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--port", type=_int_in(0, 65535), default=default_port, help="gRPC port")
     p.add_argument("--metrics-port", type=_int_in(0, 65535), default=None,
                    help="Prometheus endpoint port (off when omitted)")
+    p.add_argument("--unix-socket", metavar="PATH", default=None,
+                   help="also serve gRPC on this Unix domain socket (clients: unix:PATH); co-located services reach "
+                        "each other there without the TCP/IP stack (`up` does this); same credential checks")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=os.environ.get("DDTREE_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper, help="log level ($DDTREE_LOG_LEVEL)")
@@ -99,7 +102,8 @@ def cmd_target(args) -> None:
     _set_threads(args.threads)
     cfg = target_config(args)
     try:
-        asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection))
+        asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection,
+                          unix_socket=args.unix_socket))
     except MemoryPlanError as exc:  # a configuration that cannot hold one sequence: one line, not a traceback
         args.parser.exit(1, f"{args.parser.prog}: error: {exc}\n")
 
@@ -113,7 +117,8 @@ def cmd_drafter(args) -> None:
     cfg = DrafterServerConfig(drafter_dir=args.drafter, target_model_dir=args.target_model, device=args.device,
                               dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                               enforce_eager=args.enforce_eager, lazy_graphs=args.lazy_graphs, lease_s=args.lease_s)
-    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection))
+    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection,
+                      unix_socket=args.unix_socket))
 
 
 def _read_pairs(args):
@@ -153,7 +158,7 @@ def cmd_gateway(args) -> None:
 
     try:
         asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, http_port=args.http_port,
-                          api_key=args.api_key, reflection=args.reflection))
+                          api_key=args.api_key, reflection=args.reflection, unix_socket=args.unix_socket))
     except AttachRefused as exc:
         # A misconfigured pair fails at start-up with one line, as a vLLM server refuses a bad config.
         log.error("%s", exc)
@@ -340,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=_int_in(0), default=512,
                    help="prompt positions per prefill forward (0: whole prompts at once); bounds prefill memory")
     p.add_argument("--allow-drafter", action="append",
-                   help="HOST:PORT the target may send features to (repeatable; default: any, secret-holders only)")
+                   help="HOST:PORT (or unix:PATH) the target may send features to (repeatable; default: any, "
+                        "secret-holders only)")
     # target_svc.quantization.QUANTIZE_MODES, spelled out: the CLI imports no torch until a service starts
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8: weight-only int8 of the decoder layers' projections (per-output-channel scales); "

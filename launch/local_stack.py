@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # grpc is imported where a channel is made, so importing this
     import grpc
 
 
+# sun_path holds 108 bytes on Linux (104 on macOS); a longer socket path cannot be bound.
+MAX_SOCKET_PATH = 100
+LINKED = ("target", "drafter")   # the services the others call: they get a Unix socket each
+
+
 def free_port() -> int:
     """A TCP port that is free right now on loopback."""
     with socket.socket() as s:
@@ -28,7 +33,12 @@ def free_port() -> int:
 
 @dataclass
 class LocalStack:
-    """Target, drafter and gateway, each its own `ddtree-serve` process on 127.0.0.1 with free ports."""
+    """Target, drafter and gateway, each its own `ddtree-serve` process on 127.0.0.1 with free ports.
+
+    With `unix_sockets` (the default) target and drafter also listen on Unix domain sockets in a private
+    directory, and the services call each other there (gateway -> target, drafter; target -> drafter): on one
+    host that skips the TCP/IP stack on every hop (bench/rpc_hop.py). `address()` stays TCP for outside clients.
+    """
 
     model: str
     drafter: str
@@ -44,6 +54,8 @@ class LocalStack:
     ports: dict[str, int] = field(default_factory=dict)
     log_dir: str = ""
     http: bool = False                  # the gateway's OpenAI-compatible HTTP front (ports["http"])
+    unix_sockets: bool = True           # links between the services over Unix sockets (falls back to TCP if none)
+    socket_dir: str = ""                # where the sockets live (default: a fresh private temporary directory)
     api_key: str | None = None          # handed to the gateway in its environment, not its argv (ps shows argv)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     # Internal shared secret of the three (the caller's $DDTREE_INTERNAL_SECRET, else a fresh random one).
@@ -58,6 +70,14 @@ class LocalStack:
             self.ports["http"] = self.ports.get("http") or free_port()
         self.metrics_ports = {name: free_port() for name in names} if self.metrics else {}
         self.own_log_dir = not self.log_dir
+        self.own_socket_dir = self.unix_sockets and not self.socket_dir
+        if self.own_socket_dir:
+            self.socket_dir = tempfile.mkdtemp(prefix="ddtree-sock-")   # mode 0700: only this user may connect
+        if self.unix_sockets and len(self.socket_path("drafter")) > MAX_SOCKET_PATH:
+            # A deep temporary directory: the links stay on TCP, which works everywhere.
+            if self.own_socket_dir:
+                shutil.rmtree(self.socket_dir, ignore_errors=True)
+            self.unix_sockets = self.own_socket_dir = False
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="ddtree-serve-")
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
 
@@ -76,7 +96,20 @@ class LocalStack:
         return f"127.0.0.1:{self.ports['gateway']}"
 
     def address(self, name: str) -> str:
+        """The TCP address of a service (what outside clients use)."""
         return f"127.0.0.1:{self.ports[name]}"
+
+    def socket_path(self, name: str) -> str:
+        """Where a linked service's Unix socket is (meaningful with unix_sockets)."""
+        return str(Path(self.socket_dir) / f"{name}.sock")
+
+    def link_address(self, name: str) -> str:
+        """The address the other services use to call `name`: its Unix socket when there is one, else TCP."""
+        if self.unix_sockets and name in LINKED:
+            from ddtree_serve.plumbing.rpc import unix_address
+
+            return unix_address(self.socket_path(name))
+        return self.address(name)
 
     def commands(self) -> dict[str, list[str]]:
         """The three command lines."""
@@ -86,15 +119,24 @@ class LocalStack:
         def m(name):
             return ["--metrics-port", str(self.metrics_ports[name])] if name in self.metrics_ports else []
 
+        def sock(name):
+            return ["--unix-socket", self.socket_path(name)] if self.unix_sockets and name in LINKED else []
+
+        # The target sends features to the drafter's link address; its TCP address stays allowed for tools.
+        allowed = dict.fromkeys([self.link_address("drafter"), self.address("drafter")])
+
         return {
             "target": [*py, "target", "--model", self.model, "--host", "127.0.0.1", "--port", str(self.ports["target"]),
-                       "--allow-drafter", self.address("drafter"), "--device", self.device, "--dtype", self.dtype, *threads, *m("target"),
+                       *sock("target"), *(a for d in allowed for a in ("--allow-drafter", d)),
+                       "--device", self.device, "--dtype", self.dtype, *threads, *m("target"),
                        *self.extra.get("target", [])],
             "drafter": [*py, "drafter", "--drafter", self.drafter, "--target-model", self.model, "--host", "127.0.0.1",
-                        "--port", str(self.ports["drafter"]), "--device", self.drafter_device or self.device,
+                        "--port", str(self.ports["drafter"]), *sock("drafter"),
+                        "--device", self.drafter_device or self.device,
                         "--dtype", self.dtype,
                         *threads, *m("drafter"), *self.extra.get("drafter", [])],
-            "gateway": [*py, "gateway", "--target", self.address("target"), "--drafter", self.address("drafter"),
+            "gateway": [*py, "gateway", "--target", self.link_address("target"),
+                        "--drafter", self.link_address("drafter"),
                         "--host", "127.0.0.1", "--port", str(self.ports["gateway"]), "--mode", self.mode,
                         "--budget", str(self.budget), "--transport", self.transport, *m("gateway"),
                         *(["--http-port", str(self.ports["http"])] if self.http else []),
@@ -123,6 +165,8 @@ class LocalStack:
         """Starts (or restarts, after `kill`) one service; its log is appended to."""
         cmd = cmd or self.commands()[name]
         env = env or self.env()
+        if self.unix_sockets:   # stop() removes the directory it made; a restarted stack makes it again
+            Path(self.socket_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         logf = open(Path(self.log_dir) / f"{name}.log", "a")  # noqa: SIM115 - lives with the process
         self.procs[name] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
@@ -178,6 +222,8 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.own_socket_dir and not any(self.alive().values()):
+            shutil.rmtree(self.socket_dir, ignore_errors=True)   # the sockets die with their servers
 
     def __enter__(self) -> "LocalStack":
         return self.start() if not self.procs else self

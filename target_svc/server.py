@@ -289,9 +289,9 @@ def memory_plan_proto(plan: MemoryPlan) -> common_pb2.MemoryPlan:
 
 
 async def serve(cfg: TargetServerConfig, host: str, port: int, metrics_port: int | None = None,
-                ready_file: str | None = None, reflection: bool | None = None) -> None:
-    """Runs the target service until SIGTERM."""
+                ready_file: str | None = None, reflection: bool | None = None, unix_socket: str | None = None) -> None:
+    """Runs the target service until SIGTERM (also on `unix_socket` when given)."""
     await serve_model_service("target", SERVICE_NAME, cfg.model_dir, TargetMetrics,
                               lambda metrics, client_interceptors: TargetServicer(cfg, metrics, client_interceptors),
                               target_pb2_grpc.add_TargetServiceServicer_to_server, host, port, metrics_port, ready_file,
-                              reflection=reflection)
+                              reflection=reflection, unix_socket=unix_socket)

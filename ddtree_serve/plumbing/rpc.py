@@ -26,6 +26,11 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def unix_address(path: str | Path) -> str:
+    """The gRPC address of a Unix domain socket (`unix:PATH`, PATH relative or absolute), for binds and channels."""
+    return f"unix:{path}"
+
+
 class RequestError(Exception):
     """An error with an explicit gRPC status, raised by servicers and mapped by `grpc_errors`."""
 
@@ -118,22 +123,26 @@ class ServiceHost:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
-    async def start(self, host: str, port: int) -> int:
-        """Binds and starts; returns the bound port (0 picks a free one)."""
+    async def start(self, host: str, port: int, unix_socket: str | None = None) -> int:
+        """Binds (TCP, and the Unix socket when given) and starts; returns the bound TCP port (0 picks a free one)."""
         from ddtree_serve.plumbing import auth
 
         if self.reflection:
             reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME, health.SERVICE_NAME],
                                                 self.server)
-        creds = auth.server_credentials()
-        if creds is None:
-            bound = self.server.add_insecure_port(f"{host}:{port}")
-        else:
-            bound = self.server.add_secure_port(f"{host}:{port}", creds)
-        if bound == 0:
-            raise RuntimeError(f"could not bind {host}:{port}")
+        bound = self._bind(f"{host}:{port}", auth.server_credentials())
+        if unix_socket:
+            # Same server, same interceptors (the credential check included): only the path to it is shorter.
+            self._bind(unix_address(unix_socket), auth.server_credentials())
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        return bound
+
+    def _bind(self, address: str, creds: grpc.ServerCredentials | None) -> int:
+        bound = (self.server.add_insecure_port(address) if creds is None
+                 else self.server.add_secure_port(address, creds))
+        if bound == 0:
+            raise RuntimeError(f"could not bind {address}")
         return bound
 
     async def mark_serving(self) -> None:
@@ -203,10 +212,11 @@ async def run_service(label: str, service_name: str, servicer, add_to_server: Ca
                       on_stop: Callable[[], Awaitable[None]], registry=None, metrics_port: int | None = None,
                       ready_file: str | None = None, public: bool = False, reflection: bool | None = None,
                       on_host: Callable[[ServiceHost], None] | None = None, grace_s: float = 5.0,
-                      max_receive_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                      max_receive_bytes: int = MAX_MESSAGE_BYTES, unix_socket: str | None = None) -> None:
     """Serves one servicer: bind, metrics endpoint, `start()` (load/connect), SERVING, then until SIGTERM.
 
-    `public` picks the credential check (API key vs internal secret) and reflection's default (on only there)."""
+    `public` picks the credential check (API key vs internal secret) and reflection's default (on only there);
+    `unix_socket` adds a Unix domain socket listener for co-located callers (the TCP port stays)."""
     from ddtree_serve.plumbing import auth
     from ddtree_serve.plumbing.request_context import RequestIdServerInterceptor
 
@@ -217,13 +227,14 @@ async def run_service(label: str, service_name: str, servicer, add_to_server: Ca
     add_to_server(servicer, host_.server)
     if on_host is not None:
         on_host(host_)
-    bound = await host_.start(host, port)
+    bound = await host_.start(host, port, unix_socket)
     if metrics_port is not None:
         from ddtree_serve.plumbing.metrics import start_metrics_server
 
         # Same interface as the gRPC port: --host 127.0.0.1 keeps /metrics on loopback too.
         log.info("%s metrics on %s:%d", label, host, start_metrics_server(metrics_port, registry, host=host))
-    log.info("%s listening on %s:%d (pid %d)", label, host, bound, os.getpid())
+    log.info("%s listening on %s:%d%s (pid %d)", label, host, bound,
+             f" and {unix_address(unix_socket)}" if unix_socket else "", os.getpid())
     try:
         await start()
     except BaseException:
