@@ -13,7 +13,7 @@ from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ddtree_serve.plumbing.metrics.families import RPC_BUCKETS, get_or_create
-from ddtree_serve.plumbing.request_context import outgoing_metadata, wrap_rpc_handler
+from ddtree_serve.plumbing.request_context import get_request_id, outgoing_metadata, wrap_rpc_handler
 
 
 def short_method(full_method: str | bytes) -> str:
@@ -40,6 +40,23 @@ class _RpcFamilies:
     latency: Histogram
     calls: Counter
     in_flight: Gauge | None
+
+
+class _Series:
+    """The (latency, calls) children of one label set, looked up once: `labels()` takes a lock and validates
+    its arguments on every call, a measurable part of an RPC's cost (bench/rpc_hop.py)."""
+
+    def __init__(self, families: _RpcFamilies) -> None:
+        self._f = families
+        self._children: dict[tuple[str, ...], tuple[Any, Any]] = {}
+
+    def record(self, labels: tuple[str, ...], seconds: float) -> None:
+        """Observes one finished call under `labels` (label values, in the families' order)."""
+        children = self._children.get(labels)
+        if children is None:   # bounded: methods x status codes
+            children = self._children[labels] = (self._f.latency.labels(*labels), self._f.calls.labels(*labels))
+        children[0].observe(seconds)
+        children[1].inc()
 
 
 def _server_families(registry: CollectorRegistry) -> _RpcFamilies:
@@ -71,16 +88,30 @@ class ServerMetricsInterceptor(aio.ServerInterceptor):
     def __init__(self, registry: CollectorRegistry, service: str) -> None:
         self.service = service
         self._f = _server_families(registry)
+        self._series = _Series(self._f)
+        self._gauges: dict[str, Gauge] = {}
+        # method -> (handler, its wrapper): a method's handler is one object for the server's life, so it is
+        # wrapped once, not on every call.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
                                 handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        return wrap_rpc_handler(handler, short_method(handler_call_details.method), self._observe)
+        if handler is None:   # unknown method: nothing to observe, nothing to remember
+            return None
+        cached = self._wrapped.get(handler_call_details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = wrap_rpc_handler(handler, short_method(handler_call_details.method), self._observe)
+        self._wrapped[handler_call_details.method] = (handler, wrapped)
+        return wrapped
 
     @contextlib.contextmanager
     def _observe(self, method: str, context: Any) -> Iterator[None]:
         start = time.perf_counter()
-        gauge = self._f.in_flight.labels(self.service, method)  # type: ignore[union-attr]
+        gauge = self._gauges.get(method)
+        if gauge is None:
+            gauge = self._gauges[method] = self._f.in_flight.labels(self.service, method)  # type: ignore[union-attr]
         gauge.inc()
         code: str | None = None
         try:
@@ -99,8 +130,7 @@ class ServerMetricsInterceptor(aio.ServerInterceptor):
             raise
         finally:
             gauge.dec()
-            self._f.latency.labels(self.service, method, code).observe(time.perf_counter() - start)
-            self._f.calls.labels(self.service, method, code).inc()
+            self._series.record((self.service, method, code), time.perf_counter() - start)
 
 
 def _context_code(context: Any) -> str | None:
@@ -128,17 +158,18 @@ class _ClientBase:
         self.service = service
         self.peer = peer
         self._f = _client_families(registry)
+        self._series = _Series(self._f)
         self._pending: set[asyncio.Task[None]] = set()
 
     def _details(self, details: aio.ClientCallDetails) -> aio.ClientCallDetails:
+        if get_request_id() is None:   # nothing to forward (the engine's batched steps): the details as they are
+            return details
         return aio.ClientCallDetails(details.method, details.timeout,
                                      aio.Metadata(*outgoing_metadata(details.metadata)),
                                      details.credentials, details.wait_for_ready)
 
     def _record(self, method: str, code: str, start: float) -> None:
-        labels = (self.service, self.peer, method, code)
-        self._f.latency.labels(*labels).observe(time.perf_counter() - start)
-        self._f.calls.labels(*labels).inc()
+        self._series.record((self.service, self.peer, method, code), time.perf_counter() - start)
 
     async def _finish(self, call: Any, method: str, start: float) -> None:
         try:
