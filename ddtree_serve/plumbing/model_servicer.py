@@ -12,7 +12,8 @@ from typing import Any
 
 from ddtree_serve.plumbing.leases import LeaseTable
 from ddtree_serve.plumbing.messages import cache_usage_proto
-from ddtree_serve.plumbing.rpc import ModelThread, metrics_hooks, run_service
+from ddtree_serve.plumbing.model_thread import ModelThread
+from ddtree_serve.plumbing.rpc import metrics_hooks, run_service
 from ddtree_serve.proto import common_pb2
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,24 +84,6 @@ def require_ready(ready: asyncio.Event | bool) -> None:
     is_set = ready.is_set() if isinstance(ready, asyncio.Event) else ready
     if not is_set:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-
-
-class ModelThread:
-    """One dedicated thread for a service's model work: device work stays serialised, the event loop stays free."""
-
-    def __init__(self, name: str):
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-
-    async def run(self, fn, *args):
-        """Runs fn(*args) on the model thread and awaits its result."""
-        return await self.submit(fn, *args)
-
-    def submit(self, fn, *args) -> asyncio.Future:
-        """Queues fn(*args) on the model thread now (behind the work already queued) without awaiting it."""
-        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
-    def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
