@@ -346,3 +346,19 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(tokenizer)
         assert decoding.seq_id in [it.seq_id for it in rig.target.verified[verifies].items]
     assert rig.target.prefilled[1:] == [[4], [4], [2]]
     assert long.prefill_done and long.output_ids[:1] == greedy(19, 1)
+
+
+def test_a_draft_reply_unpacks_into_exactly_its_numbers_as_float32_logprobs_and_int64_ids():
+    import torch
+
+    from gateway.engine import draft_tensors
+
+    logprobs = torch.randn(15, 64).log_softmax(-1)
+    ids = torch.randint(0, 150_000, (15, 64), dtype=torch.int32)
+    wire = drafter_pb2.DraftResult(seq_id="s", depth=15, k=64, token_ids=ids.reshape(-1).tolist(),
+                                   logprobs=logprobs.reshape(-1).tolist()).SerializeToString()
+    lp, tok = draft_tensors(drafter_pb2.DraftResult.FromString(wire))
+    assert lp.dtype == torch.float32 and tok.dtype == torch.long
+    assert torch.equal(lp, logprobs) and torch.equal(tok, ids.long())
+    empty = draft_tensors(drafter_pb2.DraftResult(seq_id="s", depth=0, k=8))
+    assert empty[0].shape == (0, 8) and empty[1].shape == (0, 8)
