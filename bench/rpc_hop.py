@@ -5,9 +5,10 @@ times, per call kind, health checks, Info, a one-node Verify, a one-row PushFeat
 (bench/rpc_hop_client.py), over TCP and, where the services listen on one, over their Unix sockets. Verify and
 Draft replies carry the server's own handler time, so their hop is the round trip less it.
 
-With --baseline DIR (another checkout of this project, e.g. `git worktree add /tmp/base main`) a second stack
-runs from DIR, timed by DIR's own client code, in alternating rounds with this tree's: ratios within one run.
-    python -m bench.rpc_hop [--calls 300] [--rounds 3] [--baseline DIR] [--model DIR --drafter DIR]
+With --baseline NAME=DIR (another checkout of this project, e.g. `git worktree add /tmp/base main`; repeatable)
+a stack runs from each DIR, timed by DIR's own client code, in alternating rounds with this tree's: ratios within
+one run, so one run can attribute a series of commits (one checkout per commit) over TCP.
+    python -m bench.rpc_hop [--calls 300] [--rounds 3] [--baseline main=DIR ...] [--model DIR --drafter DIR]
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="target checkpoint dir (default: a tiny random Qwen3 built in a temporary dir)")
     p.add_argument("--drafter", help="drafter dir (default: a tiny random drafter for the tiny target)")
-    p.add_argument("--baseline", help="another checkout of ddtree-serve: its services and client, timed alongside")
+    p.add_argument("--baseline", action="append", default=[], metavar="NAME=DIR",
+                   help="another checkout of ddtree-serve, its services and client timed alongside over TCP "
+                        "(repeatable; the first is the reference of the ratios)")
     p.add_argument("--calls", type=int, default=300, help="timed calls per call kind and round")
     p.add_argument("--warmup", type=int, default=30, help="untimed calls before each kind")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each round times every variant once")
@@ -53,6 +56,18 @@ class Variant:
 
     def address(self, name: str) -> str:
         return self.stack.link_address(name) if self.unix else self.stack.address(name)
+
+
+def baselines(specs: list[str]) -> list[tuple[str, Path]]:
+    """(name, checkout) of each --baseline NAME=DIR (a bare DIR is named after its folder)."""
+    out = []
+    for spec in specs:
+        name, _, folder = spec.rpartition("=")
+        path = Path(folder).resolve()
+        if not (path / "ddtree_serve").is_dir():
+            raise SystemExit(f"--baseline {spec}: {path} is not a checkout of ddtree-serve")
+        out.append((name or path.name, path))
+    return out
 
 
 def tiny_checkpoints(root: Path) -> tuple[str, str]:
@@ -146,13 +161,12 @@ def main(argv=None) -> None:
         model, drafter = tiny_checkpoints(tmp)
     stacks, variants = [], []
     try:
-        if args.baseline:
-            base = Path(args.baseline).resolve()
+        for name, base in baselines(args.baseline):
             stacks.append(start_stack(model, drafter, args, base))
-            variants.append(Variant("baseline tcp", base, stacks[-1], unix=False))
+            variants.append(Variant(f"{name} tcp", base, stacks[-1], unix=False))
         stacks.append(start_stack(model, drafter, args, None))
-        variants += [Variant("tcp", common.REPO, stacks[-1], unix=False),
-                     Variant("unix", common.REPO, stacks[-1], unix=True)]
+        variants += [Variant("head tcp", common.REPO, stacks[-1], unix=False),
+                     Variant("head unix", common.REPO, stacks[-1], unix=True)]
         dim = feature_dim(stacks[-1])
         raw: dict[str, dict[str, dict[str, list[float]]]] = {v.label: {} for v in variants}
         for r in range(args.rounds):
@@ -205,7 +219,7 @@ def report(args, hw: dict, date: str, model: str, drafter: str, variants: list[V
           f"client process as the gateway makes them (secret, session, client metrics interceptors); "
           f"{args.rounds} rounds, variants alternating; services with metrics on",
           "- Variants: " + "; ".join(
-              f"`{v.label}` = {'the baseline checkout ' + str(v.tree) if v.tree != common.REPO else 'this tree'}"
+              f"`{v.label}` = {'the checkout ' + str(v.tree) if v.tree != common.REPO else 'this tree'}"
               f" over {'Unix sockets' if v.unix else 'TCP loopback'}" for v in variants),
           "- Cells: median / p90 round trip in µs; (hop) = median round trip less the server's median handler time "
           "(Verify, Draft report it); the gateway listens on TCP only", "",
