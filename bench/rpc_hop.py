@@ -57,6 +57,12 @@ class Variant:
     def address(self, name: str) -> str:
         return self.stack.link_address(name) if self.unix else self.stack.address(name)
 
+    def commit(self) -> str:
+        """The checkout's commit (short hash and subject), '' outside git."""
+        out = subprocess.run(["git", "-C", str(self.tree), "log", "-1", "--format=%h %s"], capture_output=True,
+                             text=True)
+        return out.stdout.strip()[:100] if out.returncode == 0 else ""
+
 
 def baselines(specs: list[str]) -> list[tuple[str, Path]]:
     """(name, checkout) of each --baseline NAME=DIR (a bare DIR is named after its folder)."""
@@ -220,13 +226,14 @@ def report(args, hw: dict, date: str, model: str, drafter: str, variants: list[V
           f"{args.rounds} rounds, variants alternating; services with metrics on",
           "- Variants: " + "; ".join(
               f"`{v.label}` = {'the checkout ' + str(v.tree) if v.tree != common.REPO else 'this tree'}"
-              f" over {'Unix sockets' if v.unix else 'TCP loopback'}" for v in variants),
+              f" ({v.commit()}) over {'Unix sockets' if v.unix else 'TCP loopback'}" for v in variants),
           "- Cells: median / p90 round trip in µs; (hop) = median round trip less the server's median handler time "
           "(Verify, Draft report it); the gateway listens on TCP only", "",
           common.md_table(["call", *labels, *(f"{lb} / {ref}" for lb in labels[1:])], table)]
     data = {"command": command, "date": date, "hardware": hw, "model": model, "drafter": drafter,
             "calls": args.calls, "warmup": args.warmup, "rounds": args.rounds,
-            "variants": [{"label": v.label, "tree": str(v.tree), "unix": v.unix} for v in variants], "rows": rows}
+            "variants": [{"label": v.label, "tree": str(v.tree), "commit": v.commit(), "unix": v.unix}
+                         for v in variants], "rows": rows}
     common.write_outputs(args.out_dir, f"rpc-hop-{common.hardware_tag(hw)}", data, "\n".join(md))
 
 
