@@ -109,7 +109,10 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError("tree WY core exceeds int32 offsets")
     if bsz * heads > 65535:  # the grid's second axis
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
-    kernels = importlib.import_module("target_svc.gdn_tree_wy_kernels")
+    cfg = config or choose_config(bsz * heads, dv, _num_sms(vh.device))
+    if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
+            or cfg.invert not in ("blocks", "rows")):
+        raise ValueError(f"bad tiles for Dv {dv}: {cfg}")
     qh, kh, vh, s0 = _unit_last(qh), _unit_last(kh), _unit_last(vh), _unit_last(s0)
     # Same bytes, loaded as 0/1; dense, because Triton specialises on strides divisible by 16 and the variants
     # sum G in different orders: a sliced mask (ancestor_mask_batch's) and its copy would differ in the last bit.
@@ -119,10 +122,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     cum = torch.empty(bsz, heads, t, dtype=torch.float32, device=vh.device)
     if core.numel() == 0:
         return core, u, cum.zero_()
-    cfg = config or choose_config(bsz * heads, dv, _num_sms(vh.device))
-    if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
-            or cfg.invert not in ("blocks", "rows")):
-        raise ValueError(f"bad tiles for Dv {dv}: {cfg}")
+    kernels = importlib.import_module("target_svc.gdn_tree_wy_kernels")  # Triton: only once a launch is certain
     # Value blocks of one head are neighbours in launch order: they share the head's keys in L2.
     grid = (dv // cfg.block_v, bsz * heads)
     kernels.tree_wy_core_kernel[grid](
