@@ -383,3 +383,19 @@ def write_outputs(out_dir: str | Path, stem: str, data: dict, markdown: str) -> 
     mp.write_text(markdown.rstrip() + "\n")
     print(f"wrote {_display_path(jp)} and {_display_path(mp)}", flush=True)
     return jp, mp
+
+
+def random_parents(n: int, max_depth: int, gen) -> list[int]:
+    """Parents of a random n-node tree no deeper than max_depth, parents before children (torch.Generator gen;
+    max_depth >= n - 1: any shape): the trees the tree-verify tests and benches draw."""
+    import torch
+
+    parents, depth = [-1], [0]
+    for i in range(1, n):
+        while True:
+            p = int(torch.randint(0, i, (1,), generator=gen))
+            if depth[p] < max_depth:
+                break
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return parents

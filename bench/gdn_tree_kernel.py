@@ -20,6 +20,7 @@ import sys
 import torch
 
 from bench import common
+from bench.common import random_parents
 from bench.gdn_kernels import agreement, time_per_call
 
 KEY_HEADS, VALUE_HEADS, HEAD_DIM = 16, 48, 128
@@ -38,17 +39,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _parents(n: int, max_depth: int, gen: torch.Generator) -> list[int]:
-    """Random parents (parents first) of an n-node tree no deeper than max_depth."""
-    parents, depth = [-1], [0]
-    for i in range(1, n):
-        while True:
-            p = int(torch.randint(0, i, (1,), generator=gen))
-            if depth[p] < max_depth:
-                break
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    return parents
 
 
 def core_inputs(trees: list[list[int]], seed: int) -> tuple[torch.Tensor, ...]:
@@ -80,9 +70,9 @@ def core_inputs(trees: list[list[int]], seed: int) -> tuple[torch.Tensor, ...]:
 
 def cases() -> list[tuple[str, list[list[int]]]]:
     gen = torch.Generator().manual_seed(0)
-    return [("65-node tree, depth 16", [_parents(65, 16, gen)]), ("16-node chain", [list(range(-1, 15))]),
-            ("8 x 65-node trees", [_parents(65, 16, gen) for _ in range(8)]),
-            ("256-node tree, depth 16", [_parents(256, 16, gen)])]
+    return [("65-node tree, depth 16", [random_parents(65, 16, gen)]), ("16-node chain", [list(range(-1, 15))]),
+            ("8 x 65-node trees", [random_parents(65, 16, gen) for _ in range(8)]),
+            ("256-node tree, depth 16", [random_parents(256, 16, gen)])]
 
 
 def sweep_grid(block_ts: tuple[int, ...] = (16, 32)):

@@ -77,37 +77,24 @@ def teacher_forced_logprobs(target: TargetRunner, seq_id: str, prompt: list[int]
     ids = prompt + answer
     if len(ids) > target.max_seq_len:
         raise ValueError(f"{len(ids)} tokens exceed the target's max_seq_len {target.max_seq_len}")
-    model, dev = target.model, target.device
+    dev = target.device
     # Position i's logits predict token i + 1: the last token is never an input, and only the answer's
     # predictors (positions len(prompt) - 1 ..) are scored.
     inputs, first = ids[:-1], len(prompt) - 1
-    chunk = target.cfg.prefill_chunk or len(inputs)
-    slot = model.cache.add_sequence(seq_id)
     parts = []
-    try:
-        for c0 in range(0, len(inputs), chunk):
-            n = min(chunk, len(inputs) - c0)
-            x = torch.tensor([inputs[c0:c0 + n]], device=dev)
-            # chain=True: each chunk attends to the rows already cached and commits linear-attention states, so
-            # the chunks make one forward over the whole sequence (as TargetRunner._prefill does).
-            logits, _ = model.forward_block(
-                x, (torch.arange(n, device=dev) - 1)[None], torch.ones(1, n, dtype=torch.bool, device=dev),
-                torch.tensor([c0], device=dev), torch.tensor([slot], device=dev), key_len=c0 + n, chain=True)
-            lo = max(first, c0)
-            if lo >= c0 + n:
-                continue  # a prompt-only chunk: it fills the cache, nothing to score
-            rows = logits[0, lo - c0:].float().log_softmax(dim=-1)
-            nxt = torch.tensor(ids[lo + 1:c0 + n + 1], device=dev)
-            parts.append(rows.gather(1, nxt[:, None])[:, 0].cpu())
-    finally:
-        model.cache.release(seq_id)
+    for c0, n, logits in _chunked_forward(target, seq_id, inputs):
+        lo = max(first, c0)
+        if lo >= c0 + n:
+            continue  # a prompt-only chunk: it fills the cache, nothing to score
+        rows = logits[0, lo - c0:].float().log_softmax(dim=-1)
+        nxt = torch.tensor(ids[lo + 1:c0 + n + 1], device=dev)
+        parts.append(rows.gather(1, nxt[:, None])[:, 0].cpu())
     return torch.cat(parts)
 
 
-@torch.inference_mode()
-def next_token_gap(target: TargetRunner, seq_id: str, ids: list[int]) -> tuple[float, int, int]:
-    """(log p(top-1) - log p(top-2), top-1, top-2) of the token after ids, from the target's own chunked forward:
-    how near a tie the greedy choice there is."""
+def _chunked_forward(target: TargetRunner, seq_id: str, ids: list[int]):
+    """Yields (start, length, logits [1, length, V]) of ids' forward in prefill-sized chunks over a cache slot
+    held for seq_id (released when the generator ends)."""
     model, dev = target.model, target.device
     chunk = target.cfg.prefill_chunk or len(ids)
     slot = model.cache.add_sequence(seq_id)
@@ -115,10 +102,21 @@ def next_token_gap(target: TargetRunner, seq_id: str, ids: list[int]) -> tuple[f
         for c0 in range(0, len(ids), chunk):
             n = min(chunk, len(ids) - c0)
             x = torch.tensor([ids[c0:c0 + n]], device=dev)
+            # chain=True: each chunk attends to the rows already cached and commits linear-attention states, so
+            # the chunks make one forward over the whole sequence (as TargetRunner._prefill does).
             logits, _ = model.forward_block(
                 x, (torch.arange(n, device=dev) - 1)[None], torch.ones(1, n, dtype=torch.bool, device=dev),
                 torch.tensor([c0], device=dev), torch.tensor([slot], device=dev), key_len=c0 + n, chain=True)
+            yield c0, n, logits
     finally:
         model.cache.release(seq_id)
-    top = logits[0, -1].float().log_softmax(dim=-1).topk(2)
+
+
+@torch.inference_mode()
+def next_token_gap(target: TargetRunner, seq_id: str, ids: list[int]) -> tuple[float, int, int]:
+    """(log p(top-1) - log p(top-2), top-1, top-2) of the token after ids, from the target's own chunked forward:
+    how near a tie the greedy choice there is."""
+    for _, _, logits in _chunked_forward(target, seq_id, ids):
+        last = logits[0, -1]
+    top = last.float().log_softmax(dim=-1).topk(2)
     return float(top.values[0] - top.values[1]), int(top.indices[0]), int(top.indices[1])

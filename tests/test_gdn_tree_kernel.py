@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.common import random_parents
 from ddtree_serve.decoding.tree_mask import ancestor_mask_batch
 from target_svc import gdn_tree_kernel
 from target_svc.gdn_tree_kernel import TileConfig, choose_config, supports
@@ -70,17 +71,6 @@ def test_kernel_cases_under_tritons_interpreter():
     assert re.fullmatch(r"\d+ passed, \d+ deselected in .*", summary), summary  # nothing skipped, nothing failed
 
 
-def random_parents(n: int, max_depth: int, gen: torch.Generator) -> list[int]:
-    """Parents of an n-node tree no deeper than max_depth, parents before children (max_depth >= n - 1: any)."""
-    parents, depth = [-1], [0]
-    for i in range(1, n):
-        while True:
-            p = int(torch.randint(0, i, (1,), generator=gen))
-            if depth[p] < max_depth:
-                break
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    return parents
 
 
 def core_inputs(trees: list[list[int]], heads: int, dk: int, dv: int, seed: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.common import random_parents
 from target_svc.gated_deltanet import LinearAttnStateShape, gdn_tree_forward
 from target_svc.gdn_tree_wy import gdn_commit_path_wy, gdn_tree_forward_wy
 from tests.test_gated_deltanet import HIDDEN, _make_layer
@@ -16,17 +17,6 @@ def layer():
     return _make_layer(seed=3)
 
 
-def _random_tree(n: int, max_depth: int, gen: torch.Generator) -> list[int]:
-    """Parents of an n-node tree no deeper than max_depth, nodes numbered parents first."""
-    parents, depth = [-1], [0]
-    for i in range(1, n):
-        while True:
-            p = int(torch.randint(0, i, (1,), generator=gen))
-            if depth[p] < max_depth:
-                break
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    return parents
 
 
 def _batch(layer, sizes: list[int], max_depth: int, seed: int):
@@ -34,7 +24,7 @@ def _batch(layer, sizes: list[int], max_depth: int, seed: int):
     t = max(sizes)
     parents = torch.full((len(sizes), t), -1, dtype=torch.long)
     for b, n in enumerate(sizes):
-        parents[b, :n] = torch.tensor(_random_tree(n, max_depth, gen))
+        parents[b, :n] = torch.tensor(random_parents(n, max_depth, gen))
     valid = torch.arange(t)[None, :] < torch.tensor(sizes)[:, None]
     dims = LinearAttnStateShape.from_module(layer)
     x = torch.randn(len(sizes), t, HIDDEN, generator=gen)

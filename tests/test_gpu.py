@@ -494,7 +494,7 @@ def _tree_core_inputs_27b(trees: list[list[int]], seed: int):
 
 
 def _tree_parents(n: int, max_depth: int, seed: int) -> list[int]:
-    from tests.test_gdn_tree_kernel import random_parents
+    from bench.common import random_parents
 
     return random_parents(n, max_depth, torch.Generator().manual_seed(seed))
 
