@@ -66,16 +66,20 @@ class DenseKernels:
     @classmethod
     def make(cls, compiled: bool) -> "DenseKernels":
         """compiled=True: each function through torch.compile (one Triton kernel each, shapes dynamic)."""
-        fns = (rms_norm, add_rms_norm, qk_norm_rope, silu_mul)
-        if compiled:
-            import torch._dynamo
-            import torch._inductor.config
+        return cls(*compile_all((rms_norm, add_rms_norm, qk_norm_rope, silu_mul), compiled))
 
-            # Round where the eager code rounds (bf16 casts), so compiled and eager agree to the last bit or two.
-            torch._inductor.config.emulate_precision_casts = True
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            fns = tuple(_CompiledOrPlain(f) for f in fns)
-        return cls(*fns)
+
+def compile_all(fns: tuple[Callable, ...], compiled: bool) -> tuple[Callable, ...]:
+    """fns as they are, or (compiled=True) each through torch.compile with the plain function as its fallback."""
+    if not compiled:
+        return fns
+    import torch._dynamo
+    import torch._inductor.config
+
+    # Round where the eager code rounds (bf16 casts), so compiled and eager agree to the last bit or two.
+    torch._inductor.config.emulate_precision_casts = True
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return tuple(_CompiledOrPlain(f) for f in fns)
 
 
 class _CompiledOrPlain:
@@ -145,6 +149,26 @@ def fuse_weights(layers: nn.ModuleList) -> list[DenseLayerWeights]:
             _repoint((mlp.gate_proj, mlp.up_proj), gate_up, None)
             out.append(DenseLayerWeights(qkv, bias, gate_up))
     return out
+
+
+def fuse_linears(linears: tuple[nn.Module, ...]) -> Tensor | QuantizedWeight:
+    """Concatenates the rows of bias-free projections of one input (all nn.Linear or all QuantizedLinear), re-pointing
+    each at its rows of the fused weight (no extra memory)."""
+    if any(p.bias is not None for p in linears):
+        raise ValueError("fuse_linears takes projections without bias")
+    with torch.no_grad():
+        if all(isinstance(p, QuantizedLinear) for p in linears):
+            fused = QuantizedWeight.cat([p.quantized for p in linears])
+            row = 0
+            for p in linears:
+                p.set_quantized(fused.rows(row, row + p.out_features))
+                row += p.out_features
+            return fused
+        if not all(type(p) is nn.Linear for p in linears):
+            raise ValueError("fuse_linears takes all nn.Linear or all QuantizedLinear")
+        fused = torch.cat([p.weight for p in linears])
+        _repoint(linears, fused, None)
+        return fused
 
 
 def _fuse_quantized(qkv_projs: tuple[QuantizedLinear, ...], gate_up_projs: tuple[QuantizedLinear, ...]

@@ -123,30 +123,55 @@ class _Projected:
     g: Tensor  # [..., Hv] fp32, log decay (<= 0)
 
 
-def _project(module: nn.Module, x: Tensor) -> _Projected:
-    """in_proj_qkv / z / b / a and the beta, g transforms of the reference."""
-    qkv_in = module.in_proj_qkv(x)
-    z = module.in_proj_z(x)
-    b = module.in_proj_b(x)
-    a = module.in_proj_a(x)
+def _glue(module: nn.Module):
+    """The fused projection and compiled glue of a hybrid_layers.FusedGdn standing in for the HF module, or None."""
+    # Duck-typed (no import of target_svc.hybrid_layers, which imports the functions below to compile them): an HF
+    # module has no `glue` attribute, so every path runs the reference arithmetic for it.
+    return getattr(module, "glue", None)
+
+
+def gdn_gates(b: Tensor, a: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(beta, g) from the b and a projections: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), fp32."""
+    # contiguous(): b and a may be column slices of one fused projection, and the CPU's vectorised sigmoid and
+    # softplus round differently from their strided loops; a no-op in a compiled kernel.
+    b, a = b.contiguous(), a.contiguous()
     # Sigmoid in the model dtype first, as the reference does, then fp32 for the kernel.
     beta = b.sigmoid().float()
     # fp32 so that exp(A_log) cannot overflow in half precision.
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias.float())
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return beta, g
+
+
+def _project(module: nn.Module, x: Tensor) -> _Projected:
+    """in_proj_qkv / z / b / a and the beta, g transforms of the reference."""
+    glue = _glue(module)
+    if glue is not None:
+        return _Projected(*glue.project(module, x))
+    qkv_in = module.in_proj_qkv(x)
+    z = module.in_proj_z(x)
+    beta, g = gdn_gates(module.in_proj_b(x), module.in_proj_a(x), module.A_log, module.dt_bias)
     return _Projected(qkv_in=qkv_in, z=z, beta=beta, g=g)
 
 
-def _conv_taps(module: nn.Module, taps: list[Tensor], out_dtype: torch.dtype) -> Tensor:
-    """Depthwise causal conv + SiLU from the k window entries (oldest first), each [..., conv_dim]."""
-    weight = module.conv1d.weight[:, 0, :].float()  # [conv_dim, k]
+def conv_silu(taps: list[Tensor], weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """Depthwise causal conv + SiLU from the k window entries (oldest first), each [..., conv_dim]; weight [conv_dim, k]."""
+    weight = weight.float()
     # Fixed fp32 accumulation order over taps: chain, tree and step paths then agree bit for bit.
     acc = taps[0].float() * weight[:, 0]
     for j in range(1, len(taps)):
         acc = acc + taps[j].float() * weight[:, j]
-    if module.conv1d.bias is not None:
-        acc = acc + module.conv1d.bias.float()
+    if bias is not None:
+        acc = acc + bias.float()
     # Rounded to the model dtype like the reference's conv output, before the fp32 kernel.
     return F.silu(acc).to(out_dtype)
+
+
+def _conv_taps(module: nn.Module, taps: list[Tensor], out_dtype: torch.dtype) -> Tensor:
+    """Depthwise causal conv + SiLU of the layer from the k window entries (oldest first), each [..., conv_dim]."""
+    glue = _glue(module)
+    if glue is not None:
+        return glue.conv(module, taps, out_dtype)
+    return conv_silu(taps, module.conv1d.weight[:, 0, :], module.conv1d.bias, out_dtype)
 
 
 def _l2norm(t: Tensor) -> Tensor:
@@ -154,14 +179,35 @@ def _l2norm(t: Tensor) -> Tensor:
     return t * torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + L2NORM_EPS)
 
 
-def _split_heads(mixed: Tensor, dims: LinearAttnStateShape) -> tuple[Tensor, Tensor, Tensor]:
+def split_heads(mixed: Tensor, q_shape: tuple[int, int], v_shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
     """Conv output -> fp32 q (normalised, scaled) [..., Hk, Dk], k (normalised) [..., Hk, Dk], v [..., Hv, Dv]."""
     lead = mixed.shape[:-1]
-    q, k, v = torch.split(mixed, [dims.key_dim, dims.key_dim, dims.value_dim], dim=-1)
-    q = _l2norm(q.reshape(*lead, dims.num_k_heads, dims.head_k_dim).float()) * (dims.head_k_dim**-0.5)
-    k = _l2norm(k.reshape(*lead, dims.num_k_heads, dims.head_k_dim).float())
-    v = v.reshape(*lead, dims.num_v_heads, dims.head_v_dim).float()
+    (hk, dk), (hv, dv) = q_shape, v_shape
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q = _l2norm(q.reshape(*lead, hk, dk).float()) * (dk**-0.5)
+    k = _l2norm(k.reshape(*lead, hk, dk).float())
+    v = v.reshape(*lead, hv, dv).float()
     return q, k, v
+
+
+def conv_heads(taps: list[Tensor], weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
+               q_shape: tuple[int, int], v_shape: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+    """conv_silu then split_heads: the conv window entries -> fp32 q, k, v (one compiled kernel on CUDA)."""
+    return split_heads(conv_silu(taps, weight, bias, out_dtype), q_shape, v_shape)
+
+
+def _split_heads(mixed: Tensor, dims: LinearAttnStateShape) -> tuple[Tensor, Tensor, Tensor]:
+    """Conv output -> fp32 q (normalised, scaled) [..., Hk, Dk], k (normalised) [..., Hk, Dk], v [..., Hv, Dv]."""
+    return split_heads(mixed, (dims.num_k_heads, dims.head_k_dim), (dims.num_v_heads, dims.head_v_dim))
+
+
+def _conv_split(module: nn.Module, taps: list[Tensor], out_dtype: torch.dtype,
+                dims: LinearAttnStateShape) -> tuple[Tensor, Tensor, Tensor]:
+    """_split_heads(_conv_taps(...)) of the layer; one compiled kernel where the layer is a FusedGdn."""
+    glue = _glue(module)
+    if glue is not None:
+        return glue.conv_split(module, taps, out_dtype, dims)
+    return _split_heads(_conv_taps(module, taps, out_dtype), dims)
 
 
 def _to_v_heads(t: Tensor, dims: LinearAttnStateShape) -> Tensor:
@@ -187,8 +233,23 @@ def _delta_update(
     return state, out
 
 
+def gated_rms_norm(core: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3.5's gated RMSNorm per value head: core [..., Hv, Dv] fp32, gate z [..., Hv * Dv] -> [..., Hv * Dv]."""
+    # HF's Qwen3_5RMSNormGated on the kernel output handed over in the model dtype: normalised in fp32, cast
+    # back, scaled by the weight in the model dtype, then gated by SiLU(z) in fp32 and cast back.
+    dtype = z.dtype
+    h = core.to(dtype).float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    h = h * F.silu(z.contiguous().reshape(core.shape).float())  # contiguous(): as in gdn_gates
+    return h.to(dtype).flatten(-2)
+
+
 def _output(module: nn.Module, core: Tensor, z: Tensor, dims: LinearAttnStateShape) -> Tensor:
     """Gated RMSNorm with z, then out_proj: core [..., Hv, Dv] fp32 -> [..., hidden]."""
+    glue = _glue(module)
+    if glue is not None:
+        return glue.output(module, core, z)
     lead = core.shape[:-2]
     # The reference hands the kernel output to the norm in the model dtype.
     o = core.to(z.dtype).reshape(-1, dims.head_v_dim)
@@ -213,7 +274,7 @@ def gdn_step(module: nn.Module, x_t: Tensor, conv_state: Tensor, rec_state: Tens
     p = _project(module, x_t)
     conv_state = conv_state.to(dtype)
     taps = [conv_state[:, :, j] for j in range(dims.conv_kernel - 1)] + [p.qkv_in]
-    q, k, v = _split_heads(_conv_taps(module, taps, dtype), dims)
+    q, k, v = _conv_split(module, taps, dtype, dims)
     new_rec, core = _delta_update(
         rec_state.float(), _to_v_heads(k, dims), v, p.g, p.beta, _to_v_heads(q, dims)
     )
@@ -321,7 +382,7 @@ def gdn_chain_forward(
     # Committed conv inputs then the chain's: ext[:, j] is input j-(k-1) relative to the chain start.
     ext = torch.cat([conv_state.to(dtype).transpose(1, 2), p.qkv_in], dim=1)  # [B, k-1+S, conv_dim]
     taps = [ext[:, j : j + seq] for j in range(kern)]
-    q, k, v = _split_heads(_conv_taps(module, taps, dtype), dims)
+    q, k, v = _conv_split(module, taps, dtype, dims)
     last = lengths.unsqueeze(1) + torch.arange(kern - 1, device=x.device).unsqueeze(0)  # [B, k-1]
     new_conv = ext.gather(1, last.unsqueeze(-1).expand(-1, -1, dims.conv_dim)).transpose(1, 2).contiguous()
 
@@ -447,7 +508,7 @@ def _gdn_tree(
     window_idx = torch.stack(cols, dim=-1)  # [B, T, k]
     rows = torch.arange(bsz, device=dev)[:, None, None]
     window = ext[rows, window_idx]  # [B, T, k, conv_dim]
-    q, k, v = _split_heads(_conv_taps(module, [window[:, :, j] for j in range(kern)], dtype), dims)
+    q, k, v = _conv_split(module, [window[:, :, j] for j in range(kern)], dtype, dims)
     vmask = valid[:, :, None, None]
     node_conv = (window[:, :, 1:] * vmask.to(dtype)).transpose(2, 3).contiguous()  # [B, T, conv_dim, k-1]
 
@@ -527,7 +588,7 @@ def gdn_step_forward_lean(
     conv_state = conv_state.to(dtype)
     # The root's conv window: the k-1 committed inputs (oldest first), then its own input.
     taps = [conv_state[:, None, :, j] for j in range(dims.conv_kernel - 1)] + [p.qkv_in]
-    q, k, v = _split_heads(_conv_taps(module, taps, dtype), dims)
+    q, k, v = _conv_split(module, taps, dtype, dims)
     node_conv = torch.cat([conv_state, p.qkv_in.transpose(1, 2)], dim=-1)[:, None, :, 1:]
     node_conv = node_conv * valid[:, :, None, None].to(dtype)  # [B, 1, conv_dim, k-1]
     vf = valid.float()

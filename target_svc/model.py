@@ -13,7 +13,6 @@ from torch import Tensor, nn
 
 from ddtree_serve.decoding.acceptance import compaction_indices_batch
 from ddtree_serve.decoding.tree_mask import depths_from_parents_batch, tree_attention_mask
-from ddtree_serve.rope import rotate_half
 from target_svc import gdn_kernels
 from target_svc.gated_deltanet import (
     GdnTreeTrace,
@@ -31,6 +30,14 @@ from target_svc.gdn_tree_wy import (
     gdn_tree_forward_wy,
     gdn_tree_layout,
 )
+from target_svc.hybrid_layers import (
+    FusedGdn,
+    HybridKernels,
+    HybridLayerWeights,
+    apply_rope,
+    fusable_hybrid,
+    fuse_hybrid,
+)
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
 from target_svc.quantization import int8_matmul_backend, linear
@@ -38,22 +45,13 @@ from target_svc.quantization import int8_matmul_backend, linear
 log = logging.getLogger(__name__)
 
 
-def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotates the first cos.shape[-1] dims of x [B, T, H, D] (partial rotary leaves the rest as is)."""
-    rot = cos.shape[-1]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
-
-
 class TargetModel:
     """The target decoder bound to one KVCache; forward_block verifies padded trees or prefills chains."""
 
     def __init__(self, target: LoadedTarget, max_batch: int, max_seq_len: int, max_tree_nodes: int,
                  fused: bool | None = None, tree_gdn: str | None = None, gdn_kernels_on: bool | None = None):
-        # fused: run dense layers through target_svc/dense_layers.py (fused projections; compiled kernels on CUDA).
+        # fused: run dense layers through target_svc/dense_layers.py, hybrid (Qwen3.5) ones through
+        #   target_svc/hybrid_layers.py (fused projections; compiled kernels on CUDA, the plain functions elsewhere).
         # tree_gdn: how Gated DeltaNet layers verify trees: "wy" (all nodes in one pass, no host sync:
         #   target_svc/gdn_tree_wy.py) or "depthwise" (the reference, one update per depth).
         # gdn_kernels_on: Gated DeltaNet prefill chains and decode steps (one-node trees) through fla's kernels
@@ -86,12 +84,17 @@ class TargetModel:
         if self.tree_gdn not in ("wy", "depthwise"):
             raise ValueError(f"tree_gdn must be 'wy' or 'depthwise', got {self.tree_gdn!r}")
         self.gdn_kernels_on = self._choose_gdn_kernels(gdn_kernels_on)
+        self.int8_backend = int8_matmul_backend(self.device)
         self.dense: list[DenseLayerWeights] | None = None
         self.kernels: DenseKernels | None = None
+        self.hybrid: list[HybridLayerWeights] | None = None
+        self.hybrid_kernels: HybridKernels | None = None
         if fused and not self.linear_index and self.cos.shape[-1] == target.head_dim and fusable(target.layers):
             self.dense = fuse_weights(target.layers)
             self.kernels = DenseKernels.make(compiled=self.device.type == "cuda")
-        self.int8_backend = int8_matmul_backend(self.device)
+        elif fused and self.linear_index and fusable_hybrid(target.layers, target.norm):
+            self.hybrid_kernels = HybridKernels.make(compiled=self.device.type == "cuda")
+            self.hybrid = fuse_hybrid(target.layers, self.hybrid_kernels, self.int8_backend)
         # GDN traces of the verified block not yet committed (one per linear-attention layer), None when no block
         # is pending; dense models' blocks carry an empty list. The K/V of a pending block sit past ctx_len.
         self.pending_traces: list[GdnTreeTrace | GdnTreeWYTrace] | None = None
@@ -168,6 +171,9 @@ class TargetModel:
         h = t.embed_tokens(input_ids)
         if self.dense is not None:
             h = self._dense_layers(h, cos, sin, mask, slots, rows, key_len, wanted, feature_set)
+        elif self.hybrid is not None:
+            h = self._hybrid_layers(h, cos, sin, mask, slots, rows, key_len, (parents, valid, sizes, chain, layout),
+                                    traces, wanted, feature_set)
         else:
             for i, layer in enumerate(t.layers):
                 x = layer.input_layernorm(h)
@@ -222,6 +228,49 @@ class TargetModel:
                 feature_set[i] = h
         return x
 
+    def _hybrid_layers(self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, rows: Tensor,
+                       key_len: int, block: tuple, traces: list, wanted: set[int],
+                       feature_set: dict[int, Tensor]) -> Tensor:
+        """All layers of a hybrid model through the fused path -> the final-normed hidden states."""
+        # block = (parents, valid, sizes, chain, layout): what the Gated DeltaNet layers take of the trees.
+        t, k = self.target, self.hybrid_kernels
+        layers = t.layers
+        norm0 = layers[0].input_layernorm
+        x = k.rms_norm(h, norm0.weight, norm0.eps)
+        for i, layer in enumerate(layers):
+            w = self.hybrid[i]
+            if w.gdn is not None:
+                parents, valid, sizes, chain, layout = block
+                mixed = self._linear_attention(w.gdn, self.linear_index[i], x, parents, valid, sizes, slots, chain,
+                                               traces, layout)
+            else:
+                mixed = self._gated_attention(layer.self_attn, w.qkv, self.full_index[i], x, cos, sin, mask, slots,
+                                              rows, key_len)
+            post = layer.post_attention_layernorm
+            h, x = k.add_rms_norm(h, mixed, post.weight, post.eps)
+            mlp = layer.mlp.down_proj(k.silu_mul(linear(x, w.gate_up, backend=self.int8_backend)))
+            # The next layer's input norm, or after the last layer the model's final norm (HF's last hidden state).
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else t.norm
+            h, x = k.add_rms_norm(h, mlp, nxt.weight, nxt.eps)
+            if i in wanted:
+                feature_set[i] = h
+        return x
+
+    def _gated_attention(self, attn: nn.Module, qkv_weight, cache_layer: int, x: Tensor, cos: Tensor, sin: Tensor,
+                         mask: Tensor, slots: Tensor, rows: Tensor, key_len: int) -> Tensor:
+        """Qwen3.5's gated attention through the fused q(+gate)/k/v projection and the compiled glue."""
+        t, k = self.target, self.hybrid_kernels
+        bsz, tmax, _ = x.shape
+        nh, nkv, hd = t.num_heads, t.num_kv_heads, t.head_dim
+        qg, key, value = linear(x, qkv_weight, None, self.int8_backend).split([2 * nh * hd, nkv * hd, nkv * hd],
+                                                                              dim=-1)
+        # q_proj's rows interleave per head as [q | gate] (HF's view(..., -1, 2 * head_dim).chunk(2)).
+        q, gate = qg.view(bsz, tmax, nh, 2 * hd).chunk(2, dim=-1)
+        q, key = k.qk_norm_rope(q, key.view(bsz, tmax, nkv, hd), attn.q_norm.weight, attn.k_norm.weight,
+                                attn.q_norm.eps, cos, sin)
+        out = self._attend(attn, cache_layer, q, key, value.view(bsz, tmax, nkv, hd), mask, slots, rows, key_len)
+        return attn.o_proj(k.sigmoid_gate(out, gate))
+
     def _attend(self, attn: nn.Module, cache_layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
                 slots: Tensor, rows: Tensor, key_len: int) -> Tensor:
         """Writes the block's k/v [B, T, n_kv, D] to the cache, attends q [B, T, n_h, D] -> [B, T, n_h * D]."""
@@ -266,7 +315,7 @@ class TargetModel:
         v = attn.v_proj(x).view(bsz, tmax, nkv, hd)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self._attend(attn, cache_layer, q, k, v, mask, slots, rows, key_len)
         if gated:
             out = out * torch.sigmoid(gate)
@@ -280,7 +329,7 @@ class TargetModel:
 
     def _linear_attention(
         self,
-        gdn: nn.Module,
+        gdn: nn.Module | FusedGdn,
         state_layer: int,
         x: Tensor,
         parents: Tensor,
