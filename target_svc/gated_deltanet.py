@@ -585,20 +585,37 @@ def gdn_step_forward_lean(
     valid = valid.to(device=x.device, dtype=torch.bool)  # [B, 1]
     x = torch.where(valid.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
     p = _project(module, x)
-    conv_state = conv_state.to(dtype)
-    # The root's conv window: the k-1 committed inputs (oldest first), then its own input.
-    taps = [conv_state[:, None, :, j] for j in range(dims.conv_kernel - 1)] + [p.qkv_in]
-    q, k, v = _conv_split(module, taps, dtype, dims)
-    node_conv = torch.cat([conv_state, p.qkv_in.transpose(1, 2)], dim=-1)[:, None, :, 1:]
-    node_conv = node_conv * valid[:, :, None, None].to(dtype)  # [B, 1, conv_dim, k-1]
-    vf = valid.float()
+    glue = _glue(module)
+    if glue is not None:
+        step = glue.step_inputs(module, p.qkv_in, conv_state.to(dtype), valid, p.g, p.beta, dims)
+    else:
+        step = step_inputs(p.qkv_in, conv_state.to(dtype), valid, p.g, p.beta, module.conv1d.weight[:, 0, :],
+                           module.conv1d.bias, (dims.num_k_heads, dims.head_k_dim), (dims.num_v_heads, dims.head_v_dim))
+    q, k, v, k_in, g_in, beta_in, node_conv = step
     delta_rule = gdn_kernels.recurrent_delta_rule if kernels else stepwise_delta_rule
-    # A padded row gets k = 0, g = 0, beta = 0: an identity update (its output is zeroed below anyway).
-    core, _ = delta_rule(q, k * vf[:, :, None, None], v, p.g * vf[..., None], p.beta * vf[..., None],
-                         rec_state.float())
+    core, _ = delta_rule(q, k_in, v, g_in, beta_in, rec_state.float())
     out = _output(module, core, p.z, dims)
     out = out * valid.unsqueeze(-1).to(out.dtype)
     return out, GdnTreeTrace(node_conv=node_conv, key=k, value=v, g=p.g, beta=p.beta)
+
+
+def step_inputs(qkv_in: Tensor, conv_state: Tensor, valid: Tensor, g: Tensor, beta: Tensor, weight: Tensor,
+                bias: Tensor | None, q_shape: tuple[int, int], v_shape: tuple[int, int]) -> tuple[Tensor, ...]:
+    """A decode step's glue between the projections and the recurrence (one compiled kernel or two on CUDA).
+
+    qkv_in [B, 1, conv_dim] and conv_state [B, conv_dim, k-1] in the model dtype, valid [B, 1] bool ->
+    (q, k, v, k_in, g_in, beta_in, node_conv): k_in, g_in, beta_in are k, g, beta zeroed on padded rows (the
+    recurrence's inputs), node_conv [B, 1, conv_dim, k-1] the conv state after the node (zeros when padded).
+    """
+    dtype = conv_state.dtype
+    # The root's conv window: the k-1 committed inputs (oldest first), then its own input.
+    taps = [conv_state[:, None, :, j] for j in range(conv_state.shape[-1])] + [qkv_in]
+    q, k, v = conv_heads(taps, weight, bias, dtype, q_shape, v_shape)
+    node_conv = torch.cat([conv_state, qkv_in.transpose(1, 2)], dim=-1)[:, None, :, 1:]
+    node_conv = node_conv * valid[:, :, None, None].to(dtype)
+    vf = valid.float()
+    # A padded row gets k = 0, g = 0, beta = 0: an identity update (its output is zeroed anyway).
+    return q, k, v, k * vf[:, :, None, None], g * vf[..., None], beta * vf[..., None], node_conv
 
 
 def gdn_commit_path(

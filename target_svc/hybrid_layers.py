@@ -3,7 +3,8 @@
 The sibling of target_svc/dense_layers.py for the hybrid family. Per layer: one GEMM for the MLP's gate/up, one for
 the gated attention's q(+gate)/k/v or for the Gated DeltaNet's four input projections (qkv | z | b | a), and one
 compiled kernel each for "residual add + zero-centred RMSNorm", "q/k norm + partial RoPE", "sigmoid output gate",
-"SiLU * up", the GDN gates (beta, g), the GDN conv + SiLU + head split + l2norm, and the GDN's gated RMSNorm.
+"SiLU * up", the GDN gates (beta, g), the GDN conv + SiLU + head split + l2norm (with a decode step's padding
+masks and next conv state), and the GDN's gated RMSNorm.
 GEMMs stay GEMMs; the recurrences (fla, the tree WY kernel) are untouched. The plain functions are written in HF's
 order of operations and casts (so a compiled kernel rounds where HF rounds: `emulate_precision_casts`); on the CPU
 they run as they are. The GDN paths in target_svc/gated_deltanet.py take a FusedGdn where they take the HF module.
@@ -18,7 +19,14 @@ from torch import Tensor, nn
 
 from ddtree_serve.rope import rotate_half
 from target_svc.dense_layers import compile_all, fuse_linears, silu_mul
-from target_svc.gated_deltanet import LinearAttnStateShape, conv_heads, conv_silu, gated_rms_norm, gdn_gates
+from target_svc.gated_deltanet import (
+    LinearAttnStateShape,
+    conv_heads,
+    conv_silu,
+    gated_rms_norm,
+    gdn_gates,
+    step_inputs,
+)
 from target_svc.quantization import QuantizedWeight, linear
 
 # The HF classes whose forward the functions below reproduce exactly.
@@ -73,13 +81,14 @@ class HybridKernels:
     gdn_gates: Callable[..., tuple[Tensor, Tensor]]
     conv_silu: Callable[..., Tensor]
     conv_heads: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    step_inputs: Callable[..., tuple[Tensor, ...]]
     gated_rms_norm: Callable[..., Tensor]
 
     @classmethod
     def make(cls, compiled: bool) -> "HybridKernels":
         """compiled=True: each function through torch.compile (one Triton kernel or a few, shapes dynamic)."""
         fns = (rms_norm, add_rms_norm, qk_norm_rope, sigmoid_gate, silu_mul, gdn_gates, conv_silu, conv_heads,
-               gated_rms_norm)
+               step_inputs, gated_rms_norm)
         return cls(*compile_all(fns, compiled))
 
 
@@ -108,6 +117,12 @@ class GdnGlue:
         """gated_deltanet.conv_heads of the layer (conv, SiLU, head split, l2norm), compiled."""
         return self.kernels.conv_heads(taps, self.conv_weight, module.conv1d.bias, out_dtype,
                                        (dims.num_k_heads, dims.head_k_dim), (dims.num_v_heads, dims.head_v_dim))
+
+    def step_inputs(self, module: nn.Module, qkv_in: Tensor, conv_state: Tensor, valid: Tensor, g: Tensor,
+                    beta: Tensor, dims: LinearAttnStateShape) -> tuple[Tensor, ...]:
+        """gated_deltanet.step_inputs of the layer (a decode step's conv, heads and padding masks), compiled."""
+        return self.kernels.step_inputs(qkv_in, conv_state, valid, g, beta, self.conv_weight, module.conv1d.bias,
+                                        (dims.num_k_heads, dims.head_k_dim), (dims.num_v_heads, dims.head_v_dim))
 
     def output(self, module: nn.Module, core: Tensor, z: Tensor) -> Tensor:
         """Gated RMSNorm (compiled) then out_proj: core [..., Hv, Dv] fp32 -> [..., hidden]."""

@@ -11,7 +11,13 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from ddtree_serve.decoding.config import SamplingParams
 from target_svc.dense_layers import fusable
-from target_svc.gated_deltanet import LinearAttnStateShape, gated_rms_norm, gdn_chain_forward, gdn_gates
+from target_svc.gated_deltanet import (
+    LinearAttnStateShape,
+    gated_rms_norm,
+    gdn_chain_forward,
+    gdn_gates,
+    gdn_step_forward_lean,
+)
 from target_svc.hybrid_layers import (
     FusedGdn,
     add_rms_norm,
@@ -230,3 +236,22 @@ def test_fused_hybrid_greedy_equals_hf_generate(hybrid_dir, tree_gdn):
         out = runner.verify([item])[0]
         tokens += out.accepted_tokens + [out.next_token]
     assert tokens[:32] == truth[:32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_gdn_decode_step_equals_the_hf_module_step(hybrid_dir, dtype):
+    """gdn_step_forward_lean through FusedGdn (fused projection, step_inputs glue) against the HF module, a padded
+    row included: the same bits in float32, bf16 rounding in bf16."""
+    model = TargetModel(load_target(str(hybrid_dir), "cpu", dtype), 3, 64, 8, fused=True)
+    gdn, fused = model.target.layers[1].linear_attn, model.hybrid[1].gdn
+    dims = LinearAttnStateShape.from_module(gdn)
+    x = _randn(3, 1, 64, dtype=dtype, seed=16)
+    valid = torch.tensor([[True], [False], [True]])
+    conv0, rec0 = _randn(*dims.conv_shape(3), dtype=dtype, seed=17), _randn(*dims.rec_shape(3), seed=18) * 0.1
+    want_out, want = gdn_step_forward_lean(gdn, x, valid, conv0, rec0)
+    got_out, got = gdn_step_forward_lean(fused, x, valid, conv0, rec0)
+    check = _exact if dtype == torch.float32 else (lambda a, b: torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2))
+    check(got_out, want_out)
+    assert not got_out[1].any()  # the padded row
+    for name in ("node_conv", "key", "value", "g", "beta"):
+        check(getattr(got, name), getattr(want, name))
