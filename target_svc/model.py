@@ -1,7 +1,8 @@
 """Our target forward over the HF modules' weights: padded batches of trees (or chains) against the slot cache.
 
-HF submodules do the norms, MLPs and projections; attention, RoPE, masking, the cache and the Gated DeltaNet
-state handling are ours, so that decode/verify can be captured later (static shapes, no Python per node).
+HF submodules do the norms, MLPs and projections (on CUDA: our fused projections and compiled glue instead,
+target_svc/dense_layers.py and hybrid_layers.py); attention, RoPE, masking, the cache and the Gated DeltaNet state
+handling are ours, so that decode/verify can be captured (static shapes, no Python per node).
 """
 from __future__ import annotations
 
