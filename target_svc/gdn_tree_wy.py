@@ -31,11 +31,10 @@ from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, depths_from_par
 from target_svc import gdn_kernels, gdn_tree_kernel
 from target_svc.gated_deltanet import (
     LinearAttnStateShape,
-    _conv_taps,
+    _conv_split,
     _model_dtype,
     _output,
     _project,
-    _split_heads,
     _to_v_heads,
 )
 
@@ -124,7 +123,7 @@ def gdn_tree_forward_wy(
     ext = torch.cat([conv_state.to(dtype).transpose(1, 2), p.qkv_in], dim=1)  # [B, k-1+T, conv_dim]
     rows = torch.arange(bsz, device=dev)[:, None, None]
     window = ext[rows, layout.window_idx]  # [B, T, k, conv_dim]
-    q, k, v = _split_heads(_conv_taps(module, [window[:, :, j] for j in range(kern)], dtype), dims)
+    q, k, v = _conv_split(module, [window[:, :, j] for j in range(kern)], dtype, dims)
     vf = valid.to(torch.float32)
     node_conv = (window[:, :, 1:] * vf[:, :, None, None].to(dtype)).transpose(2, 3).contiguous()
 
