@@ -12,6 +12,7 @@ import torch
 
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.plumbing import auth
+from ddtree_serve.plumbing.host_copy import to_host
 from ddtree_serve.plumbing.metrics import DrafterMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
@@ -181,6 +182,10 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             self.metrics.observe_transport_received(transport, received)
         return drafter_pb2.PushFeaturesResponse(bytes=stored)
 
+    def _draft_on_host(self, items: list[DraftItem], top_k: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model thread: runner.draft, its (log-probs, ids) copied to the host without holding the GIL."""
+        return to_host(*self.runner.draft(items, top_k, depth))
+
     def _store_and_prefetch(self, entries: list, next_tokens: dict[str, tuple[int, int]],
                             buffer_device: torch.device | None) -> tuple[dict, dict[str, PrefetchedDraft], float]:
         """Model thread: stores the rows, drafts the sequences whose next bonus token came along, and (for a
@@ -193,8 +198,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             t0 = time.perf_counter()
             try:
                 top_k = min(max(self.last_top_k[it.seq_id] for it in items), MAX_TOP_K, self.runner.vocab_size)
-                logprobs, ids = self.runner.draft(items, top_k)
-                logprobs, ids = logprobs.float().cpu(), ids.to(torch.int32).cpu()
+                logprobs, ids = to_host(*self.runner.draft(items, top_k))
+                logprobs, ids = logprobs.float(), ids.to(torch.int32)
                 drafts = {it.seq_id: PrefetchedDraft(it.context_len, it.bonus_token, logprobs[b], ids[b])
                           for b, it in enumerate(items)}
             except (ValueError, KeyError, RuntimeError) as exc:   # the Draft will say what is wrong, if still so
@@ -259,8 +264,9 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 ready[it.seq_id] = (d.logprobs[:depth, :top_k], d.token_ids[:depth, :top_k])
         missing = [it for it in items if it.seq_id not in ready]
         if missing:
-            logprobs, ids = await self.model_thread.run(self.runner.draft, missing, top_k, depth)
-            logprobs, ids = logprobs.float().cpu(), ids.to(torch.int32).cpu()
+            # On the model thread, host copy included: the event loop never waits for the GPU.
+            logprobs, ids = await self.model_thread.run(self._draft_on_host, missing, top_k, depth)
+            logprobs, ids = logprobs.float(), ids.to(torch.int32)
             ready.update((it.seq_id, (logprobs[b], ids[b])) for b, it in enumerate(missing))
         for it in items:
             logprobs, ids = ready[it.seq_id]

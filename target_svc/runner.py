@@ -10,6 +10,7 @@ from torch import Tensor
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
 from ddtree_serve.decoding.tree_mask import depths_from_parents
+from ddtree_serve.plumbing.host_copy import to_host
 from target_svc.loader import LoadedTarget, load_target
 from target_svc.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -272,7 +273,8 @@ class TargetRunner:
             result, rows = verify_commit(self.model, packed_dev, shape.nodes, choices, features, width)
         if graphed and rows is not None:
             rows = rows.clone()  # the graph's buffer is overwritten by the next step; the pushes may be later
-        packed = result.tolist()  # the one device->host copy of the step
+        (packed_host,) = to_host(result)  # the one device->host copy of the step, waited for without the GIL
+        packed = packed_host.tolist()
 
         outputs = []
         for b, (it, tr) in enumerate(zip(items, trees)):

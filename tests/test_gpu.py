@@ -804,3 +804,20 @@ def test_cuda_gpu_memory_cap_bounds_the_allocator_and_the_plan_takes_it_as_the_c
                                       gpu_memory_cap_bytes=torch.cuda.mem_get_info()[1] + GIB))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)   # the cap is process-wide: the other tests run uncapped
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_to_host_copies_equal_cpu_copies_after_queued_work():
+    """The pinned, event-waited copies see everything queued before them (a long matmul chain), like .cpu()."""
+    from ddtree_serve.plumbing.host_copy import to_host
+
+    x = torch.randn(2048, 2048, device="cuda")
+    for _ in range(20):
+        x = torch.tanh(x @ x.T / 2048)
+    ids = x.argmax(dim=-1).to(torch.int32)
+    view = x[:, ::2]  # not contiguous
+    got = to_host(x, ids, view, torch.arange(3))
+    assert all(t.device.type == "cpu" for t in got)
+    assert torch.equal(got[0], x.cpu()) and torch.equal(got[1], ids.cpu()) and torch.equal(got[2], view.cpu())
+    assert got[0].is_pinned() and torch.equal(got[3], torch.arange(3))
+
