@@ -30,11 +30,11 @@ for s in $SECTIONS; do
   echo "== $s $(date -u +%T)"
   case $s in
     tests)   # graphs == eager for the dense target and the drafter, the Triton weight-only kernels
-      timeout 120 python3 -m pytest -q tests/test_gpu.py -k "graph_steps or padded_batch or triton or memory_cap" \
+      timeout 200 python3 -m pytest -q tests/test_gpu.py -k "graph_steps or padded_batch or triton or memory_cap or to_host or runners_equal_transformers" \
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests.log" | head -20 ;;
     testshyb)   # fla kernels and the fused tree WY kernel == the PyTorch reference, a hybrid runner with kernels on == off
-      timeout 300 python3 -m pytest -q tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward}" > "$R/gpu-tests-fla.log" 2>&1
+      timeout 300 python3 -m pytest -q tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward or hybrid_glue}" > "$R/gpu-tests-fla.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-fla.log" | head -20 ;;
     treekernel)   # the fused tree WY core against the PyTorch one at 27B heads, every tiling of the sweep
       timeout ${TREE_BENCH_S:-300} python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
