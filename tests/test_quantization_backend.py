@@ -129,7 +129,18 @@ def test_an_explicit_tile_config_is_a_frozen_value():
 
 # ---- the kernels under Triton's interpreter (where Triton is installed; never in CI) -----------------------------
 
-INTERPRETED = """
+# Run first in each interpreted subprocess: Triton 3.6's interpreter turns a scalar loop bound into a Python int with
+# int() of a one-element array, which numpy >= 2.4 refuses; Triton 3.8 squeezes it first, as here.
+INTERPRETER_PATCH = """
+from triton.runtime import interpreter
+_patch_tensor = interpreter._patch_lang_tensor
+def _patch_with_index(tensor, scope):
+    _patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+interpreter._patch_lang_tensor = _patch_with_index
+"""
+
+INTERPRETED = INTERPRETER_PATCH + """
 import itertools, torch
 from target_svc import int8_matmul as im
 from target_svc.quantization import quantize_int4_groupwise, quantize_per_channel
@@ -156,8 +167,13 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
 def test_the_kernels_under_tritons_interpreter_equal_the_dequantized_reference_in_fp16():
     """fp16 only: Triton 3.6's interpreter multiplies bf16 dot operands as raw bits (the GPU tests cover bf16)."""
+    _run_interpreted(INTERPRETED)
+
+
+def _run_interpreted(script: str) -> None:
+    """script in a fresh process with TRITON_INTERPRET=1 (set before Triton is imported); it prints "ok"."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600,
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
                          cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
