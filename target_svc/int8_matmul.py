@@ -5,6 +5,9 @@ from the shape alone, and launches them. Tile sizes are a fixed function of (M, 
 first call of a shape compiles the kernel (a CUDA-graph capture's warm-up runs do that) and a captured replay
 launches exactly what the warm-up ran. Triton is imported only when a kernel is launched: this module imports
 on machines without it (available() then says False).
+
+int8 with at most GEMV_MAX_ROWS rows (decode steps) takes the GEMV kernel (GemvConfig), which sums in another
+order than the dot kernel (TileConfig) that a larger verify takes: see weight_only_kernels.
 """
 from __future__ import annotations
 
@@ -34,6 +37,18 @@ class TileConfig:
     swap_ab: bool = False
     num_warps: int = 4
     num_stages: int = 4
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch of the few-row int8 GEMV: BLOCK_N output columns per program, K step BLOCK_K, K split over
+    SPLIT_K programs."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 def available(device: torch.device | str) -> bool:
@@ -86,6 +101,46 @@ def choose_config(m: int, n: int, k: int, bits: int = 8, group: int = 0, num_sms
     return TileConfig(block_m, block_n, block_k, split, swap_ab=False, num_warps=4, num_stages=3)
 
 
+# The GEMV path: int8 weights and at most this many rows (its kernel keeps one accumulator per row).
+GEMV_MAX_ROWS = 4
+# Its defaults (to be confirmed by `python -m bench.int8_kernel --gemv-sweep` on the H200). At M <= 4 the call is a
+# read of the weight, N x K bytes, at ~4.8 TB/s, so the tiles aim at keeping enough bytes in flight:
+# - BLOCK_K 512: a warp's 32 lanes each load 16 contiguous int8 (one 16-byte vector), which covers 512 columns of
+#   one weight row, so every load instruction is a fully coalesced 512-byte row segment; with 4 warps each thread
+#   holds BLOCK_N x 512 / 128 = 128 weights of a tile (8 vector loads in flight per step).
+# - BLOCK_N 32: a K step reads 32 x 512 = 16 KB per program; by Little's law 4.8 TB/s x ~1 us of loaded DRAM
+#   latency is ~4.8 MB in flight, ~36 KB per SM of 132, i.e. two or three resident programs each with a step in
+#   flight (the 128 float32 weights per thread allow about three programs of 4 warps per SM by registers).
+# - split K (powers of 2 up to 8, each split keeping at least one K step) while the grid has fewer than
+#   _GEMV_PROGRAMS_PER_SM programs per SM: 4096 x 4096 -> 128 N tiles x 4 = 512 programs (3.9 per SM), 4096 x 12288
+#   -> 128 x 4 (6 K steps each), 6144 x 4096 -> 192 x 2, 1024 x 4096 -> 32 x 8; 24576 x 4096 (768 tiles) and
+#   17408 x 5120 (544) need no split. The reduction re-reads SPLIT_K x M x N float32 (256 KB at most for 4096
+#   rows), small against the 16 MB weight.
+_GEMV_BLOCK_N = 32
+_GEMV_BLOCK_K = 512
+_GEMV_PROGRAMS_PER_SM = 2
+_GEMV_MAX_SPLIT = 8
+
+
+def choose_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """Tile sizes of the int8 GEMV for m <= GEMV_MAX_ROWS rows: a pure function of the shape (see above)."""
+    block_k = min(_GEMV_BLOCK_K, max(16, 1 << (k - 1).bit_length()))  # no wider than K needs
+    tiles = -(-n // _GEMV_BLOCK_N)
+    k_steps = -(-k // block_k)
+    split = 1
+    while split < _GEMV_MAX_SPLIT and tiles * split < _GEMV_PROGRAMS_PER_SM * num_sms and split * 2 <= k_steps:
+        split *= 2
+    return GemvConfig(_GEMV_BLOCK_N, block_k, split, num_warps=4, num_stages=2)
+
+
+def kernel_config(m: int, n: int, k: int, bits: int = 8, group: int = 0,
+                  num_sms: int = 132) -> TileConfig | GemvConfig:
+    """What matmul launches for this shape by default: the GEMV for int8 with few rows, else the dot kernel."""
+    if bits == 8 and m <= GEMV_MAX_ROWS:
+        return choose_gemv_config(m, n, k, num_sms)
+    return choose_config(m, n, k, bits, group, num_sms)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the Triton interpreter (tests on a CPU): any count will do
@@ -93,11 +148,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None, bits: int = 8,
-           config: TileConfig | None = None) -> Tensor:
+           config: TileConfig | GemvConfig | None = None) -> Tensor:
     """x [..., K] @ dequantized(qweight, scales)^T (+ bias) -> [..., N] in x's dtype.
 
     bits=8: qweight int8 [N, K], scales [N]. bits=4: qweight uint8 [N, K // 2] (see weight_only_kernels),
-    scales [N, K // group]. The caller checks supports() first.
+    scales [N, K // group]. The caller checks supports() first. config: kernel_config's choice when None; a
+    GemvConfig takes int8 and at most GEMV_MAX_ROWS rows.
     """
     kernels = importlib.import_module("target_svc.weight_only_kernels")
     k = x.shape[-1]
@@ -114,7 +170,12 @@ def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = Non
     qweight, scales = qweight.contiguous(), scales.contiguous()
     bias = None if bias is None else bias.contiguous()
     group = k // scales.shape[1] if bits == 4 else 0
-    cfg = config or choose_config(m, n, k, bits, group, _num_sms(x.device))
+    cfg = config or kernel_config(m, n, k, bits, group, _num_sms(x.device))
+    if isinstance(cfg, GemvConfig):
+        if bits != 8 or m > GEMV_MAX_ROWS:
+            raise ValueError(f"the GEMV kernel takes int8 and at most {GEMV_MAX_ROWS} rows: {bits} bits, {m} rows")
+        _gemv(kernels, x2d, qweight, scales, bias, out, cfg)
+        return out.view(*x.shape[:-1], n)
     if bits == 4 and (group % cfg.block_k or k % group):
         raise ValueError(f"int4 tiles must sit inside a scale group: K {k}, group {group}, BLOCK_K {cfg.block_k}")
     if max(m * k, n * k, cfg.split_k * m * n) > _MAX_ELEMENTS:
@@ -136,3 +197,28 @@ def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = Non
             BITS=bits, HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
         )
     return out.view(*x.shape[:-1], n)
+
+
+def _gemv(kernels, x2d: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, out: Tensor,
+          cfg: GemvConfig) -> None:
+    """Launches the int8 GEMV (and its split-K reduction) writing out [M, N]."""
+    (m, k), n = x2d.shape, qweight.shape[0]
+    if max(m * k, n * k, cfg.split_k * m * n) > _MAX_ELEMENTS:
+        raise ValueError(f"weight-only matmul of [{m}, {k}] x [{n}, {k}] exceeds int32 offsets")
+    # Whole K steps per split; a split past K (only asked for by hand) writes zeros.
+    k_per_split = -(-(-(-k // cfg.block_k)) // cfg.split_k) * cfg.block_k
+    partial = cfg.split_k > 1
+    dst = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=out.device) if partial else out
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else scales  # never read when HAS_BIAS is False
+    kernels.weight_only_gemv_kernel[(-(-n // cfg.block_n), cfg.split_k)](
+        x2d, qweight, scales, bias_arg, dst,
+        n, k, k_per_split, x2d.stride(0), qweight.stride(0), dst.stride(-2),
+        ROWS=m, HAS_BIAS=has_bias, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial:
+        kernels.splitk_reduce_kernel[(m, -(-n // _REDUCE_BLOCK_N))](
+            dst, scales, bias_arg, out, m, n, out.stride(0),
+            BITS=8, HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
+        )

@@ -14,6 +14,13 @@ Weight formats (see target_svc/quantization.py):
 
 SPLIT_K > 1 splits the K loop over grid axis 1; each split writes its float32 partial sums to a workspace
 [SPLIT_K, M, N] and `splitk_reduce_kernel` adds them in a fixed order (deterministic, unlike atomics).
+
+`weight_only_gemv_kernel` is the int8 path for a few rows (decode, M <= 4): no tl.dot, whose 16-row minimum
+tile wastes most of its work on one row; each program widens its weight tile to float32 and reduces it against
+each row of x with tl.sum, so the weight is still read once per program. Its float32 sums are added in another
+order than the dot kernel's, so a decode step's rows round differently from the same rows inside a verify of a
+larger tree (both are within the tolerance of the dequantized reference; the lossless tests are float32 on the
+CPU, which runs the int8pack / dequant backends, not these kernels).
 """
 from __future__ import annotations
 
@@ -131,3 +138,85 @@ def splitk_reduce_kernel(
         acc += tl.load(ws_ptr + (p * M + m) * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
     y = _epilogue(acc, s_ptr, bias_ptr, offs_n, N, BITS, HAS_BIAS)
     tl.store(out_ptr + m * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@triton.jit
+def _gemv_row(acc, w, x_ptr, row, stride_xm, offs_k, K, EVEN_K: tl.constexpr):
+    """acc [BLOCK_N] + sum over K of w [BLOCK_N, BLOCK_K] (float32) times x[row, offs_k], in float32."""
+    if EVEN_K:
+        x = tl.load(x_ptr + row * stride_xm + offs_k)
+    else:
+        x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0)
+    return acc + tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
+def _gemv_store(acc, row, scale, bias, dst_ptr, offs_n, N, stride_dm, HAS_BIAS: tl.constexpr,
+                PARTIAL: tl.constexpr):
+    """Row `row` of the output: PARTIAL, the float32 sums as they are; else scaled, biased, cast to dst's dtype."""
+    ptrs = dst_ptr + row * stride_dm + offs_n
+    if PARTIAL:
+        tl.store(ptrs, acc, mask=offs_n < N)
+    else:
+        y = acc * scale
+        if HAS_BIAS:
+            y = y + bias
+        tl.store(ptrs, y.to(dst_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def weight_only_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, bias_ptr, dst_ptr,
+    N, K, k_per_split, stride_xm, stride_qn, stride_dm,
+    ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """int8 y[r, n-block] for the ROWS (1 to 4) rows of x over one K split (grid axis 1, k_per_split columns, a
+    multiple of BLOCK_K). PARTIAL: the float32 sums into the workspace dst [SPLIT_K, ROWS, N]; else the finished
+    output (row scale, bias, x's dtype) into dst [ROWS, N]."""
+    tl.static_assert(ROWS >= 1 and ROWS <= 4)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N load row N - 1 instead of being masked: the weight loads stay unmasked along N (their results
+    # are dropped by the masked stores).
+    rows_q = q_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_qn
+    k_begin = pid_k * k_per_split
+    k_stop = tl.minimum(K, k_begin + k_per_split)
+    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_begin, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            q = tl.load(rows_q + offs_k[None, :])
+        else:
+            q = tl.load(rows_q + offs_k[None, :], mask=offs_k[None, :] < K, other=0)
+        w = q.to(tl.float32)  # exact: the row scale commutes with the sum and comes in the epilogue
+        # One weight tile, every row of x: the unused accumulators are compiled away.
+        acc0 = _gemv_row(acc0, w, x_ptr, 0, stride_xm, offs_k, K, EVEN_K)
+        if ROWS > 1:
+            acc1 = _gemv_row(acc1, w, x_ptr, 1, stride_xm, offs_k, K, EVEN_K)
+        if ROWS > 2:
+            acc2 = _gemv_row(acc2, w, x_ptr, 2, stride_xm, offs_k, K, EVEN_K)
+        if ROWS > 3:
+            acc3 = _gemv_row(acc3, w, x_ptr, 3, stride_xm, offs_k, K, EVEN_K)
+
+    n_ok = offs_n < N
+    if PARTIAL:  # splitk_reduce_kernel scales and biases the sums
+        scale = acc0
+        bias = acc0
+    else:
+        scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)
+        bias = scale  # read only when HAS_BIAS
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)
+    dst_ptr = dst_ptr + pid_k * ROWS * stride_dm  # this split's [ROWS, N] slice (pid_k is 0 unless PARTIAL)
+    _gemv_store(acc0, 0, scale, bias, dst_ptr, offs_n, N, stride_dm, HAS_BIAS, PARTIAL)
+    if ROWS > 1:
+        _gemv_store(acc1, 1, scale, bias, dst_ptr, offs_n, N, stride_dm, HAS_BIAS, PARTIAL)
+    if ROWS > 2:
+        _gemv_store(acc2, 2, scale, bias, dst_ptr, offs_n, N, stride_dm, HAS_BIAS, PARTIAL)
+    if ROWS > 3:
+        _gemv_store(acc3, 3, scale, bias, dst_ptr, offs_n, N, stride_dm, HAS_BIAS, PARTIAL)

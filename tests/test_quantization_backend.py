@@ -170,6 +170,36 @@ def test_the_kernels_under_tritons_interpreter_equal_the_dequantized_reference_i
     _run_interpreted(INTERPRETED)
 
 
+INTERPRETED_GEMV = INTERPRETER_PATCH + """
+import itertools, torch
+from target_svc import int8_matmul as im
+from target_svc.quantization import quantize_per_channel
+torch.manual_seed(0)
+configs = [None, im.GemvConfig(16, 64, 1, 4, 1), im.GemvConfig(32, 128, 3, 4, 2), im.GemvConfig(16, 32, 8, 2, 2)]
+for (n, k), m, cfg, (bias, dtype) in itertools.product([(40, 1000), (33, 96), (70, 300)], range(1, 5), configs,
+                                                       [(False, torch.float16), (True, torch.bfloat16)]):
+    q = quantize_per_channel(torch.randn(n, k) * 0.05, dtype)
+    x = torch.randn(m, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    if cfg is None:  # the default path: the GEMV, split when the shape asks for it
+        assert isinstance(im.kernel_config(m, n, k), im.GemvConfig)
+    y = im.matmul(x, q.qweight, q.scales, b, 8, cfg)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert torch.equal(y, im.matmul(x, q.qweight, q.scales, b, 8, cfg))  # no atomics: the same bits every call
+    w = q.qweight.float() * q.scales.float()[:, None]
+    ref = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-2, (m, n, k, cfg, bias, dtype, err)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+def test_the_gemv_kernel_under_tritons_interpreter_equals_the_dequantized_reference():
+    """1 to 4 rows, K not a multiple of BLOCK_K, with and without bias, split K off, on, and past K; fp16, bf16."""
+    _run_interpreted(INTERPRETED_GEMV)
+
+
 def _run_interpreted(script: str) -> None:
     """script in a fresh process with TRITON_INTERPRET=1 (set before Triton is imported); it prints "ok"."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
