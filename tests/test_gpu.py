@@ -765,6 +765,36 @@ def test_cuda_triton_weight_only_matmul_replays_inside_a_captured_graph(bits):
 
 
 @needs_triton
+@pytest.mark.parametrize("n, k", [(4096, 4096), (24576, 4096), (4096, 12288), (4100, 1000)])
+def test_cuda_triton_int8_gemv_equals_the_reference_and_a_graph_replays_it_bit_for_bit(n, k):
+    """The few-row GEMV (default tiles: split K at 4096 rows, none at 24576; ragged N and K), 1 to 4 rows, with
+    and without bias: within the reference's tolerance, and an eager call, a second one and a captured replay all
+    give the same bits (split-K partials reduced in a fixed order, no atomics)."""
+    import torch.nn.functional as F
+
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc import int8_matmul
+    from target_svc.int8_matmul import GemvConfig
+
+    q = _quantized(n, k, 8)
+    w = q.dequantize(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    pool = torch.cuda.graph_pool_handle()
+    configs = [None, GemvConfig(16, 256, 1), GemvConfig(64, 1024, 2, 8)]
+    for m in range(1, 5):
+        assert isinstance(int8_matmul.kernel_config(m, n, k), GemvConfig)
+        for b in (None, bias):
+            for cfg in configs:
+                fn = lambda x, b=b, cfg=cfg: int8_matmul.matmul(x, q.qweight, q.scales, b, 8, cfg)  # noqa: E731
+                captured = CapturedFunction.capture(fn, [torch.randn(m, k, device="cuda", dtype=torch.bfloat16)],
+                                                    pool)
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                want = fn(x)
+                _assert_close_to_reference(want, F.linear(x, w, b), (m, b is not None, cfg))
+                assert torch.equal(fn(x), want) and torch.equal(captured(x), want), (m, b is not None, cfg)
+
+
+@needs_triton
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_cuda_quantized_target_runs_the_triton_kernels_and_greedy_is_the_same_graphed_and_eager(checkpoints,
                                                                                                 quantize):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from target_svc import int8_matmul
-from target_svc.int8_matmul import TileConfig, choose_config, supports
+from target_svc.int8_matmul import GemvConfig, TileConfig, choose_config, choose_gemv_config, supports
 from target_svc.quantization import (
     INT8_MATMUL_ENV,
     int4_linear,
@@ -118,6 +118,18 @@ def test_tiles_depend_on_the_row_bucket_not_on_each_row_count():
     """Padded graph buckets and eager calls of nearby sizes share compiled kernels."""
     assert len({choose_config(m, 4096, 4096) for m in range(1, 17)}) == 1
     assert len({choose_config(m, 24576, 4096) for m in range(33, 65)}) == 1
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_int8_with_at_most_four_rows_takes_the_gemv_with_valid_tiles(n, k):
+    for m in range(1, 70):
+        cfg = int8_matmul.kernel_config(m, n, k, 8)
+        assert isinstance(cfg, GemvConfig) == (m <= int8_matmul.GEMV_MAX_ROWS)
+        assert isinstance(int8_matmul.kernel_config(m, n, k, 4, 64), TileConfig)  # int4 keeps the dot kernel
+        if isinstance(cfg, GemvConfig):
+            assert cfg == choose_gemv_config(1, n, k)  # one tiling for every decode batch of a shape
+            assert all(_is_pow2(v) for v in (cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps))
+            assert 16 <= cfg.block_k <= max(16, 2 * k) and 1 <= cfg.split_k <= -(-k // cfg.block_k)
 
 
 def test_an_explicit_tile_config_is_a_frozen_value():
