@@ -8,12 +8,18 @@ output is from the dequantized reference F.linear(x, q * s) (max |diff| / max |r
 
     python -m bench.int8_kernel                       # Qwen3-8B shapes + the 27B MLP, M in 1, 8, 65, 520
     python -m bench.int8_kernel --ms 1,16,65,130,520 --bits 8
+    python -m bench.int8_kernel --gemv-sweep          # int8 GEMV (M <= 4): every tiling of the grid, M in 1, 4
+
+--gemv-sweep prints one line per (shape, M, tiling): ms per call (timed as above), the error against the
+reference, and the dot kernel's and the default GEMV tiles' times for comparison; then the best tiling of each
+(shape, M). It writes no files.
 
 Writes bench/results/int8-kernel-<hardware>.{md,json} (or --out-dir). Needs CUDA and Triton.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from collections.abc import Callable
@@ -43,11 +49,18 @@ L2_DEFEAT_BYTES = 256 * 2**20
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.int8_kernel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ms", default="1,8,65,520", help="rows of x (decode: batch; verify: batch x tree nodes)")
+    p.add_argument("--ms", default=None,
+                   help="rows of x (decode: batch; verify: batch x tree nodes); default 1,8,65,520 (sweep: 1,4)")
     p.add_argument("--bits", default="8,4", help="weight formats to time (8, 4 or both)")
     p.add_argument("--calls", type=int, default=20, help="back-to-back calls captured in one graph")
     p.add_argument("--replays", type=int, default=5, help="timed replays (median reported)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--gemv-sweep", action="store_true", help="time the int8 GEMV under every tiling of the grid")
+    p.add_argument("--block-n", default="16,32,64", help="GEMV sweep: output columns per program")
+    p.add_argument("--block-k", default="256,512,1024", help="GEMV sweep: K step")
+    p.add_argument("--splits", default="1,2,4,8", help="GEMV sweep: K splits (those past the K steps skipped)")
+    p.add_argument("--warps", default="4,8", help="GEMV sweep: warps per program")
+    p.add_argument("--stages", default="2", help="GEMV sweep: num_stages (e.g. 1,2,3)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -100,9 +113,9 @@ def measure_shape(n: int, k: int, ms: list[int], bits_list: list[int], args, dev
             ws = quant[bits]
             key = f"int{bits}"
             try:
-                cfg = int8_matmul.choose_config(m, n, k, bits, ws[0].group_size, torch.cuda.get_device_properties(
+                cfg = int8_matmul.kernel_config(m, n, k, bits, ws[0].group_size, torch.cuda.get_device_properties(
                     device).multi_processor_count)
-                row[f"{key}_config"] = cfg.__dict__
+                row[f"{key}_config"] = {"kernel": type(cfg).__name__, **cfg.__dict__}
                 ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
                 got = int8_matmul.matmul(x, ws[0].qweight, ws[0].scales, bits=bits).float()
                 row[f"{key}_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -116,6 +129,58 @@ def measure_shape(n: int, k: int, ms: list[int], bits_list: list[int], args, dev
     return rows
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def gemv_sweep(args, device: torch.device) -> None:
+    """One line per (shape, M, GEMV tiling): ms per call and error; then the best tiling of each (shape, M)."""
+    from target_svc.int8_matmul import GemvConfig
+
+    ms = _ints(args.ms or "1,4")
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    grid = list(itertools.product(_ints(args.block_n), _ints(args.block_k), _ints(args.splits), _ints(args.warps),
+                                  _ints(args.stages)))
+    print("shape | N | K | M | tiling (BLOCK_N, BLOCK_K, split, warps, stages) | ms/call | err", flush=True)
+    best = []
+    for name, n, k in SHAPES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        ws = [quantize_weight(torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02, 8)
+              for _ in range(copies_for(n * k))]
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+            ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
+            default = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms)
+            dot = int8_matmul.choose_config(m, n, k, 8, 0, num_sms)
+            cases = [("dot kernel", dot), ("default", default)]
+            cases += [("", GemvConfig(*t)) for t in grid if t[2] <= -(-k // t[1]) and m <= int8_matmul.GEMV_MAX_ROWS]
+            results = []
+            for label, cfg in cases:
+                tiling = (f"{label} " if label else "") + str(tuple(cfg.__dict__.values()))
+                try:
+                    err = _rel_err(int8_matmul.matmul(x, ws[0].qweight, ws[0].scales, None, 8, cfg), ref)
+                    t = graph_ms([lambda w=w: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg) for w in ws],
+                                 args.calls, args.replays)
+                    if not label:
+                        results.append((t, tiling, err))
+                    line = f"{t:.4f} | {err:.1e}"
+                except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit: the sweep goes on
+                    line = f"FAILED | {type(exc).__name__}: {str(exc)[:80]}"
+                    torch.cuda.synchronize()
+                print(f"{name} | {n} | {k} | {m} | {tiling} | {line}", flush=True)
+            if results:
+                best.append((name, n, k, m, *min(results)))
+        del ws
+        torch.cuda.empty_cache()
+    print("\nbest GEMV tiling per shape and M:")
+    for name, n, k, m, t, tiling, err in best:
+        print(f"{name} | {n} | {k} | {m} | {tiling} | {t:.4f} | {err:.1e}")
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "–" if v is None else format(v, spec)
 
@@ -126,7 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     if not int8_matmul.available(device):
         raise SystemExit(f"the Triton kernels cannot run on {device} (CUDA device of capability >= 8.0 and "
                          "the triton package needed)")
-    ms = [int(v) for v in args.ms.split(",")]
+    if args.gemv_sweep:
+        with torch.inference_mode():
+            gemv_sweep(args, device)
+        return
+    ms = _ints(args.ms or "1,8,65,520")
     bits_list = [int(v) for v in args.bits.split(",")]
     rows = []
     with torch.inference_mode():
