@@ -154,9 +154,9 @@ def gemv_sweep(args, device: torch.device) -> None:
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
             ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
-            default = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms)
+            default = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms, gemv=True)
             dot = int8_matmul.choose_config(m, n, k, 8, 0, num_sms)
-            cases = [("dot kernel", dot), ("default", default)]
+            cases = [("dot kernel", dot), ("default GEMV", default)]
             cases += [("", GemvConfig(*t)) for t in grid if t[2] <= -(-k // t[1]) and m <= int8_matmul.GEMV_MAX_ROWS]
             results = []
             for label, cfg in cases:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,7 @@ def choose_config(m: int, n: int, k: int, bits: int = 8, group: int = 0, num_sms
 
 # The GEMV path: int8 weights and at most this many rows (its kernel keeps one accumulator per row).
 GEMV_MAX_ROWS = 4
+GEMV_ENV = "DDTREE_INT8_GEMV"
 # Its defaults (to be confirmed by `python -m bench.int8_kernel --gemv-sweep` on the H200). At M <= 4 the call is a
 # read of the weight, N x K bytes, at ~4.8 TB/s, so the tiles aim at keeping enough bytes in flight:
 # - BLOCK_K 512: a warp's 32 lanes each load 16 contiguous int8 (one 16-byte vector), which covers 512 columns of
@@ -133,10 +135,19 @@ def choose_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig
     return GemvConfig(_GEMV_BLOCK_N, block_k, split, num_warps=4, num_stages=2)
 
 
+def gemv_enabled() -> bool:
+    """Whether int8 decode rows take the GEMV kernel: DDTREE_INT8_GEMV=on. Off by default until an H200 sweep has
+    timed it against the dot kernel (bench.int8_kernel --gemv-sweep); the dot kernel's figures are measured."""
+    return os.environ.get(GEMV_ENV, "off").strip().lower() == "on"
+
+
 def kernel_config(m: int, n: int, k: int, bits: int = 8, group: int = 0,
-                  num_sms: int = 132) -> TileConfig | GemvConfig:
-    """What matmul launches for this shape by default: the GEMV for int8 with few rows, else the dot kernel."""
-    if bits == 8 and m <= GEMV_MAX_ROWS:
+                  num_sms: int = 132, gemv: bool | None = None) -> TileConfig | GemvConfig:
+    """What matmul launches for this shape by default: the GEMV for int8 with few rows when enabled (gemv, or
+    gemv_enabled() when None), else the dot kernel."""
+    if gemv is None:
+        gemv = gemv_enabled()
+    if gemv and bits == 8 and m <= GEMV_MAX_ROWS:
         return choose_gemv_config(m, n, k, num_sms)
     return choose_config(m, n, k, bits, group, num_sms)
 

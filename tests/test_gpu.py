@@ -766,7 +766,7 @@ def test_cuda_triton_weight_only_matmul_replays_inside_a_captured_graph(bits):
 
 @needs_triton
 @pytest.mark.parametrize("n, k", [(4096, 4096), (24576, 4096), (4096, 12288), (4100, 1000)])
-def test_cuda_triton_int8_gemv_equals_the_reference_and_a_graph_replays_it_bit_for_bit(n, k):
+def test_cuda_triton_int8_gemv_equals_the_reference_and_a_graph_replays_it_bit_for_bit(n, k, monkeypatch):
     """The few-row GEMV (default tiles: split K at 4096 rows, none at 24576; ragged N and K), 1 to 4 rows, with
     and without bias: within the reference's tolerance, and an eager call, a second one and a captured replay all
     give the same bits (split-K partials reduced in a fixed order, no atomics)."""
@@ -781,6 +781,7 @@ def test_cuda_triton_int8_gemv_equals_the_reference_and_a_graph_replays_it_bit_f
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     pool = torch.cuda.graph_pool_handle()
     configs = [None, GemvConfig(16, 256, 1), GemvConfig(64, 1024, 2, 8)]
+    monkeypatch.setenv(int8_matmul.GEMV_ENV, "on")  # off by default until timed
     for m in range(1, 5):
         assert isinstance(int8_matmul.kernel_config(m, n, k), GemvConfig)
         for b in (None, bias):

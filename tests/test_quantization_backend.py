@@ -121,7 +121,9 @@ def test_tiles_depend_on_the_row_bucket_not_on_each_row_count():
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_int8_with_at_most_four_rows_takes_the_gemv_with_valid_tiles(n, k):
+def test_int8_with_at_most_four_rows_takes_the_gemv_with_valid_tiles(n, k, monkeypatch):
+    assert isinstance(int8_matmul.kernel_config(1, n, k, 8), TileConfig)  # off by default: not yet timed on a GPU
+    monkeypatch.setenv(int8_matmul.GEMV_ENV, "on")
     for m in range(1, 70):
         cfg = int8_matmul.kernel_config(m, n, k, 8)
         assert isinstance(cfg, GemvConfig) == (m <= int8_matmul.GEMV_MAX_ROWS)
@@ -193,7 +195,7 @@ for (n, k), m, cfg, (bias, dtype) in itertools.product([(40, 1000), (33, 96), (7
     q = quantize_per_channel(torch.randn(n, k) * 0.05, dtype)
     x = torch.randn(m, k).to(dtype)
     b = torch.randn(n).to(dtype) if bias else None
-    if cfg is None:  # the default path: the GEMV, split when the shape asks for it
+    if cfg is None:  # the default path with DDTREE_INT8_GEMV=on: the GEMV, split when the shape asks for it
         assert isinstance(im.kernel_config(m, n, k), im.GemvConfig)
     y = im.matmul(x, q.qweight, q.scales, b, 8, cfg)
     assert y.dtype == dtype and y.shape == (m, n)
@@ -209,13 +211,13 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
 def test_the_gemv_kernel_under_tritons_interpreter_equals_the_dequantized_reference():
     """1 to 4 rows, K not a multiple of BLOCK_K, with and without bias, split K off, on, and past K; fp16, bf16."""
-    _run_interpreted(INTERPRETED_GEMV)
+    _run_interpreted(INTERPRETED_GEMV, {"DDTREE_INT8_GEMV": "on"})
 
 
-def _run_interpreted(script: str) -> None:
+def _run_interpreted(script: str, extra_env: dict[str, str] | None = None) -> None:
     """script in a fresh process with TRITON_INTERPRET=1 (set before Triton is imported); it prints "ok"."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, **(extra_env or {})}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
                          cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
