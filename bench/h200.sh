@@ -9,6 +9,7 @@
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27)
 #   int8       bf16 / int8 / int4 step costs at the 8B shape (builds /tmp/w8 unless there), kernel microbench
+#   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     bench/results/h200.{md,json} from what the run produced
 #   fitbuild   the Qwen3.6-27B checkpoint with all 64 layers (builds /tmp/wfit: ~58 GB of a 64 GiB disk, so it
@@ -68,6 +69,9 @@ for s in $SECTIONS; do
       done
       timeout 200 python3 -m bench.int8_kernel --ms ${INT8_MS:-1,65} --out-dir "$R" > "$R/int8-kernel.log" 2>&1
       grep "^|" "$R/int8-kernel.log" | head -30 ;;
+    gemv)   # the int8 GEMV path's tilings against the dot kernel at 1 and 4 rows (decides DDTREE_INT8_GEMV's default)
+      timeout ${GEMV_SWEEP_S:-300} python3 -m bench.int8_kernel --gemv-sweep ${GEMV_ARGS:-} > "$R/int8-gemv-sweep.log" 2>&1
+      tail -20 "$R/int8-gemv-sweep.log" ;;
     fitbuild)   # the disk holds one big checkpoint: the 27B's ~54 GB of bf16 shards + its ~3.5 GB drafter
       rm -rf /tmp/w8 /tmp/w27
       df -h /tmp | tail -1
