@@ -31,12 +31,12 @@ for s in $SECTIONS; do
   echo "== $s $(date -u +%T)"
   case $s in
     tests)   # graphs == eager for the dense target and the drafter, the Triton weight-only kernels
-      timeout 200 python3 -m pytest -q tests/test_gpu.py -k "graph_steps or padded_batch or triton or memory_cap or to_host or runners_equal_transformers" \
+      timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "graph_steps or padded_batch or triton or memory_cap or to_host or runners_equal_transformers" \
         > "$R/gpu-tests.log" 2>&1
-      grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests.log" | head -20 ;;
+      grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests.log" | head -30 ;;
     testshyb)   # fla kernels and the fused tree WY kernel == the PyTorch reference, a hybrid runner with kernels on == off
-      timeout 300 python3 -m pytest -q tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward or hybrid_glue}" > "$R/gpu-tests-fla.log" 2>&1
-      grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-fla.log" | head -20 ;;
+      timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward or hybrid_glue}" > "$R/gpu-tests-fla.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-fla.log" | head -30 ;;
     treekernel)   # the fused tree WY core against the PyTorch one at 27B heads, every tiling of the sweep
       timeout ${TREE_BENCH_S:-300} python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
       grep "^|" "$R/gdn-tree-kernel.log" | head -60 ;;
@@ -50,7 +50,7 @@ for s in $SECTIONS; do
         --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
       grep -E "tok/s|CALIB|Error|error" "$R/speed-8b.log" | tail -14 ;;
     hybrid)
-      timeout 200 python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 --profile \
+      timeout ${HYB_STEP_S:-320} python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 --profile \
         --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
       grep "^|" "$R/step-cost-27b.log" | head -12
       timeout ${GDN_BENCH_S:-120} python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1

@@ -63,18 +63,17 @@ def supports(nodes: int, head_k_dim: int, head_v_dim: int) -> bool:
 def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132) -> TileConfig:
     """Tile sizes for batch_heads = B * Hv heads: a pure function of the shape.
 
-    From a sweep on an H200 at 27B heads (48 x 128; bench.gdn_tree_kernel --sweep, every call inside a CUDA
+    From sweeps on an H200 at 27B heads (48 x 128; bench.gdn_tree_kernel --sweep, every call inside a CUDA
     graph): 64 value columns per program and one pipeline stage won for every tree shape, even with fewer
-    programs than SMs (one 65-node tree: 0.113 ms against 0.165 ms with 32 columns and 2 stages); 8 warps won
-    while the programs are fewer than two per SM (one tree: 96 programs), 4 beyond (eight trees: 0.55 ms
-    against 0.70 ms). Those times are of the row-by-row inversion, which stays the choice until the block
-    doubling (6 dots instead of 15 dependent steps of two reductions at 16-node blocks; it spills less: 208
-    against 328 bytes under ptxas for sm_90 at 8 warps) has been timed on the GPU: both, and blocks of 32 nodes,
-    are in the --sweep grid."""
+    programs than SMs; 8 warps won while the programs are fewer than two per SM (one tree: 96 programs), 4 beyond
+    (eight trees); blocks of 16 nodes beat blocks of 32 (whose doubling spills); 32 ancestor columns per chunk
+    beat 64; and the block-doubling inversion beat the row-by-row one at every measured shape (one 65-node tree
+    of depth 16: 0.097 ms against 0.116; a 16-node chain 0.0145 against 0.0182; eight 65-node trees 0.507
+    against 0.550; bench/results/gdn-tree-kernel-h200-sweep.log)."""
     block_v = min(64, head_v_dim)
     programs = batch_heads * (head_v_dim // block_v)
     return TileConfig(block_t=16, block_c=32, block_v=block_v, num_warps=8 if programs < 2 * num_sms else 4,
-                      num_stages=1, invert="rows")
+                      num_stages=1, invert="blocks")
 
 
 def _num_sms(device: torch.device) -> int:

@@ -260,7 +260,7 @@ def test_supported_shapes_and_tiles():
     assert choose_config(48, 128, 132).block_v == 64 and choose_config(8 * 48, 128, 132).block_v == 64
     assert choose_config(2, 16, 132).block_v == 16 and choose_config(1, 64, 1).block_v == 64
     assert choose_config(48, 128, 132).num_warps == 8 and choose_config(8 * 48, 128, 132).num_warps == 4
-    assert choose_config(48, 128, 132).block_t == 16 and choose_config(48, 128, 132).invert == "rows"
+    assert choose_config(48, 128, 132).block_t == 16 and choose_config(48, 128, 132).invert == "blocks"
 
 
 def test_bad_inputs_are_refused_before_any_launch():

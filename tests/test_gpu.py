@@ -118,20 +118,52 @@ def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
 
 
-def _hybrid_model(target_dir, dtype: torch.dtype, compiled: bool):
-    """A fused hybrid TargetModel on cuda whose glue runs compiled (HybridKernels on CUDA) or as the plain functions."""
+def _hybrid_model(target_dir, dtype: torch.dtype, compiled: bool, device: str = "cuda"):
+    """A fused hybrid TargetModel whose glue runs compiled (HybridKernels through torch.compile) or plain."""
     from target_svc.hybrid_layers import HybridKernels
     from target_svc.loader import load_target
     from target_svc.model import TargetModel
 
-    model = TargetModel(load_target(str(target_dir), "cuda", dtype), 2, 128, 8, fused=True)
+    model = TargetModel(load_target(str(target_dir), device, dtype), 2, 128, 8, fused=True)
     assert model.hybrid is not None
-    if not compiled:
-        model.hybrid_kernels = HybridKernels.make(compiled=False)
-        for w in model.hybrid:
-            if w.gdn is not None:
-                w.gdn.glue.kernels = model.hybrid_kernels
+    model.hybrid_kernels = HybridKernels.make(compiled=compiled)
+    for w in model.hybrid:
+        if w.gdn is not None:
+            w.gdn.glue.kernels = model.hybrid_kernels
     return model
+
+
+def _hybrid_glue_run(model, device: str) -> dict[str, torch.Tensor]:
+    """Prefill chains, a tree (one-pass WY) with its commit, then a decode step: every output, in float32."""
+    ids = torch.randint(4, 300, (2, 20), generator=torch.Generator().manual_seed(1)).to(device)
+    parents = (torch.arange(20, device=device) - 1).expand(2, 20).contiguous()
+    valid = torch.arange(20, device=device)[None, :] < torch.tensor([[20], [13]], device=device)
+    slots, ctx = torch.tensor([0, 1], device=device), torch.zeros(2, dtype=torch.long, device=device)
+    out = {}
+    out["prefill logits"], out["prefill features"] = model.forward_block(ids, parents, valid, ctx, slots,
+                                                                        feature_layers=(0, 2), chain=True)
+    ctx = torch.tensor([20, 13], device=device)
+    tree = torch.tensor([[-1, 0, 0, 1, 2, 3, 3]] * 2, device=device)
+    tree_ids = torch.randint(4, 300, (2, 7), generator=torch.Generator().manual_seed(2)).to(device)
+    out["tree logits"], _ = model.forward_block(tree_ids, tree, torch.ones(2, 7, dtype=torch.bool, device=device),
+                                                ctx, slots, key_len=27)
+    path, path_len = torch.tensor([[0, 1, 3], [0, 2, 4]], device=device), torch.tensor([3, 2], device=device)
+    model.commit_block(path, path_len, slots, ctx)
+    for i, state in enumerate(model.cache.linear):
+        out[f"committed recurrent state {i}"] = state.rec
+    ctx = ctx + path_len
+    step = torch.full((2, 1), -1, device=device)
+    out["decode-step logits"], _ = model.forward_block(tree_ids[:, :1], step,
+                                                       torch.ones(2, 1, dtype=torch.bool, device=device), ctx,
+                                                       slots, key_len=int(ctx.max()) + 1)
+    # rows of the shorter prompt past its end are padding: their values are not outputs
+    out["prefill logits"], out["prefill features"] = (t * valid[..., None] for t in (out["prefill logits"],
+                                                                                      out["prefill features"]))
+    return {k: v.float() for k, v in out.items()}
+
+
+def _mean_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got - want).abs().mean().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -143,46 +175,27 @@ def test_cuda_compiled_hybrid_glue_equals_the_plain_functions(checkpoints, dtype
     from target_svc.dense_layers import _CompiledOrPlain
 
     target_dir, _ = checkpoints("qwen3_5")
-    plain, compiled = (_hybrid_model(target_dir, dtype, c) for c in (False, True))
-    # Stated tolerances: float32: 1e-4 of the largest logit (Triton's reductions sum in another order than
-    # ATen's); bfloat16: 2 % (a reduction order flips a bf16 rounding now and then, and 4 layers carry it on).
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-
-    def same(got, want, what):
-        scale = want.abs().max().item()
-        assert (got.float() - want.float()).abs().max().item() <= tol * scale, what
-        if got.dim() == 3:
-            agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-            assert agree >= (1.0 if dtype == torch.float32 else 0.95), what
-
-    def both(*args, **kw):
-        return [m.forward_block(*args, **kw) for m in (plain, compiled)]
-
-    dev = "cuda"
-    ids = torch.randint(4, 300, (2, 20), generator=torch.Generator().manual_seed(1)).to(dev)
-    parents = (torch.arange(20, device=dev) - 1).expand(2, 20).contiguous()
-    valid = torch.arange(20, device=dev)[None, :] < torch.tensor([[20], [13]], device=dev)
-    slots, ctx = torch.tensor([0, 1], device=dev), torch.zeros(2, dtype=torch.long, device=dev)
-    (want, want_f), (got, got_f) = both(ids, parents, valid, ctx, slots, feature_layers=(0, 2), chain=True)
-    same(got, want, "prefill logits")
-    same(got_f, want_f, "prefill features")
-    ctx = torch.tensor([20, 13], device=dev)
-    tree = torch.tensor([[-1, 0, 0, 1, 2, 3, 3]] * 2, device=dev)
-    tree_ids = torch.randint(4, 300, (2, 7), generator=torch.Generator().manual_seed(2)).to(dev)
-    tree_valid = torch.ones(2, 7, dtype=torch.bool, device=dev)
-    (want, _), (got, _) = both(tree_ids, tree, tree_valid, ctx, slots, key_len=27)
-    same(got, want, "tree logits")
-    path, path_len = torch.tensor([[0, 1, 3], [0, 2, 4]], device=dev), torch.tensor([3, 2], device=dev)
-    for m in (plain, compiled):
-        m.commit_block(path, path_len, slots, ctx)
-    for mine, ref in zip(compiled.cache.linear, plain.cache.linear):
-        same(mine.rec, ref.rec, "committed recurrent state")
-    ctx = ctx + path_len
-    step = torch.full((2, 1), -1, device=dev)
-    (want, _), (got, _) = both(tree_ids[:, :1], step, torch.ones(2, 1, dtype=torch.bool, device=dev), ctx, slots,
-                               key_len=int(ctx.max()) + 1)
-    same(got, want, "decode-step logits")
-    kernels = compiled.hybrid_kernels
+    compiled_model = _hybrid_model(target_dir, dtype, compiled=True)
+    plain = _hybrid_glue_run(_hybrid_model(target_dir, dtype, compiled=False), "cuda")
+    compiled = _hybrid_glue_run(compiled_model, "cuda")
+    if dtype == torch.float32:
+        # Stated tolerance: 1e-4 of the largest value (Triton's reductions sum in another order than ATen's).
+        for what, want in plain.items():
+            assert (compiled[what] - want).abs().max().item() <= 1e-4 * want.abs().max().item(), what
+            if what.endswith("logits"):
+                assert torch.equal(compiled[what].argmax(-1), want.argmax(-1)), what
+    else:
+        # bf16: a fused kernel keeps some intermediates in float32 where eager rounds them, and a tiny random model
+        # amplifies each flipped rounding layer by layer, so bf16 is judged against float32: the compiled glue must
+        # be as close to the float32 forward as the plain bf16 functions are (mean |error| within 1.25x of
+        # theirs, stated tolerance) and pick the same greedy tokens as float32 as often, within 5 points.
+        ref = _hybrid_glue_run(_hybrid_model(target_dir, torch.float32, compiled=False), "cuda")
+        for what, want in ref.items():
+            assert _mean_error(compiled[what], want) <= 1.25 * _mean_error(plain[what], want) + 1e-6, what
+            if what.endswith("logits"):
+                agree = [(out[what].argmax(-1) == want.argmax(-1)).float().mean().item() for out in (plain, compiled)]
+                assert agree[1] >= agree[0] - 0.05, what
+    kernels = compiled_model.hybrid_kernels
     fell_back = [n for n in kernels.__dataclass_fields__ if getattr(kernels, n).fn is getattr(kernels, n).plain]
     assert all(isinstance(getattr(kernels, n), _CompiledOrPlain) for n in kernels.__dataclass_fields__)
     assert not fell_back, f"torch.compile failed for {fell_back}"
