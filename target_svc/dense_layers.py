@@ -8,6 +8,8 @@ where HF rounds: `emulate_precision_casts`); on the CPU they run as they are.
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +81,15 @@ def compile_all(fns: tuple[Callable, ...], compiled: bool) -> tuple[Callable, ..
     # Round where the eager code rounds (bf16 casts), so compiled and eager agree to the last bit or two.
     torch._inductor.config.emulate_precision_casts = True
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return tuple(_CompiledOrPlain(f) for f in fns)
+    return tuple(_compiled(f) for f in fns)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> "_CompiledOrPlain":
+    # One wrapper per function and process: dynamo keeps its compiled code on the function's code object, so a
+    # fresh torch.compile per model would re-trace it (seconds each) and pile up cache entries toward
+    # cache_size_limit; the functions are pure, so every model of the process can share one.
+    return _CompiledOrPlain(fn)
 
 
 class _CompiledOrPlain:

@@ -57,3 +57,16 @@ def test_fused_forward_equals_the_module_forward(tmp_path, maker):
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-4, rtol=0)  # logits
     torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-4, rtol=0)  # features
     torch.testing.assert_close(models[1].cache.k, models[0].cache.k, atol=1e-5, rtol=0)
+
+
+def test_compiled_kernels_are_made_once_per_process_and_shared_by_every_model():
+    """A second model reuses the first one's torch.compile wrappers (no re-trace); plain kernels stay the functions."""
+    from target_svc.dense_layers import DenseKernels
+    from target_svc.hybrid_layers import HybridKernels
+
+    for kind in (DenseKernels, HybridKernels):
+        first, second = kind.make(compiled=True), kind.make(compiled=True)
+        for name in kind.__dataclass_fields__:
+            assert getattr(first, name) is getattr(second, name), name
+            assert getattr(first, name).plain is getattr(kind.make(compiled=False), name), name
+    assert DenseKernels.make(compiled=True).rms_norm is not HybridKernels.make(compiled=True).rms_norm
