@@ -118,6 +118,53 @@ def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphed_chain_prefill_equals_the_eager_forwards(checkpoints, kind, dtype, monkeypatch):
+    """Prompts prefilled as fully accepted chains through the captured verify graphs (the default on CUDA for up to
+    PREFILL_VERIFY_CHUNKS chunks) against forward_block prefill: features and linear-attention states within 2e-4
+    (float32) or 2 % (bfloat16: other GEMM tilings) of their largest magnitude; in float32 the same first tokens
+    and, decoding on, transformers' greedy tokens."""
+    from target_svc.runner import PREFILL_VERIFY_CHUNKS
+
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")   # fla's chunked prefill kernel: IEEE float32 products
+
+    target, _ = checkpoints(kind)
+    prompts = prompts_for(target, [5, 40, 70, 130], seed=12)   # 1 to 3 chains of 65
+    assert max(len(p) for p in prompts) <= PREFILL_VERIFY_CHUNKS * 65
+
+    def run(chains: bool):
+        runner = TargetRunner(TargetConfig(model_dir=str(target), device="cuda", dtype=dtype, max_batch=4,
+                                           max_seq_len=256, max_tree_nodes=65,
+                                           prefill_verify_chunks=None if chains else 0))
+        assert runner.graphs is not None
+        runner.set_feature_layers([0, 1])
+        outs = runner.prefill([PrefillItem(f"s{i}", p, SamplingParams(), True) for i, p in enumerate(prompts)])
+        return runner, outs
+
+    (graphed, got), (eager, want) = run(True), run(False)
+    assert graphed.graphs.forwards.graphs and not eager.graphs.forwards.graphs
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return (a.float() - b.float()).abs().max().item() <= tol * b.float().abs().max().item()
+
+    for a, b in zip(got, want):
+        assert a.context_len == b.context_len and close(a.features, b.features)
+        if dtype == torch.float32:
+            assert a.next_token == b.next_token
+    for mine, ref in zip(graphed.model.cache.linear, eager.model.cache.linear):
+        assert close(mine.rec[:4], ref.rec[:4]) and close(mine.conv[:4], ref.conv[:4])
+    # and decoding goes on from the graphed prefill as transformers' greedy does (float32)
+    if dtype == torch.float32:
+        prompt, out = prompts[2], got[2]
+        tokens = [out.next_token]
+        while len(tokens) < 12:
+            (r,) = graphed.verify([VerifyItem("s2", torch.tensor([tokens[-1]]), torch.tensor([-1]))])
+            tokens.append(r.next_token)
+        assert tokens == hf_greedy_on("cuda", target, prompt, 12)
+
+
 def _hybrid_model(target_dir, dtype: torch.dtype, compiled: bool, device: str = "cuda"):
     """A fused hybrid TargetModel whose glue runs compiled (HybridKernels through torch.compile) or plain."""
     from target_svc.hybrid_layers import HybridKernels
@@ -523,7 +570,7 @@ def test_cuda_hybrid_runner_greedy_with_fla_kernels_equals_kernels_off(monkeypat
         else:
             monkeypatch.setenv(ENV_VAR, "off")
         runner = TargetRunner(TargetConfig(model_dir=str(model_dir), device="cuda", dtype=torch.float32, max_batch=2,
-                                           max_seq_len=256, max_tree_nodes=17))
+                                           max_seq_len=256, max_tree_nodes=17, prefill_verify_chunks=0))
         assert runner.model.gdn_kernels_on is kernels
         tokens = [[runner.prefill([PrefillItem(f"s{i}", p, SamplingParams())])[0].next_token]
                   for i, p in enumerate(prompts)]

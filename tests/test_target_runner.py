@@ -148,12 +148,20 @@ def test_batched_random_tree_verify_equals_hf_greedy_and_plain_decoding(arch, tr
         torch.testing.assert_close(torch.cat(features[sid]), torch.cat(plain_features), atol=1e-4, rtol=0)
 
 
+CHUNKINGS = {
+    "forwards of 4": {"prefill_chunk": 4},
+    "forwards of 7": {"prefill_chunk": 7},
+    # chains of 8 tokens through the verify functions, each fully accepted (the graphed prefill on CUDA)
+    "verified chains of 8": {"prefill_verify_chunks": 4, "max_tree_nodes": 8},
+}
+
+
 @pytest.mark.parametrize("arch", sorted(MAKERS))
-@pytest.mark.parametrize("chunk", [4, 7])
-def test_chunked_prefill_equals_one_forward_over_the_whole_prompts(arch, chunk, checkpoints, references):
+@pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
+def test_chunked_prefill_equals_one_forward_over_the_whole_prompts(arch, chunking, checkpoints, references):
     prompts = {f"s{i}": _prompt(n, seed=40 + i) for i, n in enumerate((3, 7, 18, 29))}
     items = [PrefillItem(sid, p, SamplingParams(), want_features=True) for sid, p in prompts.items()]
-    whole, chunked = _runner(checkpoints[arch], prefill_chunk=0), _runner(checkpoints[arch], prefill_chunk=chunk)
+    whole, chunked = _runner(checkpoints[arch], prefill_chunk=0), _runner(checkpoints[arch], **CHUNKINGS[chunking])
     for r in (whole, chunked):
         r.set_feature_layers([1, 0])
     firsts = {}
@@ -175,10 +183,11 @@ def test_chunked_prefill_equals_one_forward_over_the_whole_prompts(arch, chunk, 
 
 
 @pytest.mark.parametrize("arch", sorted(MAKERS))
-def test_a_prompt_prefilled_over_several_calls_equals_one_call(arch, checkpoints, references):
+@pytest.mark.parametrize("chunking", ["one forward", "verified chains of 8"])
+def test_a_prompt_prefilled_over_several_calls_equals_one_call(arch, chunking, checkpoints, references):
     """Chunks sent in separate calls (start/more), batched with other sequences' chunks, give the same state."""
     long_prompt, short_prompt = _prompt(23, seed=50), _prompt(6, seed=51)
-    runner = _runner(checkpoints[arch])
+    runner = _runner(checkpoints[arch], **CHUNKINGS.get(chunking, {}))
     runner.set_feature_layers([0])
     sp = SamplingParams()
     a = runner.prefill([PrefillItem("long", long_prompt[:10], sp, True, more=True)])
@@ -199,6 +208,23 @@ def test_a_prompt_prefilled_over_several_calls_equals_one_call(arch, checkpoints
     while len(tokens) < 8:
         tokens.append(runner.verify([_root_only("long", tokens[-1])])[0].next_token)
     assert tokens == _hf_greedy(references[arch], long_prompt, 8)
+
+
+def test_prompts_longer_than_the_verified_chains_allow_are_prefilled_by_forwards(checkpoints, monkeypatch):
+    """prefill_verify_chunks bounds the chain route: 2 chains of 8 take a 16-token prompt, not a 17-token one."""
+    runner = _runner(checkpoints["qwen3"], prefill_verify_chunks=2, max_tree_nodes=8)
+    routes = []
+    for route in ("_prefill_as_chains", "_prefill_forwards"):
+        original = getattr(runner, route)
+        monkeypatch.setattr(runner, route, lambda *a, _f=original, _r=route: routes.append(_r) or _f(*a))
+    runner.prefill([PrefillItem("a", _prompt(16, seed=3), SamplingParams())])
+    runner.prefill([PrefillItem("b", _prompt(17, seed=4), SamplingParams())])
+    assert routes == ["_prefill_as_chains", "_prefill_forwards"]
+    # without graphs (this CPU runner) the default takes no chains at all
+    assert _runner(checkpoints["qwen3"]).cfg.prefill_verify_chunks is None
+    default = _runner(checkpoints["qwen3"])
+    monkeypatch.setattr(default, "_prefill_as_chains", lambda *a: pytest.fail("chains without graphs"))
+    default.prefill([PrefillItem("c", _prompt(5, seed=5), SamplingParams())])
 
 
 def test_a_chunk_that_does_not_continue_its_sequence_is_refused(checkpoints):
