@@ -66,6 +66,7 @@ class CalibrationProfile:
         self._cdf = [_cumsum(p) for p in self.rank_probs]
         self._cdf_hit = [_cumsum(p) for p in self.rank_probs_after_hit] if self.conditional else None
         self._cdf_miss = [_cumsum(p) for p in self.rank_probs_after_miss] if self.conditional else None
+        self._logprob_tables: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def conditional(self) -> bool:
@@ -119,6 +120,14 @@ class CalibrationProfile:
         tail = row[-min(9, len(row)):]
         step = max(1e-3, (tail[0] - tail[-1]) / max(1, len(tail) - 1))
         return list(row) + [max(-1000.0, row[-1] - step * (i + 1)) for i in range(k - len(row))]
+
+    def logprob_table(self, depth: int, k: int) -> torch.Tensor:
+        """float32 [depth, k]: logprobs_for(d, k) for d < depth, made once per shape (a rewrite per draft reads it)."""
+        table = self._logprob_tables.get((depth, k))
+        if table is None:
+            table = torch.tensor([self.logprobs_for(d, k) for d in range(depth)], dtype=torch.float32)
+            self._logprob_tables[(depth, k)] = table
+        return table
 
     def rescaled_to_chain_tau(self, tau: float, tol: float = 1e-6) -> CalibrationProfile:
         """A profile whose chain tau is `tau`: P_d(rank 0) odds times one factor for every depth (bisection), the
@@ -264,6 +273,7 @@ def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int],
     rows = ids[:n].tolist()
     # One draw per depth, against the profile's own K: the same draws whatever K the gateway asked for.
     ranks = profile.sample_ranks(n, rng)
+    new_rows = []
     for d in range(n):
         true, rank = int(future_tokens[d]), ranks[d]
         others = [t for t in rows[d] if t != true]
@@ -280,8 +290,10 @@ def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int],
                     filler += 1
                 new.append(filler)
                 used.add(filler)
-        out_ids[d] = torch.tensor(new, dtype=ids.dtype)
-        out_lp[d] = torch.tensor(profile.logprobs_for(d, k), dtype=logprobs.dtype)
+        new_rows.append(new)
+    # One tensor per draft, not two per depth: this runs for every sequence of every step, on the gateway's loop.
+    out_ids[:n] = torch.tensor(new_rows, dtype=ids.dtype)
+    out_lp[:n] = profile.logprob_table(n, k).to(logprobs.dtype)
     return out_lp, out_ids
 
 
