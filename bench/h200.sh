@@ -41,7 +41,7 @@ for s in $SECTIONS; do
       timeout ${TREE_BENCH_S:-300} python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
       grep "^|" "$R/gdn-tree-kernel.log" | head -60 ;;
     8b)
-      timeout 170 python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --work-dir /tmp/w8 \
+      timeout 240 python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --profile --work-dir /tmp/w8 \
         --out-dir "$R" > "$R/step-cost-8b.log" 2>&1
       grep "^|" "$R/step-cost-8b.log" | head -14 ;;
     speed8b)

@@ -200,23 +200,29 @@ def forward_costs(runner: TargetRunner, ids: list[str], nodes: int, gen: torch.G
 
 def profile_forward(runner: TargetRunner, ids: list[str], nodes: int, gen: torch.Generator, device: torch.device,
                     top: int = 25) -> dict:
-    """The kernels of one eager forward (device time per kernel name, summed, with call counts): where a step's
-    device time goes. Eager, so every kernel is attributed; a graph replays the same kernels minus launch gaps."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """The kernels of one eager verify forward (see kernel_profile)."""
     model, scratch = runner.model, runner.model.cache.spec.scratch_slot
     trees = [random_tree(nodes, runner.seqs[s].pending_token, runner.vocab_size, gen) for s in ids]
     ctx = [model.cache.ctx_len[runner.seqs[s].slot] for s in ids]
     key_len = max(ctx) + nodes
     packed = VerifyBatch.pack(trees, ctx, [runner.seqs[s].slot for s in ids], VerifyShape(len(ids), nodes, key_len),
                               scratch).packed.to(device)
-    verify_forward(model, packed, nodes, key_len, runner.feature_layers)
+    out = kernel_profile(lambda: verify_forward(model, packed, nodes, key_len, runner.feature_layers), device, top)
+    model.pending_traces = None
+    return out
+
+
+def kernel_profile(fn, device: torch.device, top: int = 25) -> dict:
+    """The kernels of one eager call of fn (device time per kernel name, summed, with call counts): where a step's
+    device time goes. Eager, so every kernel is attributed; a graph replays the same kernels minus launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()   # lazy inits and autotuning outside the profile
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        verify_forward(model, packed, nodes, key_len, runner.feature_layers)
+        fn()
         sync(device)
-    model.pending_traces = None
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
         if device.type == "cuda" and ev.device_type.name != "CUDA":
@@ -232,8 +238,9 @@ def profile_forward(runner: TargetRunner, ids: list[str], nodes: int, gen: torch
 
 
 def drafter_costs(drafter: DrafterRunner, batches: list[int], context: int, steps: int,
-                  device: torch.device) -> list[dict]:
-    """Draft-call times per batch: tree mode (top-64) and chain mode (top-1), eager and graphed."""
+                  device: torch.device, profiles: list[dict] | None = None) -> list[dict]:
+    """Draft-call times per batch: tree mode (top-64) and chain mode (top-1), eager and graphed; with profiles
+    given, the kernels of one eager tree-mode draft at the first batch size are appended to it."""
     rows = []
     graphs = drafter.graphs
     for batch in batches:
@@ -251,6 +258,14 @@ def drafter_costs(drafter: DrafterRunner, batches: list[int], context: int, step
             drafter.graphs = graphs
             rows.append(row)
             print(row, flush=True)
+            if profiles is not None and batch == batches[0] and mode == "tree":
+                drafter.graphs = None
+                try:
+                    profiles.append({"batch": batch, "drafter": f"draft, depth 15, top-{top_k}",
+                                     **kernel_profile(lambda: drafter.draft(items, top_k, 15), device)})
+                except Exception as exc:  # noqa: BLE001 - a profiler failure must not cost the timings
+                    print(f"drafter profile failed: {type(exc).__name__}: {exc}", flush=True)
+                drafter.graphs = graphs
         for s in ids:
             drafter.release(s)
     return rows
@@ -294,12 +309,16 @@ def main(argv=None) -> None:
     weights = tensor_bytes(runner.target.layers)
     weights += runner.target.lm_head.weight.numel() * runner.target.lm_head.weight.element_size()
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    # The drafter's block forward reads its own layers and the target's LM head (its embedding rows are gathered).
+    drafter_weights = tensor_bytes(drafter.model) + drafter.lm_head_weight.numel() * drafter.lm_head_weight.element_size()
     floors = {"weight_bytes": weights, "copy_bandwidth_gb_s": bandwidth / 1e9,
-              "weight_read_floor_ms": weights / bandwidth * 1e3, "gemv_floor_ms": gemv_floor_ms(runner, device)}
+              "weight_read_floor_ms": weights / bandwidth * 1e3, "gemv_floor_ms": gemv_floor_ms(runner, device),
+              "drafter_weight_bytes": drafter_weights,
+              "drafter_weight_read_floor_ms": drafter_weights / bandwidth * 1e3}
     print(floors, flush=True)
     profiles: list[dict] | None = [] if args.profile else None
     target_rows, agreement = target_costs(runner, batches, nodes_list, args.context, args.steps, device, profiles)
-    drafter_rows = drafter_costs(drafter, batches, args.context, args.steps, device)
+    drafter_rows = drafter_costs(drafter, batches, args.context, args.steps, device, profiles)
     hw = common.hardware(args.device, args.dtype, None)
     data = {"command": common.command_line("bench.step_cost"), "date": common.now_utc(), "hardware": hw,
             "shape": args.shape, "quantize": args.quantize, "layers": runner.num_layers, "context": args.context,
@@ -315,7 +334,8 @@ def main(argv=None) -> None:
           f"Random weights at the real shape; every sequence holds a {args.context}-token prompt.", "",
           f"Floors: weights {weights / 1e9:.2f} GB, copy bandwidth {floors['copy_bandwidth_gb_s']:.0f} GB/s -> "
           f"weight-read floor {floors['weight_read_floor_ms']:.2f} ms; one-token GEMV over every matrix "
-          f"(captured) {floors['gemv_floor_ms']:.2f} ms.", "",
+          f"(captured) {floors['gemv_floor_ms']:.2f} ms. Drafter: its layers and the target's LM head, "
+          f"{drafter_weights / 1e9:.2f} GB -> {floors['drafter_weight_read_floor_ms']:.2f} ms.", "",
           "## Target: one `TargetRunner.verify` call (host work included) and the forward alone (ms, median)", "",
           common.md_table(["batch", "nodes", "verify eager", "verify graph", "forward eager", "forward graph"],
                           [[r["batch"], r["nodes"], r.get("verify_eager_ms"), r.get("verify_graph_ms"),
@@ -329,7 +349,8 @@ def main(argv=None) -> None:
                           [[a["batch"], a["nodes"], a["max_abs_logit_diff_over_max_logit"], a["greedy_agreement"]]
                            for a in agreement])]
     for prof in profiles or []:
-        md += ["", f"## Kernels of one eager forward, batch {prof['batch']}, {prof['nodes']} nodes: "
+        what = f"{prof['nodes']} nodes" if "nodes" in prof else f"the drafter's {prof['drafter']}"
+        md += ["", f"## Kernels of one eager forward, batch {prof['batch']}, {what}: "
                    f"{prof['kernel_launches']} kernels, {prof['kernel_ms_total']} ms of device time", "",
                common.md_table(["kernel", "ms", "calls"], [[k["kernel"], k["ms"], k["calls"]] for k in prof["top"]])]
     stem = f"step-cost-{args.shape}-{common.hardware_tag(hw)}"
