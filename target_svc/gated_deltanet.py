@@ -414,6 +414,9 @@ class GdnTreeTrace:
     value: Tensor  # [B, T, Hv, Dv] fp32
     g: Tensor  # [B, T, Hv] fp32
     beta: Tensor  # [B, T, Hv] fp32
+    # One-node blocks (decode steps): the recurrence's state after the node, which the forward computes anyway and
+    # the commit then takes as it is instead of replaying the node (every real row accepts its root).
+    final_state: Tensor | None = None  # [B, Hv, Dk, Dv] fp32
 
 
 @dataclass
@@ -593,10 +596,10 @@ def gdn_step_forward_lean(
                            module.conv1d.bias, (dims.num_k_heads, dims.head_k_dim), (dims.num_v_heads, dims.head_v_dim))
     q, k, v, k_in, g_in, beta_in, node_conv = step
     delta_rule = gdn_kernels.recurrent_delta_rule if kernels else stepwise_delta_rule
-    core, _ = delta_rule(q, k_in, v, g_in, beta_in, rec_state.float())
+    core, final_state = delta_rule(q, k_in, v, g_in, beta_in, rec_state.float())
     out = _output(module, core, p.z, dims)
     out = out * valid.unsqueeze(-1).to(out.dtype)
-    return out, GdnTreeTrace(node_conv=node_conv, key=k, value=v, g=p.g, beta=p.beta)
+    return out, GdnTreeTrace(node_conv=node_conv, key=k, value=v, g=p.g, beta=p.beta, final_state=final_state)
 
 
 def step_inputs(qkv_in: Tensor, conv_state: Tensor, valid: Tensor, g: Tensor, beta: Tensor, weight: Tensor,
@@ -625,8 +628,8 @@ def gdn_commit_path(
     """States after the accepted nodes path[b, :path_len[b]] (root first), replayed from the committed states.
 
     Uses the same update as the tree pass, so it reproduces gdn_tree_forward's node states; rows with
-    path_len 0 keep their committed state. kernels: the replay through fla's recurrent kernel, the one that
-    gdn_step_forward_lean(kernels=True) ran, so a decode step commits the very state its output was read from.
+    path_len 0 keep their committed state. A decode step's trace carries the state its forward computed, which is
+    taken as it is (the very state its output was read from). kernels: the replay through fla's recurrent kernel.
     """
     bsz, t = trace.g.shape[:2]
     dev = trace.g.device
@@ -634,7 +637,9 @@ def gdn_commit_path(
     path_len = path_len.to(device=dev, dtype=torch.long)
     rep = trace.value.shape[-2] // trace.key.shape[-2]
     rows = torch.arange(bsz, device=dev)
-    if kernels:
+    if trace.final_state is not None:   # a one-node block: its state was computed by the forward
+        state = torch.where((path_len > 0)[:, None, None, None], trace.final_state, rec_state.float())
+    elif kernels:
         state = _replay_path_kernel(trace, path, path_len, rec_state.float())
     else:
         state = rec_state.float()

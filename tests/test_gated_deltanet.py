@@ -15,6 +15,7 @@ from target_svc.gated_deltanet import (
     gdn_chain_forward,
     gdn_commit_path,
     gdn_step,
+    gdn_step_forward_lean,
     gdn_tree_forward,
     gdn_tree_forward_lean,
 )
@@ -232,6 +233,28 @@ def test_single_node_tree_is_a_decode_step(layer):
     torch.testing.assert_close(out[:, 0], ref_out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(node_conv[:, 0], ref_conv, atol=0, rtol=0)
     torch.testing.assert_close(node_rec[:, 0], ref_rec, atol=1e-6, rtol=1e-6)
+
+
+@torch.no_grad()
+def test_a_decode_step_commits_the_state_its_forward_computed(layer):
+    """A one-node block's trace carries the recurrence's state after the node; the commit takes it (no replay) and
+    it equals a replay of the node and the reference step; a padded row and a row that accepts nothing keep their
+    committed state."""
+    gen = torch.Generator().manual_seed(8)
+    conv0, rec0 = _committed_states(layer, 3, 5, gen)
+    x = torch.randn(3, 1, HIDDEN, generator=gen)
+    valid = torch.tensor([[True], [True], [False]])
+    _, trace = gdn_step_forward_lean(layer, x, valid, conv0, rec0)
+    assert trace.final_state is not None
+    path, path_len = torch.zeros(3, 1, dtype=torch.long), torch.tensor([1, 0, 1])
+    conv, rec = gdn_commit_path(trace, path, path_len, conv0, rec0)
+    replay_conv, replay_rec = gdn_commit_path(GdnTreeTrace(trace.node_conv, trace.key, trace.value, trace.g,
+                                                           trace.beta), path, path_len, conv0, rec0)
+    torch.testing.assert_close(rec[:2], replay_rec[:2], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(conv, replay_conv, atol=0, rtol=0)
+    _, ref_conv, ref_rec = gdn_step(layer, x[:1, 0], conv0[:1], rec0[:1])
+    torch.testing.assert_close(rec[:1], ref_rec, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rec[1:], rec0[1:], atol=0, rtol=0)   # accepted nothing; padded (identity update)
 
 
 @torch.no_grad()
