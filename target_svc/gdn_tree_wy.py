@@ -156,19 +156,38 @@ def gdn_tree_forward_wy(
     return out, GdnTreeWYTrace(node_conv=node_conv, key=kh, u=u, cum_g=cum, anc=anc)
 
 
+@dataclass
+class AcceptedPath:
+    """The part of a commit that depends on the tree and the accepted path only: computed once per commit and
+    shared by every GDN layer (their traces share the forward's ancestor mask)."""
+
+    last: Tensor     # [B] the last accepted node (0 where none)
+    on_path: Tensor  # [B, T] fp32: ancestors-or-self of the last accepted node
+    keep: Tensor     # [B] bool: rows that accepted at least one node
+
+
+def accepted_path(anc: Tensor, path: Tensor, path_len: Tensor) -> AcceptedPath:
+    """AcceptedPath of path[b, :path_len[b]] (root first) in trees whose ancestor mask is anc [B, T, T]; no sync."""
+    dev = anc.device
+    rows = torch.arange(anc.shape[0], device=dev)
+    path_len = path_len.to(dev)
+    last = path.to(dev).gather(1, (path_len - 1).clamp(min=0)[:, None])[:, 0].clamp(min=0)
+    return AcceptedPath(last=last, on_path=anc[rows, last].to(torch.float32), keep=path_len > 0)
+
+
 def gdn_commit_path_wy(
-    trace: GdnTreeWYTrace, path: Tensor, path_len: Tensor, conv_state: Tensor, rec_state: Tensor
+    trace: GdnTreeWYTrace, path: Tensor, path_len: Tensor, conv_state: Tensor, rec_state: Tensor,
+    accepted: AcceptedPath | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """States after the accepted nodes path[b, :path_len[b]] (root first): closed form, no replay, no sync."""
-    bsz = trace.u.shape[0]
-    dev = trace.u.device
-    rows = torch.arange(bsz, device=dev)
-    last = path.to(dev).gather(1, (path_len.to(dev) - 1).clamp(min=0)[:, None])[:, 0].clamp(min=0)  # [B]
-    on_path = trace.anc[rows, last].to(torch.float32)  # [B, T]: ancestors-or-self of the last accepted node
+    """States after the accepted nodes path[b, :path_len[b]] (root first): closed form, no replay, no sync.
+    accepted: accepted_path(trace.anc, path, path_len), when the caller shares it between layers."""
+    if accepted is None:
+        accepted = accepted_path(trace.anc, path, path_len)
+    rows = torch.arange(trace.u.shape[0], device=trace.u.device)
+    last, keep = accepted.last, accepted.keep
     g_last = trace.cum_g.gather(2, last[:, None, None].expand(-1, trace.cum_g.shape[1], 1))  # [B, Hv, 1]
-    weight = on_path[:, None, :] * (g_last - trace.cum_g).clamp(max=0).exp()  # [B, Hv, T]
+    weight = accepted.on_path[:, None, :] * (g_last - trace.cum_g).clamp(max=0).exp()  # [B, Hv, T]
     state = g_last.exp()[..., None] * rec_state.float() + (trace.key * weight.unsqueeze(-1)).transpose(-1, -2) @ trace.u
-    keep = (path_len.to(dev) > 0)
     state = torch.where(keep[:, None, None, None], state, rec_state.float())
     conv = torch.where(keep[:, None, None], trace.node_conv[rows, last], conv_state.to(trace.node_conv.dtype))
     return conv, state

@@ -27,6 +27,7 @@ from target_svc.dense_layers import DenseKernels, DenseLayerWeights, fusable, fu
 from target_svc.gdn_tree_wy import (
     GdnTreeLayout,
     GdnTreeWYTrace,
+    accepted_path,
     gdn_commit_path_wy,
     gdn_tree_forward_wy,
     gdn_tree_layout,
@@ -378,9 +379,12 @@ class TargetModel:
             self.pending_traces = None
         src, dst = compaction_indices_batch(path, path_len, ctx_lens)
         self.cache.move_rows(slots, src, dst)
+        accepted = None   # what the WY commits of all layers share (one ancestor mask per forward)
         for state, trace in zip(self.cache.linear, traces or []):
             if isinstance(trace, GdnTreeWYTrace):
-                conv, rec = gdn_commit_path_wy(trace, path, path_len, state.conv[slots], state.rec[slots])
+                if accepted is None:
+                    accepted = accepted_path(trace.anc, path, path_len)
+                conv, rec = gdn_commit_path_wy(trace, path, path_len, state.conv[slots], state.rec[slots], accepted)
             else:
                 conv, rec = gdn_commit_path(trace, path, path_len, state.conv[slots], state.rec[slots],
                                             kernels=self.gdn_kernels_on)
