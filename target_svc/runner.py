@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # captured 65-node verify forward 7.7 ms; up to four graphed chunks (260 prompt tokens at 65 nodes) beat one eager
 # pass, beyond that the eager pass's single weight read wins.
 PREFILL_VERIFY_CHUNKS = 4
+PREFILL_CHAIN_NODES = 65   # chain length: the verify size those figures are for (a budget-64 tree's bucket)
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class TargetConfig:
     max_seq_len: int = 2048
     max_tree_nodes: int = 257
     prefill_chunk: int = 512   # prompt positions per forward (0: whole prompts at once); bounds prefill memory
-    # Prompts of at most this many max_tree_nodes-sized chunks are prefilled as fully accepted chains through the
-    # verify functions, i.e. through the captured verify graphs (None: PREFILL_VERIFY_CHUNKS when there are graphs,
+    # Prompts of at most this many chains of min(max_tree_nodes, 65) tokens are prefilled as fully accepted chains
+    # through the verify functions, i.e. through the captured verify graphs (None: PREFILL_VERIFY_CHUNKS when there are graphs,
     # else 0 = never; any other value applies as given, eagerly where there are no graphs).
     prefill_verify_chunks: int | None = None
     enforce_eager: bool = False  # True: never capture CUDA graphs (they are used on CUDA where the model allows)
@@ -316,7 +317,7 @@ class TargetRunner:
         chunks_allowed = self.cfg.prefill_verify_chunks
         if chunks_allowed is None:
             chunks_allowed = PREFILL_VERIFY_CHUNKS if self.graphs is not None else 0
-        if max(lens) <= chunks_allowed * self.cfg.max_tree_nodes:
+        if max(lens) <= chunks_allowed * self._prefill_chain_nodes:
             last_logits, feature_parts = self._prefill_as_chains(items, lens, seqs)
         else:
             last_logits, feature_parts = self._prefill_forwards(items, lens, seqs)
@@ -335,6 +336,10 @@ class TargetRunner:
             feats = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
             outputs.append(PrefillOutput(it.seq_id, seq.pending_token, context_len, feats))
         return outputs
+
+    @property
+    def _prefill_chain_nodes(self) -> int:
+        return min(self.cfg.max_tree_nodes, PREFILL_CHAIN_NODES)
 
     def _prefill_forwards(self, items: list[PrefillItem], lens: list[int], seqs: list[_Sequence]):
         """Prompts through forward_block in chunks of prefill_chunk positions -> (last logits, feature parts)."""
@@ -372,9 +377,9 @@ class TargetRunner:
         return last_logits, feature_parts
 
     def _prefill_as_chains(self, items: list[PrefillItem], lens: list[int], seqs: list[_Sequence]):
-        """Prompts as chains of max_tree_nodes tokens through the verify functions (their captured graphs where
-        a bucket fits), every node accepted -> (last logits, feature parts)."""
-        chunk = self.cfg.max_tree_nodes
+        """Prompts as chains of min(max_tree_nodes, PREFILL_CHAIN_NODES) tokens through the verify functions (their
+        captured graphs where a bucket fits), every node accepted -> (last logits, feature parts)."""
+        chunk = self._prefill_chain_nodes
         want_features = any(it.want_features for it in items)
         last_logits: list[Tensor | None] = [None] * len(items)
         feature_parts: list[list[Tensor]] = [[] for _ in items]
