@@ -70,6 +70,9 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         # last Draft asked for, so the step's Draft finds the answer ready (the drafter forward overlaps the
         # Verify answer's trip to the gateway and the Draft request's trip here).
         self.last_top_k: dict[str, int] = {}
+        # A sequence that has not asked yet (its first push: the prompt's rows and first token) is drafted with the
+        # top-k of the latest Draft of any sequence: a gateway drafts with one budget, so its first Draft hits too.
+        self.recent_top_k: int | None = None
         self.prefetched: dict[str, PrefetchedDraft] = {}
         self.nccl = None                        # NcclReceiver, made on the first JoinNccl (imports no cupy before)
 
@@ -162,7 +165,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 self._reject(rows.seq_id, exc)
                 continue
             entries.append((rows.seq_id, rows.start, data))
-            if rows.HasField("next_token") and rows.seq_id in self.last_top_k:
+            if rows.HasField("next_token") and (rows.seq_id in self.last_top_k or self.recent_top_k is not None):
                 next_tokens[rows.seq_id] = (rows.start + rows.num_rows, rows.next_token)
         # All sequences' rows in one projection, the prefetched drafts and the wait for the buffer's reads in one
         # trip to the model thread.
@@ -197,7 +200,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         if items:
             t0 = time.perf_counter()
             try:
-                top_k = min(max(self.last_top_k[it.seq_id] for it in items), MAX_TOP_K, self.runner.vocab_size)
+                top_k = min(max(self.last_top_k.get(it.seq_id, self.recent_top_k) for it in items), MAX_TOP_K,
+                            self.runner.vocab_size)
                 logprobs, ids = to_host(*self.runner.draft(items, top_k))
                 logprobs, ids = logprobs.float(), ids.to(torch.int32)
                 drafts = {it.seq_id: PrefetchedDraft(it.context_len, it.bonus_token, logprobs[b], ids[b])
@@ -257,6 +261,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         top_k = min(request.top_k, MAX_TOP_K, self.runner.vocab_size)
         depth = request.max_depth or self.runner.block_size - 1
         ready = {}
+        self.recent_top_k = top_k
         for it in items:
             self.last_top_k[it.seq_id] = top_k
             d = self.prefetched.pop(it.seq_id, None)

@@ -413,11 +413,19 @@ def test_a_push_carrying_the_next_token_answers_the_next_draft_with_the_same_dra
             hits = _prefetch_hits(s.metrics_ports["drafter"])
             a, b = await draft("prefetch-a", 7, 5), await draft("prefetch-b", 7, 5)
             hit = _prefetch_hits(s.metrics_ports["drafter"]) - hits
-            await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=["prefetch-a", "prefetch-b"]), timeout=30)
-            return a.results[0], b.results[0], hit
+            # A new sequence's first push (a prompt's rows and first token) is drafted with the latest Draft's
+            # top-k, so its first Draft is a hit too.
+            await push("prefetch-c", 0, 3, first, next_token=9)
+            hits = _prefetch_hits(s.metrics_ports["drafter"])
+            await draft("prefetch-c", 9, 3)
+            first_hit = _prefetch_hits(s.metrics_ports["drafter"]) - hits
+            await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=["prefetch-a", "prefetch-b", "prefetch-c"]),
+                               timeout=30)
+            return a.results[0], b.results[0], hit, first_hit
 
-    a, b, hit = asyncio.run(call())
+    a, b, hit, first_hit = asyncio.run(call())
     assert hit == 1   # a was answered from its prefetched draft, b by a forward
+    assert first_hit == 1
     assert (a.depth, a.k) == (b.depth, b.k) == (3, 4)
     assert list(a.token_ids) == list(b.token_ids)
     assert list(a.logprobs) == pytest.approx(list(b.logprobs), abs=1e-5)
