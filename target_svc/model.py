@@ -143,6 +143,8 @@ class TargetModel:
         feature_layers: tuple[int, ...] = (),
         chain: bool = False,
         logits_at: Tensor | None = None,
+        logits_out: Tensor | None = None,
+        features_out: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Padded trees [B, Tmax] at ctx_len + depth -> (logits [B, Tmax, V] fp32, features [B, Tmax, F] | None)."""
         # valid[b] is a prefix mask (nodes 0..T_b-1); node i's K/V go to cache row ctx_len + i.
@@ -151,6 +153,8 @@ class TargetModel:
         # key_len = max(ctx_len + T_b): the caller knows it on the host, so passing it avoids a device sync.
         # features = cat of HF's hidden_states[i + 1] for i in feature_layers (None when empty).
         # logits_at [B]: logits of that one row per sequence only ([B, 1, V]; a prefill needs only its last).
+        # logits_out / features_out: tensors of the outputs' shapes to write them into (a captured graph's shared
+        #   output buffers); the returned outputs are then these tensors.
         t = self.target
         bsz, tmax = input_ids.shape
         sizes = valid.sum(dim=1)
@@ -196,8 +200,12 @@ class TargetModel:
         feature_set[t.num_layers - 1] = h
         if logits_at is not None:
             h = h.gather(1, logits_at[:, None, None].expand(bsz, 1, h.shape[-1]))
-        logits = t.lm_head(h).float()
-        features = torch.cat([feature_set[i] for i in feature_layers], dim=-1) if feature_layers else None
+        logits = t.lm_head(h)
+        logits = logits.float() if logits_out is None else logits_out.copy_(logits)
+        features = None
+        if feature_layers:
+            parts = [feature_set[i] for i in feature_layers]
+            features = torch.cat(parts, dim=-1) if features_out is None else torch.cat(parts, dim=-1, out=features_out)
         self.pending_traces = None if chain else traces
         return logits, features
 

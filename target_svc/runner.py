@@ -409,7 +409,7 @@ class TargetRunner:
                 result, rows = self.graphs.commit(batch, packed_dev, choices, features)
             else:
                 result, rows = verify_commit(self.model, packed_dev, shape.nodes, choices, features, shape.nodes)
-            accepted.append(result[: len(active), 0])
+            accepted.append(result[: len(active), 0].clone())   # a graph's output: the next replay overwrites it
             expected += sizes
             last = torch.tensor(sizes, device=self.device) - 1
             # [rows, 1, V] as forward_block's logits_at gives them; indexing copies, so they outlive the next replay

@@ -69,13 +69,16 @@ def unpack(packed: Tensor, nodes: int) -> tuple[Tensor, Tensor, Tensor, Tensor, 
     return packed[:, :t], packed[:, t : 2 * t], packed[:, 2 * t], packed[:, 2 * t + 1], packed[:, 2 * t + 2]
 
 
-def verify_forward(model: TargetModel, packed: Tensor, nodes: int, key_len: int,
-                   feature_layers: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Forward over the packed trees -> (logits [B, T, V] fp32, greedy choices [B, T], features [B, T, F] | None)."""
+def verify_forward(model: TargetModel, packed: Tensor, nodes: int, key_len: int, feature_layers: tuple[int, ...],
+                   out: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Forward over the packed trees -> (logits [B, T, V] fp32, greedy choices [B, T], features [B, T, F] | None);
+    out = (logits, features) buffers to write them into."""
     ids, parents, sizes, ctx_lens, slots = unpack(packed, nodes)
     valid = torch.arange(nodes, device=packed.device)[None, :] < sizes[:, None]
+    logits_out, features_out = out or (None, None)
     logits, features = model.forward_block(ids, parents, valid, ctx_lens, slots, key_len=key_len,
-                                           feature_layers=feature_layers)
+                                           feature_layers=feature_layers, logits_out=logits_out,
+                                           features_out=features_out)
     return logits, logits.argmax(dim=-1), features
 
 
@@ -95,7 +98,15 @@ def verify_commit(model: TargetModel, packed: Tensor, nodes: int, choices: Tenso
 
 
 class VerifyGraphs:
-    """verify_forward / verify_commit captured per (batch, nodes, key length) bucket, writing shared buffers."""
+    """verify_forward / verify_commit captured per (batch, nodes, key length) bucket, writing shared buffers.
+
+    A bucket's graph keeps what is alive when its capture ends: with ~100 buckets, per-bucket fp32 logits and
+    Gated DeltaNet traces would take more memory than a 27B int8 target's cache (measured: the flagship's
+    warm-up ran past a 45 GiB cap). So every forward writes its logits and features into two buffers of the
+    largest shape, and a bucket's traces are let go once its commit is captured: the commit graph has their
+    addresses baked in, and later captures may reuse that memory as scratch, which is safe because a step
+    replays its forward and then its commit with no other replay in between.
+    """
 
     def __init__(self, model: TargetModel, max_batch: int, max_nodes: int, capacity: int) -> None:
         self.model = model
@@ -105,7 +116,9 @@ class VerifyGraphs:
         self.forwards = GraphCache("target verify forward")
         self.commits = GraphCache("target verify commit")
         self._feature_layers: tuple[int, ...] | None = None
-        self._traces: dict[VerifyShape, list] = {}
+        self._traces: dict[VerifyShape, list] = {}   # from a bucket's forward capture until its commit capture
+        self._logits_out: Tensor | None = None       # flat fp32, max batch x max nodes x vocab
+        self._features_out: Tensor | None = None     # flat, max batch x max nodes x feature width
 
     @staticmethod
     def supports(model: TargetModel) -> bool:
@@ -126,18 +139,36 @@ class VerifyGraphs:
             self.forwards.graphs.clear()
             self.commits.graphs.clear()
             self._traces.clear()
+            self._features_out = None
             self._feature_layers = feature_layers
+
+    def _outputs(self, s: VerifyShape, feature_layers: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
+        """Views at s's shape of the buffers every forward graph writes (allocated at the largest shape)."""
+        m = self.model
+        rows = self.batch_buckets[-1] * self.node_buckets[-1]
+        vocab = m.target.vocab_size
+        if self._logits_out is None:
+            self._logits_out = torch.empty(rows * vocab, dtype=torch.float32, device=m.device)
+        logits = self._logits_out[: s.batch * s.nodes * vocab].view(s.batch, s.nodes, vocab)
+        if not feature_layers:
+            return logits, None
+        width = len(feature_layers) * m.target.hidden_size
+        if self._features_out is None:
+            self._features_out = torch.empty(rows * width, dtype=m.dtype, device=m.device)
+        return logits, self._features_out[: s.batch * s.nodes * width].view(s.batch, s.nodes, width)
 
     def forward(self, batch: VerifyBatch, packed_dev: Tensor, feature_layers: tuple[int, ...]):
         """Replays (capturing on first use) the forward of batch's bucket."""
         self._reset_if_layers_changed(feature_layers)
         s = batch.shape
+        fresh = s not in self.forwards.graphs
+        out = self._outputs(s, feature_layers) if fresh else None
         fn = self.forwards.get(
-            s, lambda p: verify_forward(self.model, p, s.nodes, s.key_len, feature_layers),
+            s, lambda p: verify_forward(self.model, p, s.nodes, s.key_len, feature_layers, out),
             lambda: [self._example(s)],
         )
-        # The GDN traces a bucket's forward fills on every replay are those its capture left pending.
-        self._traces.setdefault(s, self.model.pending_traces)
+        if fresh:   # the GDN traces every replay of this forward fills are those its capture left pending
+            self._traces[s] = self.model.pending_traces
         out = fn(packed_dev)
         self.model.pending_traces = None  # the commit graph reads self._traces[s]
         return out
@@ -153,6 +184,7 @@ class VerifyGraphs:
             lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device),
                      *([torch.zeros_like(features)] if has_features else [])],
         )
+        self._traces.pop(s, None)   # captured: the graph holds the traces' addresses (see the class docstring)
         return fn(packed_dev, choices, *([features] if has_features else []))
 
     def warmup(self, feature_layers: tuple[int, ...]) -> float:

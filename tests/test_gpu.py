@@ -89,8 +89,11 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
         eager, accepted_e = speculative_greedy(target, drafter, prompt, 48, dtype, enforce_eager=True)
         assert graphed == eager and accepted_g == accepted_e
         target_runner, drafter_runner = runners
-        assert target_runner.graphs.forwards.graphs and target_runner.graphs.commits.graphs
-        assert drafter_runner.graphs.cache.graphs
+        graphs = target_runner.graphs
+        assert len(graphs.forwards.graphs) > 1 and graphs.commits.graphs and drafter_runner.graphs.cache.graphs
+        # every bucket's forward wrote the one shared logits buffer; no bucket still holds its traces
+        assert {g.outputs[0].data_ptr() for g in graphs.forwards.graphs.values()} == {graphs._logits_out.data_ptr()}
+        assert not graphs._traces
 
 
 def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):

@@ -105,6 +105,25 @@ def test_tree_block_node_logits_equal_hf_on_root_to_node_path(checkpoint):
         torch.testing.assert_close(logits[0, i], expected, atol=ATOL, rtol=0)
 
 
+def test_forward_block_writes_logits_and_features_into_given_buffers(checkpoint):
+    """What a captured graph relies on: the outputs land in the shared buffers, equal to freshly made ones."""
+    path, _ = checkpoint
+    loaded = load_target(path)
+    prompt, layers = _prompt(12, seed=6), (0, loaded.num_layers - 1)
+    fresh_logits, fresh_features = _prefill(TargetModel(loaded, max_batch=1, max_seq_len=64, max_tree_nodes=8),
+                                            [prompt], feature_layers=layers)
+    model = TargetModel(loaded, max_batch=1, max_seq_len=64, max_tree_nodes=8)
+    logits_out = torch.full_like(fresh_logits, float("nan"))
+    features_out = torch.full_like(fresh_features, float("nan"))
+    slot = model.cache.add_sequence("seq0")
+    logits, features = model.forward_block(
+        prompt[None], (torch.arange(12) - 1)[None], torch.ones(1, 12, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+        torch.tensor([slot]), feature_layers=layers, chain=True, logits_out=logits_out, features_out=features_out)
+    assert logits.data_ptr() == logits_out.data_ptr() and features.data_ptr() == features_out.data_ptr()
+    torch.testing.assert_close(logits_out, fresh_logits, atol=0, rtol=0)
+    torch.testing.assert_close(features_out, fresh_features, atol=0, rtol=0)
+
+
 def test_loader_ties_lm_head_when_the_checkpoint_omits_it(tmp_path):
     make_tiny_tokenizer(tmp_path)
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
