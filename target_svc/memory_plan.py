@@ -135,14 +135,20 @@ def plan_cache(budget_bytes: int | None, geometry: CacheGeometry, max_seq_len: i
 
 
 def workspace_estimate(vocab_size: int, hidden_size: int, widest_projection: int, dtype_bytes: int, max_batch: int,
-                       max_tree_nodes: int, prefill_chunk: int) -> int:
+                       max_tree_nodes: int, prefill_chunk: int,
+                       linear_shapes: tuple[LinearAttnStateShape, ...] = ()) -> int:
     """Activation bytes of the largest step (estimate): fp32 logits of a full verify batch twice (logits and the
-    sampling copy), plus the rows of the widest forward times a few hidden-and-projection widths, plus a fixed
-    allowance. To be checked against torch.cuda.max_memory_allocated on the GPU."""
+    sampling copy), plus the rows of the widest forward times a few hidden-and-projection widths, plus the Gated
+    DeltaNet traces a verify keeps for its commit (every linear layer, every node), plus a fixed allowance.
+    Checked against torch.cuda.max_memory_allocated on the GPU (bench/flagship_fit.py reports both)."""
     logits = 2 * max_batch * max_tree_nodes * vocab_size * 4
     rows = max_batch * max(max_tree_nodes, prefill_chunk or max_tree_nodes)
     activations = rows * (4 * hidden_size + 3 * widest_projection) * dtype_bytes
-    return logits + activations + WORKSPACE_FIXED_BYTES
+    tree_rows = max_batch * max_tree_nodes
+    # per node: its conv state (model dtype) and its fp32 key, new value and cumulative gate per value head
+    traces = sum(tree_rows * (g.conv_dim * (g.conv_kernel - 1) * dtype_bytes
+                              + g.num_v_heads * (g.head_k_dim + g.head_v_dim + 1) * 4) for g in linear_shapes)
+    return logits + activations + traces + WORKSPACE_FIXED_BYTES
 
 
 def gpu_cache_budget(total_bytes: int, free_bytes: int, utilization: float) -> int:
@@ -245,7 +251,7 @@ def plan_for_config(text_config, dtype: torch.dtype, quantize: str, card_bytes: 
     geometry = geometry_of_config(text_config, dtype)
     widest = max(text_config.intermediate_size, 2 * text_config.num_attention_heads * geometry.head_dim)
     workspace = workspace_estimate(text_config.vocab_size, text_config.hidden_size, widest, dtype_bytes(dtype),
-                                   max_batch, max_tree_nodes, prefill_chunk)
+                                   max_batch, max_tree_nodes, prefill_chunk, geometry.linear_shapes)
     budget = gpu_cache_budget(card_bytes, card_bytes - weights, utilization)
     return plan_cache(budget, geometry, max_seq_len, max_tree_nodes, max_batch, weight_bytes=weights,
                       workspace_bytes=workspace, source=f"gpu-memory-utilization={utilization}")

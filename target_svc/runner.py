@@ -152,7 +152,7 @@ def plan_memory(target: LoadedTarget, cfg: TargetConfig, max_seq_len: int) -> Me
         tc = target.text_config
         widest = max(getattr(tc, "intermediate_size", 4 * target.hidden_size), 2 * target.num_heads * target.head_dim)
         workspace = workspace_estimate(target.vocab_size, target.hidden_size, widest, dtype_bytes(target.dtype),
-                                       cfg.max_batch, cfg.max_tree_nodes, cfg.prefill_chunk)
+                                       cfg.max_batch, cfg.max_tree_nodes, cfg.prefill_chunk, geometry.linear_shapes)
     return plan_cache(budget, geometry, max_seq_len, cfg.max_tree_nodes, cfg.max_batch, weight_bytes=weights,
                       workspace_bytes=workspace, source=source)
 

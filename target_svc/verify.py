@@ -163,10 +163,14 @@ class VerifyGraphs:
         s = batch.shape
         fresh = s not in self.forwards.graphs
         out = self._outputs(s, feature_layers) if fresh else None
-        fn = self.forwards.get(
-            s, lambda p: verify_forward(self.model, p, s.nodes, s.key_len, feature_layers, out),
-            lambda: [self._example(s)],
-        )
+
+        def run(p: Tensor):
+            # The capture's warm-up runs and the capture each make traces: drop the last run's before the next
+            # makes its own (at the 27B's batch-8 65-node bucket one set is ~2.8 GiB).
+            self.model.pending_traces = None
+            return verify_forward(self.model, p, s.nodes, s.key_len, feature_layers, out)
+
+        fn = self.forwards.get(s, run, lambda: [self._example(s)])
         if fresh:   # the GDN traces every replay of this forward fills are those its capture left pending
             self._traces[s] = self.model.pending_traces
         out = fn(packed_dev)

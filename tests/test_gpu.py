@@ -13,7 +13,7 @@ from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.ddtree import build_ddtree_batch
 from ddtree_serve.proto import gateway_pb2_grpc
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
-from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
+from target_svc.runner import PREFILL_VERIFY_CHUNKS, PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.conftest import make_request, prompts_for, reference_model, run_streams, start_stack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -30,11 +30,13 @@ def hf_greedy_on(device: str, model_dir, prompt: list[int], n: int, dtype=torch.
 
 
 def speculative_greedy(target_dir, drafter_dir, prompt: list[int], n: int, dtype: torch.dtype,
-                       enforce_eager: bool = False, runners: list | None = None) -> tuple[list[int], int]:
+                       enforce_eager: bool = False, runners: list | None = None,
+                       prefill_verify_chunks: int | None = None) -> tuple[list[int], int]:
     """Runners on cuda: prefill, then DDTree steps (budget 32) until n tokens; returns tokens and accepted drafts.
     The runners are appended to `runners` when given (to inspect their graphs)."""
     target = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cuda", dtype=dtype, max_batch=2,
-                                       max_seq_len=256, max_tree_nodes=65, enforce_eager=enforce_eager))
+                                       max_seq_len=256, max_tree_nodes=65, enforce_eager=enforce_eager,
+                                       prefill_verify_chunks=prefill_verify_chunks))
     drafter = DrafterRunner(DrafterConfig(drafter_dir=str(drafter_dir), target_model_dir=str(target_dir),
                                           device="cuda", dtype=dtype, max_batch=2, max_seq_len=256,
                                           enforce_eager=enforce_eager))
@@ -86,7 +88,9 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
     for prompt in prompts_for(target, [9, 30], seed=8):
         runners = []
         graphed, accepted_g = speculative_greedy(target, drafter, prompt, 48, dtype, runners=runners)
-        eager, accepted_e = speculative_greedy(target, drafter, prompt, 48, dtype, enforce_eager=True)
+        # the same functions eagerly, prompts included (as chains; plain forwards would round differently in bf16)
+        eager, accepted_e = speculative_greedy(target, drafter, prompt, 48, dtype, enforce_eager=True,
+                                               prefill_verify_chunks=PREFILL_VERIFY_CHUNKS)
         assert graphed == eager and accepted_g == accepted_e
         target_runner, drafter_runner = runners
         graphs = target_runner.graphs
@@ -128,7 +132,6 @@ def test_cuda_graphed_chain_prefill_equals_the_eager_forwards(checkpoints, kind,
     PREFILL_VERIFY_CHUNKS chunks) against forward_block prefill: features and linear-attention states within 2e-4
     (float32) or 2 % (bfloat16: other GEMM tilings) of their largest magnitude; in float32 the same first tokens
     and, decoding on, transformers' greedy tokens."""
-    from target_svc.runner import PREFILL_VERIFY_CHUNKS
 
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")   # fla's chunked prefill kernel: IEEE float32 products
 

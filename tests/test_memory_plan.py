@@ -20,6 +20,7 @@ from target_svc.memory_plan import (
     plan_for_config,
     qwen36_27b_plan_table,
     qwen36_27b_text_config,
+    workspace_estimate,
 )
 from target_svc.quantization import tensor_bytes
 from target_svc.runner import TargetConfig, TargetRunner
@@ -162,3 +163,13 @@ def test_qwen36_27b_on_a_48gb_card_needs_int8_and_then_holds_8_sequences_of_8192
 
 def test_the_docs_table_is_the_computed_plan():
     assert qwen36_27b_plan_table() in DOCS.read_text()
+
+
+def test_the_workspace_counts_the_gdn_traces_a_verify_keeps_for_its_commit():
+    """Per linear layer and tree node: the conv state in the model dtype and the fp32 key, value and gate per value
+    head (at the 27B's batch-8 65-node bucket, ~2.6 GiB: measured on the H200 as the capture's largest live set)."""
+    gdn = LinearAttnStateShape(num_k_heads=16, num_v_heads=48, head_k_dim=128, head_v_dim=128, conv_kernel=4)
+    args = (248320, 5120, 17408, 2, 8, 65, 512)
+    extra = workspace_estimate(*args, (gdn,) * 48) - workspace_estimate(*args)
+    assert extra == 48 * 8 * 65 * (10240 * 3 * 2 + 48 * (128 + 128 + 1) * 4)
+    assert 2.5 * GIB < extra < 2.7 * GIB
