@@ -112,8 +112,9 @@ def _check_supported(text_config: PretrainedConfig) -> tuple[str, ...]:
 def _quantize_on(device: torch.device, weight: torch.Tensor, bits: int, dtype: torch.dtype,
                  scratch) -> QuantizedWeight:
     """Quantizes weight on device. On CUDA the float weight and the quantizer's temporaries live in the scratch
-    pool and only the results are copied out: interleaved with the kept tensors, those temporaries left ~4.5 GiB
-    of holes in the 27B int8 target's memory that no later allocation could use (measured on the H200)."""
+    pool and only the results are copied out, so the kept tensors are allocated back to back: temporaries
+    interleaved with them leave holes (the 27B int8 fit on the H200 ran out of memory with ~4.5 GiB reserved by
+    torch but unallocated)."""
     if scratch is None:
         return quantize_weight(weight.to(device), bits, dtype)
     index = device.index if device.index is not None else torch.cuda.current_device()   # the pool wants an index
