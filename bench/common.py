@@ -198,9 +198,15 @@ def hardware_tag(hw: dict) -> str:
     return re.sub(r"-+", "-", tag)[:48]
 
 
+# Environment variables that change what a GPU run measures: a command line records them when set.
+RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "DDTREE_INT8_MATMUL", "DDTREE_INT8_GEMV")
+
+
 def command_line(module: str) -> str:
-    """The command as typed (module form, from the repository root)."""
-    return shlex.join(["python", "-m", module, *sys.argv[1:]])
+    """The command as typed (module form, from the repository root), led by the recorded environment variables
+    that are set."""
+    env = [f"{k}={os.environ[k]}" for k in RECORDED_ENV if os.environ.get(k)]
+    return shlex.join([*env, "python", "-m", module, *sys.argv[1:]])
 
 
 def now_utc() -> str:

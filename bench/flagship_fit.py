@@ -302,7 +302,8 @@ def headline(data: dict) -> dict:
     plan = (data.get("info") or {}).get("memory_plan") or {}
     m = data.get("memory") or {}
     equal = [p.get("outputs_equal") for p in data.get("phases", [])]
-    return {"fit_verdict": data.get("verdict"), "fit_layers": data["target"]["num_layers"],
+    verdict = " ".join((data.get("verdict") or "").split()) or None   # one line: it goes into a table cell
+    return {"fit_verdict": verdict, "fit_layers": data["target"]["num_layers"],
             "fit_quantize": data["target"]["quantize"], "fit_cap_gib": gib(data["target"]["gpu_memory_cap_bytes"]),
             "fit_plan_source": plan.get("source"), "fit_weights_gib": gib(plan.get("weight_bytes")),
             "fit_cache_gib": gib(plan.get("cache_bytes")), "fit_sequences_held": plan.get("max_batch"),

@@ -69,6 +69,7 @@ class PairEngine(BackgroundTask):
         self.block_size = pair.drafter_info.block_size
         self.vocab_size = pair.target_info.vocab_size
         self.task_name = f"engine-{pair.index}"
+        self.releases_in_flight = 0   # Release RPCs sent and not yet answered (a drain waits for them)
 
     async def run(self) -> None:
         """Steps while there is work; sleeps on the queue's wake-up event otherwise. Never dies on one bad step."""
@@ -261,10 +262,14 @@ class PairEngine(BackgroundTask):
                 if self.metrics is not None and s.finish_reason not in ("abort", "error"):
                     self.metrics.observe_finished(s.finish_reason, len(s.prompt_ids), len(s.output_ids),
                                                   time.perf_counter() - s.arrival, s.scheduled_at - s.arrival)
-        results = await asyncio.gather(
-            self.pair.target.Release(target_pb2.ReleaseRequest(seq_ids=ids), timeout=30),
-            self.pair.drafter.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=ids), timeout=30),
-            return_exceptions=True)
+        self.releases_in_flight += 1
+        try:
+            results = await asyncio.gather(
+                self.pair.target.Release(target_pb2.ReleaseRequest(seq_ids=ids), timeout=30),
+                self.pair.drafter.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=ids), timeout=30),
+                return_exceptions=True)
+        finally:
+            self.releases_in_flight -= 1
         for service, res in zip(("target", "drafter"), results):
             if isinstance(res, Exception):
                 log.error("release of %d sequences on the %s failed: %s", len(ids), service, res)

@@ -152,9 +152,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     seq.emit([])
                     ended += 1
             q.wakeup.set()
-        # The engines release the ended sequences at their next step boundary.
+        # The engines release the ended sequences at their next step boundary; a sequence leaves the running set
+        # when its Release RPCs go out, and stopping the engines before the answers would cancel them.
         deadline = loop.time() + 5.0
-        while self.scheduler.num_running and loop.time() < deadline:
+        while ((self.scheduler.num_running or any(e.releases_in_flight for e in self.engines))
+               and loop.time() < deadline):
             await asyncio.sleep(0.05)
         log.info("drained (%d requests ended early)", ended)
         await self.close()

@@ -218,16 +218,17 @@ class TargetRunner:
             raise ValueError(f"feature layers {bad} out of range for a {self.num_layers}-layer target")
         self.feature_layers = ids
 
+    def warmup_shapes(self) -> list[VerifyShape]:
+        """The verify buckets a warm-up captures (none when the runner is eager)."""
+        return [] if self.graphs is None else self.graphs.shapes()
+
     @torch.inference_mode()
-    def warmup(self) -> float:
-        """Captures the verify graphs of every batch, tree-size and key-length bucket for the current feature
-        layers; returns the seconds spent (0 eager)."""
+    def warmup(self, shapes: list[VerifyShape] | None = None) -> float:
+        """Captures the verify graphs of the given buckets (default: every batch, tree-size and key-length bucket)
+        for the current feature layers; returns the seconds spent capturing so far (0 eager)."""
         if self.graphs is None:
             return 0.0
-        seconds = self.graphs.warmup(self.feature_layers)
-        log.info("verify graphs ready: %d forward + %d commit graphs captured in %.1f s",
-                 len(self.graphs.forwards.graphs), len(self.graphs.commits.graphs), seconds)
-        return seconds
+        return self.graphs.warmup(self.feature_layers, shapes)
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:

@@ -1,6 +1,7 @@
 """gRPC servicer of the target service: sequences keyed by id, one model thread, features pushed to the drafter."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.sender: FeatureSender | None = None
         self.sender_address = ""
         self.feature_seqs: set[str] = set()   # sequences whose features go to the drafter (not AR ones)
+        self._warmup_task: asyncio.Task | None = None
 
     async def load(self) -> None:
         """Loads the model on the model thread (health stays NOT_SERVING until this returns)."""
@@ -87,8 +89,33 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.observe_cache()
         return released
 
+    def _start_warmup(self) -> None:
+        if self._warmup_task is not None:
+            self._warmup_task.cancel()   # a re-attach: the new feature layers need graphs of their own
+        self._warmup_task = asyncio.create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        """Captures every verify bucket, one bucket per model-thread item: a request arriving meanwhile waits
+        behind one capture, not all of them (the 64-layer 27B's ~120 buckets took minutes, and the first
+        requests ran past their deadline)."""
+        t0 = time.perf_counter()
+        shapes = self.runner.warmup_shapes()
+        try:
+            for shape in shapes:
+                seconds = await self.model_thread.run(self.runner.warmup, [shape])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the service still works: graphs capture on first use instead
+            log.error("graph warm-up failed (graphs capture on first use instead): %r", exc)
+            return
+        if shapes:
+            log.info("verify graphs ready: %d buckets captured (%.1f s of capture) in %.1f s", len(shapes), seconds,
+                     time.perf_counter() - t0)
+
     async def close(self) -> None:
         """Delivers queued features and stops the model thread."""
+        if self._warmup_task is not None:
+            self._warmup_task.cancel()
         self.stop_lease_reaper()
         if self.sender is not None:
             await self.sender.close()
@@ -144,9 +171,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             self._refuse_nccl(None, info.device, info.device_uuid)
         await self.model_thread.run(self.runner.set_feature_layers, ids)
         if not self.cfg.lazy_graphs:
-            # Captured graphs bake the feature layers in, so they are captured now that the layers are known; queued
-            # on the model thread (not awaited), the first steps simply wait behind the capture.
-            self.model_thread.submit(self.runner.warmup).add_done_callback(_log_warmup_failure)
+            # Captured graphs bake the feature layers in, so they are captured now that the layers are known.
+            self._start_warmup()
         # An nccl link is formed anew on every attach: the gateway re-attaches after a restart, when the old
         # communicator is dead on at least one side.
         if (self.sender is None or self.sender_address != request.drafter_address or self.sender.name != transport
@@ -271,11 +297,6 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             except KeyError:
                 pass  # idempotent: an abort may race with a normal finish
         return released
-
-
-def _log_warmup_failure(future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("graph warm-up failed (graphs capture on first use instead): %r", future.exception())
 
 
 def memory_plan_proto(plan: MemoryPlan) -> common_pb2.MemoryPlan:

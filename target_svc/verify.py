@@ -191,11 +191,18 @@ class VerifyGraphs:
         self._traces.pop(s, None)   # captured: the graph holds the traces' addresses (see the class docstring)
         return fn(packed_dev, choices, *([features] if has_features else []))
 
-    def warmup(self, feature_layers: tuple[int, ...]) -> float:
-        """Captures the forward and commit of every (batch, nodes, key length) bucket, on one-node trees in the
-        scratch slot; returns the seconds spent capturing so far."""
-        for b, t, k in itertools.product(self.batch_buckets, self.node_buckets, self.key_buckets):
-            s = VerifyShape(b, t, k)
+    def shapes(self) -> list[VerifyShape]:
+        """Every (batch, nodes, key length) bucket."""
+        return [VerifyShape(b, t, k)
+                for b, t, k in itertools.product(self.batch_buckets, self.node_buckets, self.key_buckets)]
+
+    def warmup(self, feature_layers: tuple[int, ...], shapes: list[VerifyShape] | None = None) -> float:
+        """Captures the forward and commit of the given buckets (default: all) not captured yet, on one-node trees
+        in the scratch slot; returns the seconds spent capturing so far."""
+        self._reset_if_layers_changed(feature_layers)
+        for s in self.shapes() if shapes is None else shapes:
+            if s in self.forwards.graphs:
+                continue
             packed_dev = self._example(s)
             batch = VerifyBatch(packed_dev, s, 0)
             _, choices, features = self.forward(batch, packed_dev, feature_layers)

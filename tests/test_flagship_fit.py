@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from bench import flagship_fit
+from bench import common, flagship_fit
 from bench.shapes import build_target, build_target_streaming, checkpoint_bytes, is_streamed_checkpoint
 from target_svc.loader import load_target
 
@@ -123,3 +124,13 @@ def test_the_headline_figures_for_the_h200_report(tmp_path):
     path.write_text(json.dumps(data))
     h200_report.main(["--fit", str(path), "--out-dir", str(tmp_path)])
     assert "| fit_peak_reserved_gib | 40.000 |" in (tmp_path / "h200.md").read_text()
+
+
+def test_a_results_command_line_records_the_allocator_setting_it_ran_under(monkeypatch):
+    for name in common.RECORDED_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", ["flagship_fit.py", "--out-dir", "o"])
+    assert common.command_line("bench.flagship_fit") == "python -m bench.flagship_fit --out-dir o"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert common.command_line("bench.flagship_fit") == (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m bench.flagship_fit --out-dir o")

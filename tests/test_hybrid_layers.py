@@ -61,6 +61,12 @@ def _exact(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32 rounding of a few differently blocked GEMMs: 1e-4 of the largest magnitude."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_zero_centred_rms_norm_equals_hf_module(hybrid_dir, dtype):
     norm = _layers(hybrid_dir, dtype)[0].input_layernorm
@@ -150,8 +156,10 @@ def _models(model_dir, quantize: str = "none") -> list[TargetModel]:
             for f in (False, True)]
 
 
-def test_fused_hybrid_forward_equals_the_module_forward_bit_for_bit(hybrid_dir):
-    """float32 on the CPU: the fused projections and the glue change no bit (prefill chains, then trees)."""
+def test_fused_hybrid_forward_equals_the_module_forward(hybrid_dir):
+    """float32 on the CPU, prefill chains then trees: the fused projections and the glue equal the module forward
+    within float32 rounding. (Bit for bit where the BLAS splits a fused GEMM's sums as it splits the separate
+    ones: on one 2-core Xeon it did, on a 2-core EPYC logits moved by 1e-5; each fused part alone is exact above.)"""
     models = _models(hybrid_dir)
     assert models[0].hybrid is None and models[1].hybrid is not None
     assert isinstance(models[1].hybrid[0].gdn, FusedGdn) and models[1].hybrid[3].qkv is not None
@@ -161,8 +169,8 @@ def test_fused_hybrid_forward_equals_the_module_forward_bit_for_bit(hybrid_dir):
     slots = torch.tensor([0, 1])
     outs = [m.forward_block(ids, parents, valid, torch.zeros(2, dtype=torch.long), slots, feature_layers=(0, 3),
                             chain=True) for m in models]
-    _exact(outs[1][0], outs[0][0])
-    _exact(outs[1][1], outs[0][1])
+    _close(outs[1][0], outs[0][0])
+    _close(outs[1][1], outs[0][1])
     tree_ids = torch.randint(4, 300, (2, 5), generator=torch.Generator().manual_seed(1))
     tree = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, -1, -1]])
     tree_valid = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
@@ -171,15 +179,15 @@ def test_fused_hybrid_forward_equals_the_module_forward_bit_for_bit(hybrid_dir):
         for m in models:
             m.tree_gdn = tree_gdn
         outs = [m.forward_block(tree_ids, tree, tree_valid, ctx, slots, key_len=14) for m in models]
-        _exact(outs[1][0], outs[0][0])
+        _close(outs[1][0], outs[0][0])
         for m in models:
             m.commit_block(torch.tensor([[0, 1, 3], [0, 1, -1]]), torch.tensor([3, 2]), slots, ctx)
         ctx = ctx + torch.tensor([3, 2])
     for mine, ref in zip(models[1].cache.linear, models[0].cache.linear):
-        _exact(mine.conv, ref.conv)
-        _exact(mine.rec, ref.rec)
-    _exact(models[1].cache.k, models[0].cache.k)
-    _exact(models[1].cache.v, models[0].cache.v)
+        _close(mine.conv, ref.conv)
+        _close(mine.rec, ref.rec)
+    _close(models[1].cache.k, models[0].cache.k)
+    _close(models[1].cache.v, models[0].cache.v)
 
 
 def test_fused_gdn_layer_equals_the_hf_module_in_bf16(hybrid_dir):
