@@ -145,9 +145,10 @@ def workspace_estimate(vocab_size: int, hidden_size: int, widest_projection: int
     rows = max_batch * max(max_tree_nodes, prefill_chunk or max_tree_nodes)
     activations = rows * (4 * hidden_size + 3 * widest_projection) * dtype_bytes
     tree_rows = max_batch * max_tree_nodes
-    # per node: its conv state (model dtype) and its fp32 key, new value and cumulative gate per value head
-    traces = sum(tree_rows * (g.conv_dim * (g.conv_kernel - 1) * dtype_bytes
-                              + g.num_v_heads * (g.head_k_dim + g.head_v_dim + 1) * 4) for g in linear_shapes)
+    # per layer: the conv inputs (the committed window and one row per node, model dtype) and per node the fp32
+    # key, new value and cumulative gate of every value head (gdn_tree_wy.GdnTreeWYTrace)
+    traces = sum(max_batch * (max_tree_nodes + g.conv_kernel - 1) * g.conv_dim * dtype_bytes
+                 + tree_rows * g.num_v_heads * (g.head_k_dim + g.head_v_dim + 1) * 4 for g in linear_shapes)
     return logits + activations + traces + WORKSPACE_FIXED_BYTES
 
 

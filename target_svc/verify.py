@@ -166,7 +166,7 @@ class VerifyGraphs:
 
         def run(p: Tensor):
             # The capture's warm-up runs and the capture each make traces: drop the last run's before the next
-            # makes its own (at the 27B's batch-8 65-node bucket one set is ~2.8 GiB).
+            # makes its own (at the 27B's batch-8 65-node bucket one set is ~1.6 GiB).
             self.model.pending_traces = None
             return verify_forward(self.model, p, s.nodes, s.key_len, feature_layers, out)
 

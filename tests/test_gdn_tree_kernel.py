@@ -206,7 +206,7 @@ def test_interpreted_tree_forward_with_the_kernel_equals_it_without(interpreted)
     torch.testing.assert_close(got.u, want.u, atol=REL_TOL * want.u.abs().max(), rtol=0)
     torch.testing.assert_close(got.cum_g, want.cum_g, atol=REL_TOL * want.cum_g.abs().max(), rtol=0)
     assert torch.equal(got.key, want.key) and torch.equal(got.anc, want.anc)
-    assert torch.equal(got.node_conv, want.node_conv)
+    assert torch.equal(got.conv_inputs, want.conv_inputs) and torch.equal(got.window_idx, want.window_idx)
 
 
 def _small_forward_inputs(seed: int):
