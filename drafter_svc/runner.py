@@ -43,6 +43,16 @@ class DraftGraphs:
         # A step pushes each sequence's accepted rows (at most a block): up to max_batch * 16 rows together.
         self.row_buckets = power_of_two_buckets(16 * max_batch)
         self.cache = GraphCache("drafter block forward")
+        # Every block forward writes its log-probs here (flat, sized for the largest batch on first use): one
+        # buffer rather than one per bucket, which at a 248k vocabulary would be ~1.3 GiB over the buckets.
+        self.logprobs_out: torch.Tensor | None = None
+
+    def logprobs_view(self, batch: int, depth: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """[batch, depth, vocab] fp32 view of the shared log-probs buffer."""
+        if self.logprobs_out is None:
+            self.logprobs_out = torch.empty(self.batch_buckets[-1] * depth * vocab, dtype=torch.float32,
+                                            device=device)
+        return self.logprobs_out[: batch * depth * vocab].view(batch, depth, vocab)
 
     def rows_bucket(self, rows: int) -> int | None:
         """Bucket of a push's context rows (a step's accepted rows); None past it (prompt pushes run eagerly)."""
@@ -284,7 +294,10 @@ class DrafterRunner:
 
     def _block_graph(self, batch: int, keys: int):
         """The captured block forward of a (batch, context) bucket (captured on first use)."""
-        return self.graphs.cache.get((batch, keys), lambda p: self._draft_logprobs(p, keys, self.block_size - 1),
+        depth = self.block_size - 1
+        fresh = (batch, keys) not in self.graphs.cache.graphs
+        out = self.graphs.logprobs_view(batch, depth, self.vocab_size, self.device) if fresh else None
+        return self.graphs.cache.get((batch, keys), lambda p: self._draft_logprobs(p, keys, depth, out=out),
                                      lambda: [self._pack([], batch).to(self.device)])
 
     def _store_graph(self, rows: int):
@@ -318,9 +331,10 @@ class DrafterRunner:
             packed[: len(rows)] = torch.tensor(rows, dtype=torch.long)
         return packed
 
-    def _draft_logprobs(self, packed: torch.Tensor, key_len: int, depth: int) -> torch.Tensor:
+    def _draft_logprobs(self, packed: torch.Tensor, key_len: int, depth: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
         """The device part of a draft: block forward over the packed rows -> fp32 log-probs [B, depth, V] of the
-        positions the trees can use (no host sync)."""
+        positions the trees can use (no host sync), written into out when given."""
         bs = self.block_size
         dev = self.device
         bonus, ctx_len, slots = packed[:, 0], packed[:, 1], packed[:, 2]
@@ -338,4 +352,4 @@ class DrafterRunner:
         h = self.model(noise, None, positions, attention_mask=mask, past=ContextKV(keys, values, key_pos))
         # Only the positions the trees can use go through the head and the softmax.
         logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
-        return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(logits.float(), dim=-1, out=out)

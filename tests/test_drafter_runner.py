@@ -196,3 +196,16 @@ def test_a_prefetched_draft_answers_only_the_draft_it_was_made_for():
     assert not d.answers(DraftItem("s", 5, 10), top_k=8, depth=15)    # another bonus token
     assert not d.answers(DraftItem("s", 4, 11), top_k=8, depth=15)    # another context
     assert not d.answers(DraftItem("s", 4, 10), top_k=16, depth=15)   # wider than drafted
+
+
+def test_the_block_forward_writes_its_log_probs_into_a_given_buffer(dirs):
+    """What the captured block forwards rely on (they share one output buffer): the same log-probs, in place."""
+    r = _runner(dirs, "full", max_batch=2, max_seq_len=64)
+    r.add_context("a", 0, torch.randn(11, r.feature_dim, generator=torch.Generator().manual_seed(3)))
+    packed = r._pack([(7, 11, r._slot["a"])], 2)
+    with torch.no_grad():
+        want = r._draft_logprobs(packed, 16, BS - 1)
+        out = torch.full_like(want, float("nan"))
+        got = r._draft_logprobs(packed, 16, BS - 1, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
