@@ -8,7 +8,8 @@
 #   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27)
-#   rpchop     one gRPC hop between the services on this host's CPUs (bench.rpc_hop, tiny CPU models)
+#   rpchop     one gRPC hop between the services on this host's CPUs (bench.rpc_hop, tiny CPU models), and a
+#              unary call against a message on an open stream (bench.grpc_stream_hop)
 #   int8       bf16 / int8 / int4 step costs at the 8B shape (builds /tmp/w8 unless there), kernel microbench
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
@@ -64,7 +65,9 @@ for s in $SECTIONS; do
       grep -E "tok/s|CALIB|Error|error" "$R/speed-27b.log" | tail -12 ;;
     rpchop)   # one gRPC hop between the services on this host's CPUs (tiny CPU models): is the host's hop the cost?
       timeout ${RPCHOP_S:-240} python3 -m bench.rpc_hop --calls 150 --warmup 30 --rounds 3 --out-dir "$R" > "$R/rpc-hop.log" 2>&1
-      grep -h "^|" "$R"/rpc-hop-*.md | head -14 ;;
+      grep -h "^|" "$R"/rpc-hop-*.md | head -14
+      timeout 120 python3 -m bench.grpc_stream_hop --unix --out-dir "$R" > "$R/grpc-stream-hop.log" 2>&1
+      grep -h "^|" "$R"/grpc-stream-hop-*.md ;;
     int8)   # bf16, int8 and int4 step costs from one checkpoint (ratios within one run), then the kernel microbench
       for q in ${QUANTS:-none int8 int4}; do
         timeout 200 python3 -m bench.step_cost --shape qwen3-8b --batches 1 --nodes 1,65 --steps 10 --quantize $q \
