@@ -43,6 +43,9 @@ class TargetServerConfig(ModelServiceConfig):
     gpu_memory_cap_gb: float | None = None        # CUDA: GiB this process's allocator may hold, taken as the card
 
 
+WARMUP_LOG_S = 15.0   # a long warm-up (the 27B's ~120 buckets take minutes) logs its progress this often
+
+
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     """Holds the TargetRunner; model work runs on one dedicated thread so the event loop stays responsive."""
 
@@ -98,11 +101,14 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         """Captures every verify bucket, one bucket per model-thread item: a request arriving meanwhile waits
         behind one capture, not all of them (the 64-layer 27B's ~120 buckets took minutes, and the first
         requests ran past their deadline)."""
-        t0 = time.perf_counter()
+        t0 = last_log = time.perf_counter()
         shapes = self.runner.warmup_shapes()
         try:
-            for shape in shapes:
+            for done, shape in enumerate(shapes, start=1):
                 seconds = await self.model_thread.run(self.runner.warmup, [shape])
+                if time.perf_counter() - last_log >= WARMUP_LOG_S and done < len(shapes):
+                    last_log = time.perf_counter()
+                    log.info("verify graph warm-up: %d of %d buckets in %.0f s", done, len(shapes), last_log - t0)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the service still works: graphs capture on first use instead
