@@ -26,9 +26,20 @@ LINKED = ("target", "drafter")   # the services the others call: they get a Unix
 
 def free_port() -> int:
     """A TCP port that is free right now on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports free right now on loopback (held open together while chosen: one at a time, the
+    system may hand the same port out twice)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass
@@ -63,12 +74,13 @@ class LocalStack:
 
     def __post_init__(self) -> None:
         names = ("target", "drafter", "gateway")
-        for name in names:
-            self.ports.setdefault(name, free_port())
-        if self.http or "http" in self.ports:
+        if "http" in self.ports:
             self.http = True
-            self.ports["http"] = self.ports.get("http") or free_port()
-        self.metrics_ports = {name: free_port() for name in names} if self.metrics else {}
+        wanted = [n for n in (*names, *(["http"] if self.http else [])) if not self.ports.get(n)]
+        chosen = iter(free_ports(len(wanted) + (len(names) if self.metrics else 0)))
+        for name in wanted:
+            self.ports[name] = next(chosen)
+        self.metrics_ports = {name: next(chosen) for name in names} if self.metrics else {}
         self.own_log_dir = not self.log_dir
         self.own_socket_dir = self.unix_sockets and not self.socket_dir
         if self.own_socket_dir:

@@ -118,3 +118,10 @@ def test_a_gpu_memory_cap_on_the_cpu_exits_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 1
     assert err.strip().splitlines()[-1].startswith("ddtree-serve target: error: --gpu-memory-cap needs a CUDA device")
+
+
+def test_free_ports_are_distinct_even_when_many_are_asked_for_at_once():
+    from launch.local_stack import free_ports
+
+    ports = free_ports(64)
+    assert len(set(ports)) == 64 and all(0 < p < 65536 for p in ports)

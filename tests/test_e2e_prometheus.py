@@ -23,7 +23,7 @@ import grpc
 import pytest
 import yaml
 
-from launch.local_stack import LocalStack, free_port
+from launch.local_stack import LocalStack, free_port, free_ports
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc
 from tests.conftest import make_request, prompts_for, reference_greedy, run_streams
 
@@ -257,8 +257,9 @@ def _model_info(address: str) -> gateway_pb2.ModelInfoResponse:
 
 def test_gateway_spreads_requests_over_two_pairs(checkpoints, tmp_path) -> None:
     target, drafter = checkpoints("qwen3")
-    grpc_ports = {n: free_port() for n in ("target0", "drafter0", "target1", "drafter1", "gateway")}
-    metrics_ports = {n: free_port() for n in grpc_ports}
+    names = ("target0", "drafter0", "target1", "drafter1", "gateway")
+    ports = free_ports(2 * len(names))
+    grpc_ports, metrics_ports = dict(zip(names, ports)), dict(zip(names, ports[len(names):]))
     pairs = [{"target": f"127.0.0.1:{grpc_ports[f'target{i}']}", "drafter": f"127.0.0.1:{grpc_ports[f'drafter{i}']}"}
              for i in (0, 1)]
     (tmp_path / "pairs.yaml").write_text(yaml.safe_dump(pairs))

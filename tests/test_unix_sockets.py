@@ -105,3 +105,18 @@ def test_a_service_answers_on_its_unix_socket_and_tcp_with_the_same_credential_c
         assert asyncio.run(main()) == [health_pb2.HealthCheckResponse.SERVING] * 2
     finally:
         auth.configure(previous)
+
+
+def test_a_second_service_on_a_port_already_served_is_refused_at_start():
+    """Without SO_REUSEPORT: two servers on one port would silently split its requests between them."""
+
+    async def scenario():
+        first = ServiceHost(["a"], reflection=False)
+        port = await first.start("127.0.0.1", 0)
+        try:
+            with pytest.raises(RuntimeError):
+                await ServiceHost(["b"], reflection=False).start("127.0.0.1", port)
+        finally:
+            await first.server.stop(None)
+
+    asyncio.run(scenario())

@@ -98,8 +98,11 @@ class ServiceHost:
     health: health.aio.HealthServicer = field(init=False)
 
     def __post_init__(self) -> None:
+        # so_reuseport off: by default a second server may bind a port already served, and requests are then
+        # split between the two (seen: a gateway and a target on one port, readiness probes answered by the
+        # wrong one); off, a taken port is refused at start.
         options = [*CHANNEL_OPTIONS[:1], ("grpc.max_receive_message_length", self.max_receive_bytes),
-                   *CHANNEL_OPTIONS[2:]]
+                   *CHANNEL_OPTIONS[2:], ("grpc.so_reuseport", 0)]
         self.server = grpc.aio.server(interceptors=list(self.interceptors), options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
