@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree_serve.plumbing.cuda_graphs import GraphCache, key_buckets, pick_bucket, power_of_two_buckets
+from ddtree_serve.plumbing.cuda_graphs import GraphCache, SharedOutput, key_buckets, pick_bucket, power_of_two_buckets
 from drafter_svc.dflash_model import ContextKV, DFlashDraftModel, load_target_embeddings
 
 
@@ -37,22 +37,15 @@ class DraftGraphs:
     """Captured drafter steps: the block forward per (batch, context bucket), and the storing of a push's context
     rows per row bucket. Top-k runs after the graph, so the drafts' K is not part of any key."""
 
-    def __init__(self, max_batch: int, max_seq_len: int) -> None:
+    def __init__(self, max_batch: int, max_seq_len: int, depth: int, vocab_size: int, device: torch.device) -> None:
         self.batch_buckets = power_of_two_buckets(max_batch)
         self.key_buckets = key_buckets(max_seq_len)
         # A step pushes each sequence's accepted rows (at most a block): up to max_batch * 16 rows together.
         self.row_buckets = power_of_two_buckets(16 * max_batch)
         self.cache = GraphCache("drafter block forward")
-        # Every block forward writes its log-probs here (flat, sized for the largest batch on first use): one
-        # buffer rather than one per bucket, which at a 248k vocabulary would be ~1.3 GiB over the buckets.
-        self.logprobs_out: torch.Tensor | None = None
-
-    def logprobs_view(self, batch: int, depth: int, vocab: int, device: torch.device) -> torch.Tensor:
-        """[batch, depth, vocab] fp32 view of the shared log-probs buffer."""
-        if self.logprobs_out is None:
-            self.logprobs_out = torch.empty(self.batch_buckets[-1] * depth * vocab, dtype=torch.float32,
-                                            device=device)
-        return self.logprobs_out[: batch * depth * vocab].view(batch, depth, vocab)
+        # Every block forward writes its [batch, depth, vocab] log-probs here (one buffer, not one per bucket:
+        # ~1.3 GiB over the buckets at a 248k vocabulary).
+        self.logprobs_out = SharedOutput(self.batch_buckets[-1] * depth * vocab_size, torch.float32, device)
 
     def rows_bucket(self, rows: int) -> int | None:
         """Bucket of a push's context rows (a step's accepted rows); None past it (prompt pushes run eagerly)."""
@@ -110,7 +103,8 @@ class DrafterRunner:
         self._lock = threading.Lock()
         self.graphs: DraftGraphs | None = None
         if not cfg.enforce_eager and self.device.type == "cuda":
-            self.graphs = DraftGraphs(cfg.max_batch, cfg.max_seq_len)
+            self.graphs = DraftGraphs(cfg.max_batch, cfg.max_seq_len, self.block_size - 1, self.vocab_size,
+                                      self.device)
             if not cfg.lazy_graphs:
                 self.warmup()
 
@@ -296,7 +290,7 @@ class DrafterRunner:
         """The captured block forward of a (batch, context) bucket (captured on first use)."""
         depth = self.block_size - 1
         fresh = (batch, keys) not in self.graphs.cache.graphs
-        out = self.graphs.logprobs_view(batch, depth, self.vocab_size, self.device) if fresh else None
+        out = self.graphs.logprobs_out.view(batch, depth, self.vocab_size) if fresh else None
         return self.graphs.cache.get((batch, keys), lambda p: self._draft_logprobs(p, keys, depth, out=out),
                                      lambda: [self._pack([], batch).to(self.device)])
 

@@ -196,8 +196,6 @@ def load_target(
         quantized = frozenset(replace_linears(hf_model.model.layers, "model.layers.", dtype,
                                               int8_matmul_backend(device), bits))
     _load_weights(hf_model, _checkpoint_files(model_dir), wrapper, device, dtype, quantized, bits)
-    if device.type == "cuda":   # the float weights quantized on arrival were freed: hand their blocks back
-        torch.cuda.empty_cache()
     hf_model.eval().requires_grad_(False)
 
     decoder = hf_model.model

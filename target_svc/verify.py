@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from ddtree_serve.decoding.acceptance import accept_batch
-from ddtree_serve.plumbing.cuda_graphs import GraphCache, key_buckets, pick_bucket, power_of_two_buckets, tree_node_buckets
+from ddtree_serve.plumbing.cuda_graphs import (GraphCache, SharedOutput, key_buckets, pick_bucket, power_of_two_buckets,
+                                               tree_node_buckets)
 from target_svc.model import TargetModel
 
 
@@ -117,8 +118,9 @@ class VerifyGraphs:
         self.commits = GraphCache("target verify commit")
         self._feature_layers: tuple[int, ...] | None = None
         self._traces: dict[VerifyShape, list] = {}   # from a bucket's forward capture until its commit capture
-        self._logits_out: Tensor | None = None       # flat fp32, max batch x max nodes x vocab
-        self._features_out: Tensor | None = None     # flat, max batch x max nodes x feature width
+        self._rows = self.batch_buckets[-1] * self.node_buckets[-1]
+        self._logits_out = SharedOutput(self._rows * model.target.vocab_size, torch.float32, model.device)
+        self._features_out: SharedOutput | None = None   # sized when the feature layers are known
 
     @staticmethod
     def supports(model: TargetModel) -> bool:
@@ -145,30 +147,26 @@ class VerifyGraphs:
     def _outputs(self, s: VerifyShape, feature_layers: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
         """Views at s's shape of the buffers every forward graph writes (allocated at the largest shape)."""
         m = self.model
-        rows = self.batch_buckets[-1] * self.node_buckets[-1]
-        vocab = m.target.vocab_size
-        if self._logits_out is None:
-            self._logits_out = torch.empty(rows * vocab, dtype=torch.float32, device=m.device)
-        logits = self._logits_out[: s.batch * s.nodes * vocab].view(s.batch, s.nodes, vocab)
+        logits = self._logits_out.view(s.batch, s.nodes, m.target.vocab_size)
         if not feature_layers:
             return logits, None
         width = len(feature_layers) * m.target.hidden_size
         if self._features_out is None:
-            self._features_out = torch.empty(rows * width, dtype=m.dtype, device=m.device)
-        return logits, self._features_out[: s.batch * s.nodes * width].view(s.batch, s.nodes, width)
+            self._features_out = SharedOutput(self._rows * width, m.dtype, m.device)
+        return logits, self._features_out.view(s.batch, s.nodes, width)
 
     def forward(self, batch: VerifyBatch, packed_dev: Tensor, feature_layers: tuple[int, ...]):
         """Replays (capturing on first use) the forward of batch's bucket."""
         self._reset_if_layers_changed(feature_layers)
         s = batch.shape
         fresh = s not in self.forwards.graphs
-        out = self._outputs(s, feature_layers) if fresh else None
+        buffers = self._outputs(s, feature_layers) if fresh else None
 
         def run(p: Tensor):
             # The capture's warm-up runs and the capture each make traces: drop the last run's before the next
             # makes its own (at the 27B's batch-8 65-node bucket one set is ~1.6 GiB).
             self.model.pending_traces = None
-            return verify_forward(self.model, p, s.nodes, s.key_len, feature_layers, out)
+            return verify_forward(self.model, p, s.nodes, s.key_len, feature_layers, buffers)
 
         fn = self.forwards.get(s, run, lambda: [self._example(s)])
         if fresh:   # the GDN traces every replay of this forward fills are those its capture left pending

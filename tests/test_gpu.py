@@ -96,10 +96,10 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
         graphs = target_runner.graphs
         assert graphs.forwards.graphs and graphs.commits.graphs and drafter_runner.graphs.cache.graphs
         # every bucket's forward wrote the one shared logits buffer; no bucket still holds its traces
-        assert {g.outputs[0].data_ptr() for g in graphs.forwards.graphs.values()} == {graphs._logits_out.data_ptr()}
+        assert {g.outputs[0].data_ptr() for g in graphs.forwards.graphs.values()} == {graphs._logits_out.buffer.data_ptr()}
         assert not graphs._traces
         drafts = [g for key, g in drafter_runner.graphs.cache.graphs.items() if key[0] != "context"]
-        assert {g.outputs.data_ptr() for g in drafts} == {drafter_runner.graphs.logprobs_out.data_ptr()}
+        assert {g.outputs.data_ptr() for g in drafts} == {drafter_runner.graphs.logprobs_out.buffer.data_ptr()}
 
 
 def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ddtree_serve.decoding.config import SamplingParams
-from ddtree_serve.plumbing.cuda_graphs import key_buckets, pick_bucket, power_of_two_buckets, tree_node_buckets
+from ddtree_serve.plumbing.cuda_graphs import (SharedOutput, key_buckets, pick_bucket, power_of_two_buckets,
+                                               tree_node_buckets)
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
 from target_svc.verify import VerifyBatch, VerifyShape, unpack, verify_commit, verify_forward
 from tests.fixtures import make_tiny_qwen3, make_tiny_qwen3_5
@@ -115,3 +116,14 @@ def test_padding_rows_nodes_and_keys_changes_no_real_result(tmp_path, maker, tre
         roots = want[1][:, 1].tolist()
     for want_state, got_state in zip(exact_runner.model.cache.linear, padded_runner.model.cache.linear):
         torch.testing.assert_close(got_state.rec[:2], want_state.rec[:2], atol=1e-4, rtol=0)
+
+
+def test_a_shared_output_views_one_buffer_at_every_bucket_shape_and_refuses_a_larger_one():
+    out = SharedOutput(4 * 9 * 5, torch.float32, torch.device("cpu"))
+    small, large = out.view(1, 9, 5), out.view(4, 9, 5)
+    assert small.is_contiguous() and small.shape == (1, 9, 5) and large.shape == (4, 9, 5)
+    assert small.data_ptr() == large.data_ptr() == out.buffer.data_ptr()
+    small.fill_(3.0)
+    assert torch.equal(large.reshape(-1)[:45], torch.full((45,), 3.0))
+    with pytest.raises(ValueError, match="exceeds"):
+        out.view(5, 9, 5)

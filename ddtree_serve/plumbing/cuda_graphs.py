@@ -9,6 +9,7 @@ can overlap; a graph's outputs stay valid until the next replay of any graph of 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,26 @@ def power_of_two_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
         b *= 2
     out.append(limit)
     return tuple(out)
+
+
+class SharedOutput:
+    """One flat buffer that the graphs of every bucket write an output into, viewed at each bucket's shape.
+
+    A graph's outputs live as long as the graph: one buffer of the largest size instead of one per bucket (at a
+    248k vocabulary, per-bucket logits alone ran to gigabytes). Allocated on first use."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.buffer: Tensor | None = None
+
+    def view(self, *shape: int) -> Tensor:
+        """The buffer's first prod(shape) elements as a contiguous tensor of that shape."""
+        n = math.prod(shape)
+        if n > self.numel:
+            raise ValueError(f"shape {shape} exceeds the shared output's {self.numel} elements")
+        if self.buffer is None:
+            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self.buffer[:n].view(*shape)
 
 
 @dataclass
