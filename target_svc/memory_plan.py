@@ -10,8 +10,9 @@ The cache is one padded slot per sequence (docs/ARCHITECTURE.md), so its size is
 refuses when not even one sequence fits. On CUDA the budget is vLLM-style: --gpu-memory-utilization x the
 card's memory, minus what is in use once the weights are loaded, minus an activation workspace estimate;
 --kv-cache-memory gives the cache's bytes directly. The workspace is an estimate, not a profiled peak.
---gpu-memory-cap makes the process a smaller card: torch's allocator may hold at most the cap, and the plan takes
-the cap as the card (utilization x cap - what this process holds).
+--gpu-memory-cap makes the process a smaller card: the plan takes the cap as the card (utilization x cap - what this
+process holds), and torch's allocator may hold at most utilization x cap, leaving the rest of the cap for what
+the allocator does not see (the CUDA context, kernel images, captured graphs' executables).
 """
 from __future__ import annotations
 
@@ -176,23 +177,27 @@ def memory_cap_fraction(cap_bytes: int, card_bytes: int) -> float:
     return cap_bytes / card_bytes
 
 
-def cap_gpu_memory(device: torch.device, cap_bytes: int) -> float:
-    """Caps torch's CUDA allocator of this process on device at cap_bytes (set_per_process_memory_fraction);
-    returns the fraction. MemoryPlanError off CUDA or for a cap outside (0, card]."""
+def cap_gpu_memory(device: torch.device, cap_bytes: int, utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> float:
+    """Makes this process a card of cap_bytes: torch's CUDA allocator may hold utilization x cap_bytes
+    (set_per_process_memory_fraction); returns the fraction. MemoryPlanError off CUDA or for a cap outside (0, card]."""
     if device.type != "cuda":
         # Refused, not ignored: the cap exists to bound memory, and silently serving unbounded on the CPU would
         # let a configuration look like it fits a card when nothing was checked (vLLM also rejects GPU-only
         # settings that cannot take effect rather than dropping them).
         raise MemoryPlanError(f"--gpu-memory-cap needs a CUDA device; the target runs on {device} "
                               "(on the CPU, --kv-cache-memory bounds the cache)")
+    if not 0 < utilization <= 1:
+        raise MemoryPlanError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
     index = device.index if device.index is not None else torch.cuda.current_device()
     card = torch.cuda.mem_get_info(index)[1]   # the total the allocator's fraction is taken of
-    fraction = memory_cap_fraction(cap_bytes, card)
+    fraction = memory_cap_fraction(cap_bytes, card) * utilization
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    # The allocator's limit covers tensors, caches and graph pools, not the CUDA context and kernel images
-    # (a few hundred MiB on a real card of that size): the utilization's headroom is what covers them.
-    log.info("GPU memory capped at %s of cuda:%d's %s (fraction %.4f): the memory plan treats the cap as the card",
-             human_bytes(cap_bytes), index, human_bytes(card), fraction)
+    # The allocator's limit covers tensors, caches and graph pools, not the CUDA context, kernel images and the
+    # captured graphs' executables (measured at the 27B: ~0.6 GiB + ~11 MiB a graph): the (1 - utilization)
+    # share of the cap is left for them, as on a real card of that size.
+    log.info("GPU memory capped at %s of cuda:%d's %s: torch's allocator may hold %s (--gpu-memory-utilization "
+             "%.2f, fraction %.4f); the memory plan treats the cap as the card", human_bytes(cap_bytes), index,
+             human_bytes(card), human_bytes(int(cap_bytes * utilization)), utilization, fraction)
     return fraction
 
 

@@ -166,7 +166,8 @@ class TargetRunner:
         self.cfg = cfg
         if cfg.gpu_memory_cap_bytes is not None:
             # Before the weights load: loading is part of what must fit under the cap.
-            cap_gpu_memory(torch.device(cfg.device), cfg.gpu_memory_cap_bytes)
+            cap_gpu_memory(torch.device(cfg.device), cfg.gpu_memory_cap_bytes,
+                           cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
         self.target = load_target(cfg.model_dir, cfg.device, cfg.dtype, cfg.quantize)
         # Positions past the model's trained range are not served.
         self.max_seq_len = min(cfg.max_seq_len, self.target.max_position_embeddings)

@@ -883,7 +883,7 @@ def test_cuda_quantized_target_runs_the_triton_kernels_and_greedy_is_the_same_gr
     assert outputs[0] == outputs[1]
 
 
-def test_cuda_gpu_memory_cap_bounds_the_allocator_and_the_plan_takes_it_as_the_card(checkpoints):
+def test_cuda_gpu_memory_cap_bounds_the_allocator_at_its_utilization_and_the_plan_takes_it_as_the_card(checkpoints):
     from target_svc.memory_plan import GIB, MemoryPlanError
 
     target_dir, _ = checkpoints("qwen3")
@@ -896,8 +896,9 @@ def test_cuda_gpu_memory_cap_bounds_the_allocator_and_the_plan_takes_it_as_the_c
         assert "--gpu-memory-cap 2.00 GiB" in plan.source and plan.max_batch == 4
         # The budget is 0.9 x the cap minus what this process held after the weights loaded (<= the cap).
         assert 0 < plan.budget_bytes <= int(0.9 * cap)
+        # The allocator may hold 0.9 x the cap: the rest is the CUDA context's and the graphs' (outside torch).
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(cap, dtype=torch.uint8, device="cuda")   # more than the capped allocator may hold
+            torch.empty(int(0.9 * cap), dtype=torch.uint8, device="cuda")   # on top of the weights and cache
         with pytest.raises(MemoryPlanError, match="larger than the card"):
             TargetRunner(TargetConfig(model_dir=str(target_dir), device="cuda",
                                       gpu_memory_cap_bytes=torch.cuda.mem_get_info()[1] + GIB))

@@ -27,15 +27,25 @@ def test_power_of_two_buckets_end_at_the_limit():
 
 
 def test_tree_nodes_bucket_as_decode_steps_and_budget_trees():
-    assert tree_node_buckets(257) == (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
-    assert tree_node_buckets(65) == (1, 2, 3, 5, 9, 17, 33, 65)
+    assert tree_node_buckets(257) == (1, 5, 17, 65, 257)
+    assert tree_node_buckets(65) == (1, 5, 17, 65)
+    assert tree_node_buckets(40) == (1, 5, 17, 40)
+    assert tree_node_buckets(1) == (1,)
     assert pick_bucket(tree_node_buckets(65), 16) == 17  # a 15-deep chain and its root
+    assert pick_bucket(tree_node_buckets(65), 33) == 65  # a budget-32 tree pads to the budget-64 bucket
 
 
 def test_attended_rows_use_one_bucket_up_to_4096_then_powers_of_two():
     assert key_buckets(2305) == (512, 1024, 2048, 2305)
     assert key_buckets(300) == (300,)
-    assert key_buckets(32768 + 257) == (512, 1024, 2048, 4096, 8192, 16384, 32768, 33025)
+    assert key_buckets(32768 + 257) == (512, 1024, 2048, 4096, 8192, 16384, 33025)
+
+
+def test_a_capacity_just_past_a_power_of_two_replaces_it_as_the_last_key_bucket():
+    assert key_buckets(8192 + 65) == (512, 1024, 2048, 4096, 8257)   # max_seq_len 8192 + a 65-node tree
+    assert key_buckets(8192 + 2048) == (512, 1024, 2048, 4096, 8192, 10240)
+    assert key_buckets(560) == (560,)
+    assert key_buckets(600) == (512, 600)
 
 
 def test_pick_bucket_takes_the_smallest_that_fits_and_refuses_oversize():
