@@ -33,6 +33,11 @@ except ImportError:   # a tree from before draft_tensors: its engine's own expre
         return (torch.tensor(r.logprobs, dtype=torch.float32).reshape(shape),
                 torch.tensor(r.token_ids, dtype=torch.long).reshape(shape))
 
+try:   # the step calls as messages on long-lived streams, where the measured tree has them
+    from ddtree_serve.plumbing.step_stream import StreamedCalls
+except ImportError:
+    StreamedCalls = None
+
 PROMPT = list(range(5, 21))   # 16 ordinary token ids of any vocabulary the bench uses
 CONTEXT_ROWS = 16             # drafter context rows a timed Draft sees
 STEP_DRAFT = (15, 64)         # depth x top-k of a budget-64 DDTree step's Draft (block 16), the 8B runs' shape
@@ -101,16 +106,31 @@ async def _target(out: Timings, spec: Spec) -> None:
             seq_id=seq_id, prompt_ids=PROMPT, sampling=common_pb2.SamplingParams())]), timeout=spec.timeout_s)
         state = {"next": prefill.results[0].next_token}
 
-        async def verify():   # the smallest step: a one-node tree (an autoregressive step), no feature push
-            reply = await stub.Verify(target_pb2.VerifyRequest(items=[target_pb2.TreeItem(
-                seq_id=seq_id, tokens=[state["next"]], parents=[-1])]), timeout=spec.timeout_s)
-            state["next"] = reply.results[0].next_token
-            return reply.timings.total_ns / 1e9
+        def verify_by(send):
+            async def verify():   # the smallest step: a one-node tree (an autoregressive step), no feature push
+                reply = await send(target_pb2.VerifyRequest(items=[target_pb2.TreeItem(
+                    seq_id=seq_id, tokens=[state["next"]], parents=[-1])]))
+                state["next"] = reply.results[0].next_token
+                return reply.timings.total_ns / 1e9
+            return verify
 
+        stream = _stream(stub, "VerifyStream", "TargetService/Verify")
         try:
-            await out.time("target Verify (1 node)", spec, verify)
+            await out.time("target Verify (1 node)", spec, verify_by(lambda r: stub.Verify(r, timeout=spec.timeout_s)))
+            if stream is not None:
+                await out.time("target Verify (1 node), stream message", spec,
+                               verify_by(lambda r: stream(r, spec.timeout_s)))
         finally:
+            if stream is not None:
+                stream.close()
             await stub.Release(target_pb2.ReleaseRequest(seq_ids=[seq_id]), timeout=spec.timeout_s)
+
+
+def _stream(stub, method: str, label: str):
+    """StreamedCalls over stub.<method> (a step call's stream), None where the measured tree has no such stream."""
+    if StreamedCalls is None or not hasattr(stub, method):
+        return None
+    return StreamedCalls(getattr(stub, method), label)
 
 
 async def _drafter(out: Timings, spec: Spec) -> None:
@@ -127,11 +147,12 @@ async def _drafter(out: Timings, spec: Spec) -> None:
         push_id, draft_id = f"rpc-hop-push-{stamp}", f"rpc-hop-draft-{stamp}"
         held = {"rows": 0}
 
-        async def push():   # one row, inline, as the target pushes an autoregressive step's features
-            await stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=spec.feature_dim, rows=[
-                drafter_pb2.FeatureRows(seq_id=push_id, start=held["rows"], num_rows=1, dtype="float32", data=row)]),
-                timeout=spec.timeout_s)
-            held["rows"] += 1
+        def push_by(send):
+            async def push():   # one row, inline, as the target pushes an autoregressive step's features
+                await send(drafter_pb2.FeatureBatch(feature_dim=spec.feature_dim, rows=[drafter_pb2.FeatureRows(
+                    seq_id=push_id, start=held["rows"], num_rows=1, dtype="float32", data=row)]))
+                held["rows"] += 1
+            return push
 
         await stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=spec.feature_dim, rows=[drafter_pb2.FeatureRows(
             seq_id=draft_id, start=0, num_rows=CONTEXT_ROWS, dtype="float32", data=row * CONTEXT_ROWS)]),
@@ -143,18 +164,33 @@ async def _drafter(out: Timings, spec: Spec) -> None:
                 timeout=spec.timeout_s)
             return reply.timings.total_ns / 1e9
 
-        async def step_draft():   # a budget-64 step's Draft, unpacked into tensors as the gateway does
-            reply = await stub.Draft(drafter_pb2.DraftRequest(items=[drafter_pb2.DraftItem(
-                seq_id=draft_id, bonus_token=PROMPT[0], context_len=CONTEXT_ROWS)], top_k=STEP_DRAFT[1],
-                max_depth=STEP_DRAFT[0]), timeout=spec.timeout_s)
-            draft_tensors(reply.results[0])
-            return reply.timings.total_ns / 1e9
+        def step_draft_by(send):
+            async def step_draft():   # a budget-64 step's Draft, unpacked into tensors as the gateway does
+                reply = await send(drafter_pb2.DraftRequest(items=[drafter_pb2.DraftItem(
+                    seq_id=draft_id, bonus_token=PROMPT[0], context_len=CONTEXT_ROWS)], top_k=STEP_DRAFT[1],
+                    max_depth=STEP_DRAFT[0]))
+                draft_tensors(reply.results[0])
+                return reply.timings.total_ns / 1e9
+            return step_draft
 
+        pushes = _stream(stub, "PushFeaturesStream", "DrafterService/PushFeatures")
+        drafts = _stream(stub, "DraftStream", "DrafterService/Draft")
         try:
-            await out.time("drafter PushFeatures (1 row)", spec, push)
+            await out.time("drafter PushFeatures (1 row)", spec,
+                           push_by(lambda r: stub.PushFeatures(r, timeout=spec.timeout_s)))
+            if pushes is not None:
+                await out.time("drafter PushFeatures (1 row), stream message", spec,
+                               push_by(lambda r: pushes(r, spec.timeout_s)))
             await out.time("drafter Draft (depth 1, top-1)", spec, draft)
-            await out.time("drafter Draft (depth 15, top-64) + unpack", spec, step_draft)
+            await out.time("drafter Draft (depth 15, top-64) + unpack", spec,
+                           step_draft_by(lambda r: stub.Draft(r, timeout=spec.timeout_s)))
+            if drafts is not None:
+                await out.time("drafter Draft (depth 15, top-64) + unpack, stream message", spec,
+                               step_draft_by(lambda r: drafts(r, spec.timeout_s)))
         finally:
+            for calls in (pushes, drafts):
+                if calls is not None:
+                    calls.close()
             await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=[push_id, draft_id]), timeout=spec.timeout_s)
 
 

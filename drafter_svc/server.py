@@ -16,6 +16,7 @@ from ddtree_serve.plumbing.host_copy import to_host
 from ddtree_serve.plumbing.metrics import DrafterMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
+from ddtree_serve.plumbing.step_stream import answer_each
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes, rows_view
 from ddtree_serve.transport.nccl_protocol import (NcclLinkLost, NcclSetupError, device_uuid, missing_nccl_package,
@@ -185,6 +186,12 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             self.metrics.observe_transport_received(transport, received)
         return drafter_pb2.PushFeaturesResponse(bytes=stored)
 
+    async def PushFeaturesStream(self, request_iterator, context):
+        """PushFeatures for each message of a long-lived stream, in order (the target's feature sender)."""
+        async for response in answer_each(request_iterator, context, self.PushFeatures,
+                                          "DrafterService/PushFeatures", self.record_message):
+            yield response
+
     def _draft_on_host(self, items: list[DraftItem], top_k: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Model thread: runner.draft, its (log-probs, ids) copied to the host without holding the GIL."""
         return to_host(*self.runner.draft(items, top_k, depth))
@@ -286,6 +293,12 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 self.metrics.observe_prefetch(hits=len(items) - len(missing), misses=len(missing))
         return drafter_pb2.DraftResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, queue_ns=t1 - t0))
+
+    async def DraftStream(self, request_iterator, context):
+        """Draft for each message of a long-lived stream, in order (the gateway's step path)."""
+        async for response in answer_each(request_iterator, context, self.Draft, "DrafterService/Draft",
+                                          self.record_message):
+            yield response
 
     @grpc_errors
     async def Release(self, request, context):

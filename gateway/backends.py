@@ -8,7 +8,9 @@ import grpc
 
 from ddtree_serve.plumbing import auth
 from ddtree_serve.proto import drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
+from ddtree_serve.plumbing.metrics.interceptors import message_recorder
 from ddtree_serve.plumbing.rpc import CHANNEL_OPTIONS, wait_until_serving
+from ddtree_serve.plumbing.step_stream import StreamedCalls
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ class BackendPair:
     transport: str = "inline"
     target_ok: bool = False    # the target answers as the instance we attached (see gateway/watch.py)
     drafter_ok: bool = False   # the drafter answers in time: speculation is worth trying
+    step_streams: bool = True  # Draft and Verify as messages on long-lived streams (False: unary calls)
+    _verify_calls: StreamedCalls | None = field(default=None, repr=False)   # made by connect()
+    _draft_calls: StreamedCalls | None = field(default=None, repr=False)
 
     async def connect(self, timeout_s: float = 300.0, transport: str = "inline") -> None:
         """Waits for both services to be ready, reads their info and attaches the drafter to the target."""
@@ -55,6 +60,10 @@ class BackendPair:
                                                       interceptors=self.client_interceptors)
         self.target = target_pb2_grpc.TargetServiceStub(self._target_channel)
         self.drafter = drafter_pb2_grpc.DrafterServiceStub(self._drafter_channel)
+        if self.step_streams:
+            record = message_recorder(self.client_interceptors)
+            self._verify_calls = StreamedCalls(self.target.VerifyStream, "TargetService/Verify", record)
+            self._draft_calls = StreamedCalls(self.drafter.DraftStream, "DrafterService/Draft", record)
         self.transport = transport
         try:
             await self.attach()
@@ -81,6 +90,21 @@ class BackendPair:
                  self.target_info.model_name, self.address.drafter, self.drafter_info.block_size,
                  list(self.drafter_info.target_layer_ids))
 
+    async def verify(self, request: target_pb2.VerifyRequest, timeout: float) -> target_pb2.VerifyResponse:
+        """A step's Verify: a message on the target's VerifyStream (a unary call with step_streams off)."""
+        if self._verify_calls is not None:
+            return await self._verify_calls(request, timeout)
+        return await self.target.Verify(request, timeout=timeout)
+
+    async def draft(self, request: drafter_pb2.DraftRequest, timeout: float) -> drafter_pb2.DraftResponse:
+        """A step's Draft: a message on the drafter's DraftStream (a unary call with step_streams off)."""
+        if self._draft_calls is not None:
+            return await self._draft_calls(request, timeout)
+        return await self.drafter.Draft(request, timeout=timeout)
+
     async def close(self) -> None:
+        for calls in (self._verify_calls, self._draft_calls):
+            if calls is not None:
+                calls.close()
         await self._target_channel.close()
         await self._drafter_channel.close()

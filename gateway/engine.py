@@ -177,7 +177,7 @@ class PairEngine(BackgroundTask):
             items=[drafter_pb2.DraftItem(seq_id=s.seq_id, bonus_token=s.bonus, context_len=s.context_len)
                    for s in drafting], top_k=top_k, max_depth=depth)
         try:
-            response = await self.pair.drafter.Draft(request, timeout=self.cfg.draft_timeout_s)
+            response = await self.pair.draft(request, self.cfg.draft_timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.error("draft failed (%s: %s); %d sequences continue autoregressively", exc.code().name,
                       exc.details(), len(drafting))
@@ -220,7 +220,7 @@ class PairEngine(BackgroundTask):
             target_pb2.TreeItem(seq_id=s.seq_id, tokens=trees[s.seq_id].tokens.tolist(),
                                 parents=trees[s.seq_id].parents.tolist()) for s in seqs])
         try:
-            response = await self.pair.target.Verify(request, timeout=self.cfg.rpc_timeout_s)
+            response = await self.pair.verify(request, self.cfg.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.error("verify of %d sequences failed: %s %s", len(seqs), exc.code().name, exc.details())
             await self._fail(seqs, exc.code(), f"target verify failed ({exc.code().name})")

@@ -47,6 +47,7 @@ class GatewayConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     drain_s: float = 20.0             # SIGTERM: how long running requests get to finish
     watch_interval_s: float = 1.0     # pair health checks (also renew this gateway's sequence leases)
+    step_streams: bool = True         # Draft and Verify as messages on long-lived streams (False: unary calls)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -75,8 +76,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def connect(self) -> None:
         """Connects every pair, loads the tokenizer, starts one engine per pair."""
-        self.pairs = [BackendPair(addr, index=i, client_interceptors=self.client_interceptors)
-                      for i, addr in enumerate(self.cfg.pairs)]
+        self.pairs = [BackendPair(addr, index=i, client_interceptors=self.client_interceptors,
+                                  step_streams=self.cfg.step_streams) for i, addr in enumerate(self.cfg.pairs)]
         await asyncio.gather(*(p.connect(transport=self.cfg.transport) for p in self.pairs))
         first = self.pairs[0]
         for p in self.pairs[1:]:

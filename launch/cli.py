@@ -153,7 +153,8 @@ def cmd_gateway(args) -> None:
 
         engine.calibrator = calibrator_from_args(args.calibrated_acceptance, args.calibration_references)
     cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
-                        transport=args.transport, drain_s=args.drain_s, engine=engine)
+                        transport=args.transport, drain_s=args.drain_s, engine=engine,
+                        step_streams=not args.unary_steps)
     from gateway.backends import AttachRefused
 
     try:
@@ -395,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "send/recv between two GPUs, target and drafter on different GPUs; needs cupy: the gpu extra)")
     p.add_argument("--http-port", type=_int_in(0, 65535), default=None,
                    help="serve the OpenAI-compatible HTTP API (/v1/..., /health, /metrics) on this port")
+    p.add_argument("--unary-steps", action="store_true",
+                   help="send each step's Draft and Verify as unary calls instead of messages on one long-lived "
+                        "stream per service (about twice the per-call cost; for comparison)")
     p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DDTREE_API_KEY; none: open)")
     p.add_argument("--calibrated-acceptance", metavar="PROFILE.json",

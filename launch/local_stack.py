@@ -209,10 +209,10 @@ class LocalStack:
         """An aio channel to the target or drafter that carries the stack's secret (tests, tools)."""
         import grpc
 
-        from ddtree_serve.plumbing.auth import MetadataInterceptor, secret_metadata
+        from ddtree_serve.plumbing.auth import metadata_interceptors, secret_metadata
 
-        return grpc.aio.insecure_channel(self.address(name), interceptors=[MetadataInterceptor(
-            secret_metadata(self.secret))])
+        return grpc.aio.insecure_channel(self.address(name),
+                                         interceptors=metadata_interceptors(secret_metadata(self.secret)))
 
     def alive(self) -> dict[str, bool]:
         return {n: p.poll() is None for n, p in self.procs.items()}

@@ -88,3 +88,38 @@ def test_shared_memory_transport_is_lossless_and_moves_every_byte(checkpoints):
             assert result["stats"].draft_tokens >= result["stats"].steps > 0
     assert set(sent) == {("shm", "send")} and set(received) == {("shm", "recv")}
     assert sent[("shm", "send")] == received[("shm", "recv")] > 0
+
+
+def _rpc_calls(metrics_port: int, side: str) -> dict[str, float]:
+    """ddtree_rpc_<side>_calls_total by method (OK answers)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    calls: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(f"ddtree_rpc_{side}_calls_total{{") and 'code="OK"' in line:
+            method = line.split('method="', 1)[1].split('"', 1)[0]
+            calls[method] = calls.get(method, 0.0) + float(line.rsplit(" ", 1)[1])
+    return calls
+
+
+@pytest.mark.parametrize("unary_steps", [False, True], ids=["step-streams", "unary-steps"])
+def test_step_calls_over_streams_or_unary_are_lossless_and_observed_under_the_unary_methods(checkpoints, unary_steps):
+    """Draft, Verify and the feature pushes travel as stream messages by default (--unary-steps: unary calls);
+    either way the output is transformers' and the metrics count each step call under Verify / Draft."""
+    target, drafter = checkpoints("qwen3")
+    batch = MIXED_BATCH[:4]
+    prompts = prompts_for(target, [n for n, *_ in batch], seed=13)
+    stack = start_stack(target, drafter, metrics=True,
+                        extra={"gateway": ["--unary-steps"]} if unary_steps else {})
+    try:
+        results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, batch)])
+        served = _rpc_calls(stack.metrics_ports["target"], "server")
+        drafted = _rpc_calls(stack.metrics_ports["drafter"], "server")
+    finally:
+        stack.stop()
+    for prompt, (_, max_tokens, mode, _), result in zip(prompts, batch, results):
+        assert result["token_ids"] == reference_greedy(target, prompt, max_tokens), f"mode={mode}"
+    steps = max(r["stats"].steps for r in results)
+    assert served["TargetService/Verify"] >= steps and drafted["DrafterService/Draft"] >= 1
+    assert drafted["DrafterService/PushFeatures"] >= steps
+    # Streams end only when the stack stops: none has finished (with an OK status) while it served.
+    assert "TargetService/VerifyStream" not in served and "DrafterService/DraftStream" not in drafted

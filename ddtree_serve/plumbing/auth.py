@@ -167,10 +167,7 @@ def server_credentials() -> grpc.ServerCredentials | None:
 
 
 # ---- client side -----------------------------------------------------------------------------------------------
-class MetadataInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                          grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds fixed metadata (secret, session id) to every call of a channel."""
-
+class _Metadata:
     def __init__(self, pairs: Sequence[tuple[str, str]]):
         self.pairs = tuple(pairs)
 
@@ -178,17 +175,33 @@ class MetadataInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnarySt
         metadata = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()), *self.pairs)
         return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
 
+
+class _UnaryUnaryMetadata(_Metadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, d, request):
         return await continuation(self._details(d), request)
 
+
+class _UnaryStreamMetadata(_Metadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, d, request):
         return await continuation(self._details(d), request)
 
+
+class _StreamUnaryMetadata(_Metadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, d, request_iterator):
         return await continuation(self._details(d), request_iterator)
 
+
+class _StreamStreamMetadata(_Metadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, d, request_iterator):
         return await continuation(self._details(d), request_iterator)
+
+
+def metadata_interceptors(pairs: Sequence[tuple[str, str]]) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors adding fixed metadata (secret, session id) to every call of a channel, one per RPC kind:
+    grpc.aio files an interceptor under the first kind it implements only, so one object covering all four
+    would leave streaming calls without the metadata."""
+    return [kind(pairs) for kind in (_UnaryUnaryMetadata, _UnaryStreamMetadata, _StreamUnaryMetadata,
+                                     _StreamStreamMetadata)]
 
 
 def secret_metadata(secret: str | None) -> list[tuple[str, str]]:
@@ -200,7 +213,7 @@ def internal_channel(address: str, options: Sequence = (), interceptors: Sequenc
     """A channel to an internal service carrying this process's secret and session id, over TLS if configured."""
     sec = current()
     pairs = [*secret_metadata(sec.secret), (SESSION_HEADER, sec.session)]
-    all_interceptors = [MetadataInterceptor(pairs), *interceptors]
+    all_interceptors = [*metadata_interceptors(pairs), *interceptors]
     options = list(options)
     if sec.tls_ca is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=all_interceptors)

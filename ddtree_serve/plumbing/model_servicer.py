@@ -43,6 +43,12 @@ class ModelServicer:
         self.leases = LeaseTable(lease_s)
         self._reaper: asyncio.Task | None = None
         self.instance_id = uuid.uuid4().hex   # a restarted service is a new instance: its sequences are gone
+        # Messages of the step streams are observed under the unary methods they stand for (plumbing/step_stream.py).
+        self.record_message = None
+        if metrics is not None:
+            from ddtree_serve.plumbing.metrics import ServerMessageSeries
+
+            self.record_message = ServerMessageSeries(metrics.registry, metrics.service).record
 
     async def load_runner(self, make_runner: Callable[[Any], Any], runner_cfg: Any, device: str, what: str) -> None:
         """Builds the runner on the model thread, starts the GPU-memory gauges and marks the servicer ready."""

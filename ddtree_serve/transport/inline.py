@@ -22,5 +22,5 @@ class InlineFeatureSender(PushSender):
             dtype, raw = encode_rows(r.data)
             msgs.append(r.message(dtype=dtype, data=raw))
         batch = drafter_pb2.FeatureBatch(rows=msgs, feature_dim=int(rows[0].data.shape[1]))
-        await self._stub.PushFeatures(batch, timeout=self.timeout_s)
+        await self._push(batch)
         self._delivered(sum(len(m.data) for m in msgs), time.perf_counter() - t0)

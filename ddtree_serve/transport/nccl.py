@@ -220,7 +220,7 @@ class NcclFeatureSender(SharedBufferFeatureSender):
             # The drafter learns now that these rows will never come, so their sequences go `ar` at once
             # instead of waiting out the feature timeout.
             reason = self.ledger.aborted or "no NCCL communicator"
-            await self._stub.PushFeatures(lost_header(rows, self.comm_id, reason), timeout=self.timeout_s)
+            await self._push(lost_header(rows, self.comm_id, reason))
             raise NcclLinkLost(f"rows of {len(rows)} sequences not sent: {reason}")
         for push in plan_nccl_pushes(rows, self.staging_bytes):
             t0 = time.perf_counter()
@@ -229,7 +229,7 @@ class NcclFeatureSender(SharedBufferFeatureSender):
                 staged = self._stage_async(push, rows, submission.ready)
                 sent = self._comm.send(self._send_buffer, push.count, push.dtype, DRAFTER_RANK, after=staged)
                 # The answer comes once the drafter holds the rows: the acknowledgement that frees the buffer.
-                await self._stub.PushFeatures(encode_header(push, rows, self.comm_id, push_id), timeout=self.timeout_s)
+                await self._push(encode_header(push, rows, self.comm_id, push_id))
                 await wait_event(sent, self.timeout_s)
             except BaseException as exc:
                 # An unmatched send would block the stream for good, and the pairing of later pushes is lost.

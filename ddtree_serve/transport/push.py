@@ -1,4 +1,5 @@
-"""The sender loop every transport shares: pushes go out as PushFeatures RPCs, in submission order, one at a time."""
+"""The sender loop every transport shares: pushes go out as PushFeatures messages on one stream, in submission
+order, one at a time."""
 from __future__ import annotations
 
 import abc
@@ -9,8 +10,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ddtree_serve.proto import drafter_pb2_grpc
+from ddtree_serve.plumbing.metrics.interceptors import message_recorder
 from ddtree_serve.plumbing.rpc import CHANNEL_OPTIONS
+from ddtree_serve.plumbing.step_stream import StreamedCalls
+from ddtree_serve.proto import drafter_pb2, drafter_pb2_grpc
 from ddtree_serve.transport.base import FeatureRows, FeatureSender
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,9 @@ class PushSender(FeatureSender):
             self._channel = auth.internal_channel(self.drafter_address, options=CHANNEL_OPTIONS,
                                                   interceptors=self.interceptors)
             self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
+            # One message per push on a long-lived stream (plumbing/step_stream.py): a push is on every step's path.
+            self._pushes = StreamedCalls(self._stub.PushFeaturesStream, "DrafterService/PushFeatures",
+                                         message_recorder(self.interceptors))
             self._queue = asyncio.Queue()
             self._task = asyncio.create_task(self._run())
 
@@ -83,6 +89,10 @@ class PushSender(FeatureSender):
             finally:
                 self._queue.task_done()
 
+    async def _push(self, batch: drafter_pb2.FeatureBatch) -> drafter_pb2.PushFeaturesResponse:
+        """One PushFeatures message, answered once the drafter has stored (or dropped) its rows."""
+        return await self._pushes(batch, self.timeout_s)
+
     @abc.abstractmethod
     async def _send(self, rows: list[FeatureRows]) -> None:
         """Delivers one submission (awaits the drafter's answer)."""
@@ -106,6 +116,7 @@ class PushSender(FeatureSender):
         if self._task is not None:
             self._queue.put_nowait(None)
             await self._task
+            self._pushes.close()
             await self._channel.close()
             self._task = None
         self._release()

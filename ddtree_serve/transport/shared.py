@@ -68,7 +68,7 @@ class SharedBufferFeatureSender(PushSender):
                     for p in pieces]
             batch = drafter_pb2.FeatureBatch(rows=msgs, feature_dim=feature_dim, shared=staging.descriptor)
             # The drafter answers after storing the rows: only then may the next push overwrite the buffer.
-            await self._stub.PushFeatures(batch, timeout=self.timeout_s)
+            await self._push(batch)
             self._delivered(nbytes, time.perf_counter() - t0)
 
     async def _stage(self, staging: StagingBuffer, pieces, rows: list[FeatureRows], ready) -> int:

@@ -153,6 +153,20 @@ def _is_sync_abort(exc: BaseException) -> bool:
     return type(exc) is Exception
 
 
+class ServerMessageSeries:
+    """ddtree_rpc_server_latency_seconds / _calls of the messages of a long-lived stream, each filed under the unary
+    method it stands for (a VerifyStream message as TargetService/Verify): dashboards and benches see one series
+    whichever way the calls came."""
+
+    def __init__(self, registry: CollectorRegistry, service: str) -> None:
+        self.service = service
+        self._series = _Series(_server_families(registry))
+
+    def record(self, method: str, code: str, seconds: float) -> None:
+        """Observes one answered message."""
+        self._series.record((self.service, method, code), seconds)
+
+
 class _ClientBase:
     def __init__(self, registry: CollectorRegistry, service: str, peer: str = "") -> None:
         self.service = service
@@ -170,6 +184,10 @@ class _ClientBase:
 
     def _record(self, method: str, code: str, start: float) -> None:
         self._series.record((self.service, self.peer, method, code), time.perf_counter() - start)
+
+    def record_message(self, method: str, code: str, seconds: float) -> None:
+        """Observes one round trip on a long-lived stream under the unary method it stands for (ServerMessageSeries)."""
+        self._series.record((self.service, self.peer, method, code), seconds)
 
     async def _finish(self, call: Any, method: str, start: float) -> None:
         try:
@@ -245,3 +263,8 @@ class _StreamStreamMetrics(_Companion, aio.StreamStreamClientInterceptor):
 def client_interceptors(registry: CollectorRegistry, service: str, peer: str = "") -> list[aio.ClientInterceptor]:
     """Client interceptors for every RPC kind (service = the caller, e.g. "gateway"); reusable across channels."""
     return ClientMetricsInterceptor(registry, service, peer).all()
+
+
+def message_recorder(interceptors) -> Callable[[str, str, float], None] | None:
+    """The `record_message` of the metrics interceptor among `interceptors` (None when metrics are off)."""
+    return next((i.record_message for i in interceptors if isinstance(i, ClientMetricsInterceptor)), None)

@@ -1,0 +1,112 @@
+"""Per-step calls between the services as messages on one long-lived bidirectional stream.
+
+A unary gRPC call pays for a new HTTP/2 stream, its headers and the interceptors every time; a message on an open
+stream pays for the message alone (bench/grpc_stream_hop.py: about half the round trip). The services make three
+such calls per engine step (Draft, Verify, and the target's feature push), so each is also served as a stream:
+one answer per request, in order. The client side (`StreamedCalls`) looks like a unary stub method, with a timeout
+per call; the server side (`answer_each`) reuses the unary handler, so both paths share one implementation,
+one error mapping and one metric series.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+Recorder = Callable[[str, str, float], None]   # (method, status code name, seconds)
+
+
+def stream_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """An AioRpcError as a unary call would raise it, for failures the stream itself detects."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class StreamedCalls:
+    """Calls a stream-stream method like a unary one: one write, one read, in order; the stream opens on first
+    use and is dropped after any failure (the next call opens a fresh one). Calls are serialised."""
+
+    def __init__(self, open_stream: Callable[[], Any], method: str, record: Recorder | None = None) -> None:
+        self.open_stream = open_stream   # e.g. stub.VerifyStream (called with no arguments)
+        self.method = method             # the unary method a message stands for: metrics labels, error text
+        self.record = record
+        self._call = None
+        self._lock = asyncio.Lock()
+
+    async def __call__(self, request: Any, timeout: float) -> Any:
+        """The answer to `request`; AioRpcError (DEADLINE_EXCEEDED after `timeout` s) as a unary call would raise."""
+        async with self._lock:
+            start, code = time.perf_counter(), "OK"
+            try:
+                return await asyncio.wait_for(self._round_trip(request), timeout)
+            except asyncio.TimeoutError:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED.name
+                self.close()
+                raise stream_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"{self.method}: no answer within {timeout:.1f} s") from None
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code().name
+                self.close()
+                raise
+            except BaseException:   # cancelled by the caller, or the stream broke in another way
+                code = "CANCELLED"
+                self.close()
+                raise
+            finally:
+                if self.record is not None:
+                    self.record(self.method, code, time.perf_counter() - start)
+
+    async def _round_trip(self, request: Any) -> Any:
+        reused = self._call is not None
+        if not reused:
+            self._call = self.open_stream()
+        try:
+            await self._call.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            if not reused:
+                raise
+            # The idle stream broke since the last call (a peer restarted): the request never left, so one
+            # retry on a fresh stream is safe.
+            self.close()
+            self._call = self.open_stream()
+            await self._call.write(request)
+        response = await self._call.read()
+        if response is grpc.aio.EOF:   # the server closed the stream without answering (it is stopping)
+            raise stream_error(grpc.StatusCode.UNAVAILABLE, f"{self.method}: the stream ended without an answer")
+        return response
+
+    def close(self) -> None:
+        """Cancels the open stream, if any."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+async def answer_each(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                      answer: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], method: str,
+                      record: Recorder | None = None) -> AsyncIterator[Any]:
+    """Yields `answer(request, context)` for each request of a stream, in order. `answer` is the unary handler:
+    when it aborts (a bad request, a failed forward), the stream ends with that status, as the unary call would."""
+    async for request in requests:
+        start, code = time.perf_counter(), "OK"
+        try:
+            response = await answer(request, context)
+        except grpc.aio.AbortError:
+            code = _status_name(context)
+            raise
+        except BaseException:
+            code = "CANCELLED"
+            raise
+        finally:
+            if record is not None:
+                record(method, code, time.perf_counter() - start)
+        yield response
+
+
+def _status_name(context: grpc.aio.ServicerContext) -> str:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return next((c.name for c in grpc.StatusCode if c.value[0] == code), "UNKNOWN")
