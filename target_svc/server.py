@@ -15,6 +15,7 @@ from ddtree_serve.plumbing.messages import sampling_from_proto
 from ddtree_serve.plumbing.metrics import TargetMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
+from ddtree_serve.plumbing.step_stream import answer_each
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
 from ddtree_serve.transport.nccl_protocol import NcclSetupError, device_uuid, missing_nccl_package, nccl_refusal
@@ -284,6 +285,12 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                            context_len=o.context_len) for o in outputs]
         return target_pb2.VerifyResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes))
+
+    async def VerifyStream(self, request_iterator, context):
+        """Verify for each message of a long-lived stream, in order (the gateway's step path)."""
+        async for response in answer_each(request_iterator, context, self.Verify, "TargetService/Verify",
+                                          self.record_message):
+            yield response
 
     @grpc_errors
     async def Release(self, request, context):
