@@ -5,7 +5,9 @@
 #   testshyb   fla kernels and the fused tree WY kernel == the PyTorch reference
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel)
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8)
-#   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8)
+#   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
+#   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_ARGS
+#              e.g. --no-hf-batch, SPEED8_S: its time limit)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27)
 #   rpchop     one gRPC hop between the services on this host's CPUs (bench.rpc_hop, tiny CPU models), and a
@@ -46,10 +48,13 @@ for s in $SECTIONS; do
       timeout 240 python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --profile --work-dir /tmp/w8 \
         --out-dir "$R" > "$R/step-cost-8b.log" 2>&1
       grep "^|" "$R/step-cost-8b.log" | head -14 ;;
+    w8)   # the Qwen3-8B target and its drafter only (what speed8b needs), without the step costs
+      timeout 120 python3 -m bench.flagship_fit --shape qwen3-8b --work-dir /tmp/w8 --build-only > "$R/w8-build.log" 2>&1
+      tail -2 "$R/w8-build.log" ;;
     speed8b)
-      timeout 290 python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
-        --dtype bfloat16 --num-prompts 8 --max-tokens 96 --batch 8 --budget 16,64 "${CALIB[@]}" --out-dir "$R" \
-        --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
+      timeout ${SPEED8_S:-290} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
+        --dtype bfloat16 --num-prompts 8 --max-tokens 96 --batch 8 --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
+        ${SPEED8_ARGS:-} --out-dir "$R" --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
       grep -E "tok/s|CALIB|Error|error" "$R/speed-8b.log" | tail -14 ;;
     hybrid)
       timeout ${HYB_STEP_S:-320} python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 --profile \
@@ -87,7 +92,7 @@ for s in $SECTIONS; do
     fit)
       rm -rf /tmp/w8 /tmp/w27
       mkdir -p "$R/fit"
-      timeout 570 python3 -m bench.flagship_fit --work-dir /tmp/wfit --out-dir "$R/fit" --log-dir "$R/logs-fit" \
+      timeout ${FIT_S:-570} python3 -m bench.flagship_fit --work-dir /tmp/wfit --out-dir "$R/fit" --log-dir "$R/logs-fit" \
         ${FIT_ARGS:-} > "$R/fit.log" 2>&1
       grep -E "tok/s|memory plan|^FITS|^DOES|^INCOMPLETE|^SERVED|Error|error" "$R/fit.log" | tail -20 ;;
     quality)   # the issue's check: int8 perplexity within 2 % of bf16's, DDTree-64 tau within 5 %. Needs the SmolLM2
