@@ -133,7 +133,10 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         buffer = None
         try:
             if shared is not None:
-                buffer = await self.model_thread.run(self.opened_buffers.get, shared)
+                # Opening maps memory (CUDA IPC on the model thread's device); later pushes only look it up, which
+                # spares every step's push a trip to the model thread.
+                buffer = (self.opened_buffers.get(shared) if self.opened_buffers.is_open(shared)
+                          else await self.model_thread.run(self.opened_buffers.get, shared))
             elif nccl is not None:
                 if self.nccl is None:
                     raise NcclLinkLost(f"no NCCL communicator {nccl.comm_id!r} here (never joined)")

@@ -159,6 +159,10 @@ class OpenedBuffers:
         self._open: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._fds: dict[str, int] = {}   # buffer id -> shm descriptor (size re-checked before reads)
 
+    def is_open(self, desc: drafter_pb2.SharedBuffer) -> bool:
+        """Whether the described buffer is open already (get() then only looks it up)."""
+        return desc.buffer_id in self._open
+
     def get(self, desc: drafter_pb2.SharedBuffer) -> torch.Tensor:
         """The uint8 tensor of a described buffer, opening it on first use."""
         if desc.buffer_id in self._open:
