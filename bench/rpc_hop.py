@@ -95,7 +95,7 @@ def start_stack(model: str, drafter: str, args, tree: Path | None):
         stack_class = checkout_stack_class(tree)
         # Its stubs are generated on first import: once here, not by three services racing at start-up.
         subprocess.run([sys.executable, "-P", "-c", "import ddtree_serve.proto"], env=dict(os.environ,
-                       PYTHONPATH=str(tree)), check=True)
+                       PYTHONPATH=tree_pythonpath(tree)), check=True)
     model_args = ["--max-batch", "4", "--max-seq-len", "512"]
     stack = stack_class(model=model, drafter=drafter, mode="ddtree", budget=16, device=args.device, dtype=args.dtype,
                         metrics=True, threads=args.threads, unix_sockets=tree is None,
@@ -114,9 +114,17 @@ def checkout_stack_class(tree: Path):
             return {name: [cmd[0], "-P", *cmd[1:]] for name, cmd in super().commands().items()}
 
         def env(self) -> dict[str, str]:
-            return dict(super().env(), PYTHONPATH=str(tree))
+            return dict(super().env(), PYTHONPATH=tree_pythonpath(tree))
 
     return CheckoutStack
+
+
+def tree_pythonpath(tree: Path) -> str:
+    """PYTHONPATH that picks `tree`'s code, keeping the caller's other entries (packages installed with --target,
+    as on the GPU machine) but no other checkout of this project."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not (Path(p) / "ddtree_serve").is_dir()]
+    return os.pathsep.join([str(tree), *kept])
 
 
 def feature_dim(stack) -> int:
@@ -139,7 +147,7 @@ def run_client(variant: Variant, calls: int, warmup: int, dim: int) -> dict:
     spec = {"target": variant.address("target"), "drafter": variant.address("drafter"),
             "gateway": "" if variant.unix else variant.stack.gateway, "secret": variant.stack.secret,
             "feature_dim": dim, "calls": calls, "warmup": warmup}
-    env = dict(os.environ, PYTHONPATH=str(variant.tree))
+    env = dict(os.environ, PYTHONPATH=tree_pythonpath(variant.tree))
     out = subprocess.run([sys.executable, "-P", str(CLIENT), json.dumps(spec)], env=env, capture_output=True,
                          text=True, timeout=1800)
     if out.returncode:
