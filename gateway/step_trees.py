@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_serve.decoding.ddtree import DraftTree, build_chain, build_ddtree_batch, build_ddtree_reference, root_tree
+from ddtree_serve.decoding.ddtree import DraftTree, build_chain, build_ddtree_batch, root_tree
+from ddtree_serve.decoding.ddtree_host import build_ddtree_host
 from gateway.sequence import Sequence
 
 
@@ -15,16 +16,17 @@ def build_step_trees(seqs: list[Sequence], drafts: dict[str, tuple[torch.Tensor,
         group = [s for s in seqs if s.mode == kind and s.seq_id in drafts]
         if not group:
             continue
+        if kind == "ddtree" and drafts[group[0].seq_id][0].is_cpu:
+            # On the host the heap algorithm beats the batched tensor builder many times over (torch's per-op
+            # overhead dominates on tensors this small); identical trees (tests/test_ddtree.py, bench/tree_build.py).
+            for s in group:
+                logprobs, ids = drafts[s.seq_id]
+                trees[s.seq_id] = build_ddtree_host(logprobs, ids, s.budget, max_depths[s.seq_id], s.bonus)
+            continue
         logprobs = torch.stack([drafts[s.seq_id][0] for s in group])
         ids = torch.stack([drafts[s.seq_id][1] for s in group])
         roots = [s.bonus for s in group]
         depths = [max_depths[s.seq_id] for s in group]
-        if kind == "ddtree" and logprobs.device.type == "cpu":
-            # On the host the heap algorithm beats the batched tensor builder 3-10x (per-op overhead dominates:
-            # 0.7 vs 3.6 ms for 4 sequences at budget 64); both give identical trees (tests/test_ddtree.py).
-            trees.update((s.seq_id, build_ddtree_reference(lp, tk, s.budget, d, s.bonus))
-                         for s, lp, tk, d in zip(group, logprobs, ids, depths))
-            continue
         if kind == "ddtree":
             batch = build_ddtree_batch(logprobs, ids, roots, [s.budget for s in group], depths)
         else:

@@ -1,4 +1,4 @@
-"""DDTree builders: brute-force optimum, heap reference == batched fast path, chains, helpers."""
+"""DDTree builders: brute-force optimum, heap reference == batched fast path == host fast path, chains, helpers."""
 from __future__ import annotations
 
 import itertools
@@ -19,6 +19,7 @@ from ddtree_serve.decoding.ddtree import (
     root_tree,
     tree_log_probs,
 )
+from ddtree_serve.decoding.ddtree_host import build_ddtree_host
 
 
 def random_topk(gen: torch.Generator, batch: int, n_pos: int, k: int, vocab: int = 40, sharp: float = 2.0):
@@ -230,3 +231,100 @@ def test_mismatched_shapes_raise_value_error():
         build_ddtree_batch(lp, torch.zeros(2, 3, 5, dtype=torch.long), [0, 0], 4)
     with pytest.raises(ValueError):
         build_ddtree_batch(lp, torch.zeros(2, 3, 4, dtype=torch.long), [0, 0], [4, 4, 4])
+
+
+# ---- build_ddtree_host: the reference's tree, bit for bit ------------------------------------------------------
+def assert_identical_tree(a: DraftTree, b: DraftTree) -> None:
+    """Same values, dtypes and bits (log-probs compared as bytes: -0.0 is not +0.0, NaN is NaN)."""
+    for name in ("tokens", "parents", "depths", "log_probs"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype, name
+        assert x.numpy().tobytes() == y.numpy().tobytes(), (name, x, y)
+
+
+def assert_host_equals_reference(lp: torch.Tensor, ids: torch.Tensor, budgets=(0, 1, 2, 5, 17, 64, 500),
+                                 depths=(None, 0, 1, 3)) -> None:
+    for budget in budgets:
+        for depth in depths:
+            assert_identical_tree(build_ddtree_host(lp, ids, budget, depth, root_token=7),
+                                  build_ddtree_reference(lp, ids, budget, depth, root_token=7))
+
+
+def test_host_equals_reference_on_drafter_like_drafts():
+    gen = torch.Generator().manual_seed(20)
+    for _ in range(40):
+        n_pos, k = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 17, (1,), generator=gen))
+        lp, ids = random_topk(gen, 1, n_pos, k, vocab=50, sharp=float(torch.rand(1, generator=gen)) * 6)
+        assert_host_equals_reference(lp[0], ids[0])
+
+
+def test_host_equals_reference_at_gateway_shapes():
+    gen = torch.Generator().manual_seed(21)
+    for budget in (16, 64, 300):
+        lp, ids = random_topk(gen, 1, 15, min(budget, 64), vocab=4000, sharp=4.0)
+        assert_host_equals_reference(lp[0], ids[0], budgets=(budget,), depths=(None, 15, 4))
+
+
+def test_host_equals_reference_on_unsorted_rows():
+    # not a drafter's (rows not sorted): the heap order is no longer the score order, and must still match
+    gen = torch.Generator().manual_seed(22)
+    for _ in range(40):
+        lp = -torch.rand(int(torch.randint(1, 6, (1,), generator=gen)), 6, generator=gen) * 3
+        ids = torch.randint(0, 1000, lp.shape, generator=gen)
+        assert_host_equals_reference(lp, ids)
+
+
+def test_host_breaks_ties_by_rank_tuple_like_the_reference():
+    gen = torch.Generator().manual_seed(23)
+    for _ in range(60):
+        # a coarse grid of log-probs: exact ties between siblings and between prefixes of different depths
+        lp = -0.25 * torch.randint(1, 5, (int(torch.randint(1, 6, (1,), generator=gen)), 5), generator=gen).float()
+        if torch.rand(1, generator=gen) < 0.5:
+            lp = lp.sort(dim=-1, descending=True).values
+        ids = torch.randint(0, 1000, lp.shape, generator=gen)
+        assert_host_equals_reference(lp, ids)
+    lp, ids = torch.full((3, 4), -1.0), torch.arange(12).reshape(3, 4)  # all equal
+    assert_host_equals_reference(lp, ids)
+
+
+def test_host_equals_reference_with_nan_inf_and_zero_log_probs():
+    gen = torch.Generator().manual_seed(24)
+    specials = torch.tensor([float("nan"), float("-inf"), float("inf"), 0.0, -0.0, -1e-30, -2.0**-18, -2000.0])
+    for _ in range(60):
+        lp = -torch.rand(int(torch.randint(1, 6, (1,), generator=gen)), 5, generator=gen) * 4
+        hit = torch.rand(lp.shape, generator=gen) < 0.25
+        lp[hit] = specials[torch.randint(0, len(specials), (int(hit.sum()),), generator=gen)]
+        ids = torch.randint(0, 1000, lp.shape, generator=gen)
+        assert_host_equals_reference(lp, ids)
+    assert_host_equals_reference(torch.zeros(4, 3), torch.arange(12).reshape(4, 3))  # scores of exactly 0
+    assert_host_equals_reference(torch.full((4, 3), float("nan")), torch.arange(12).reshape(4, 3))
+
+
+def test_host_equals_reference_on_deep_floor_sums():
+    # log-probs near the -1024 floor: 15 of them sum past what float64 holds exactly (the fixed-point path)
+    lp = torch.full((15, 3), -1000.0) - torch.arange(3.0)
+    assert_host_equals_reference(lp, torch.arange(45).reshape(15, 3), budgets=(64, 500))
+
+
+def test_host_equals_reference_for_other_dtypes():
+    gen = torch.Generator().manual_seed(25)
+    lp, ids = random_topk(gen, 1, 5, 6)
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        assert_host_equals_reference(lp[0].to(dtype), ids[0].to(torch.int32), depths=(None, 2))
+
+
+def test_host_edge_cases():
+    gen = torch.Generator().manual_seed(26)
+    lp, ids = random_topk(gen, 1, 4, 1)  # K = 1: a chain
+    assert build_ddtree_host(lp[0], ids[0], 64).parents.tolist() == [-1, 0, 1, 2, 3]
+    assert_host_equals_reference(lp[0], ids[0])
+    lp, ids = random_topk(gen, 1, 3, 3)
+    assert build_ddtree_host(lp[0], ids[0], 10_000).size == 1 + num_prefixes(3, 3, 10_000)  # budget > prefixes
+    assert_host_equals_reference(lp[0], ids[0], budgets=(10_000,))
+    for budget, depth in ((0, None), (5, 0)):  # root only
+        tree = build_ddtree_host(lp[0], ids[0], budget, depth, root_token=9)
+        assert tree.tokens.tolist() == [9] and tree.parents.tolist() == [-1] and tree.log_probs.tolist() == [0.0]
+    assert_host_equals_reference(torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.long))  # no positions
+    assert_host_equals_reference(torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.long))  # no candidates
+    with pytest.raises(ValueError):
+        build_ddtree_host(lp[0], ids[0, :, :2], 4)

@@ -1,10 +1,11 @@
-"""The gateway's per-step trees: DDTree (host heap path) equals the batched builder; chains; root-only for AR."""
+"""The gateway's per-step trees: DDTree (host heap path) equals the batched builder and the reference heap bit for
+bit; chains; root-only for AR."""
 from __future__ import annotations
 
 import torch
 
 from ddtree_serve.decoding.config import SamplingParams
-from ddtree_serve.decoding.ddtree import build_chain, build_ddtree_batch
+from ddtree_serve.decoding.ddtree import build_chain, build_ddtree_batch, build_ddtree_reference
 from gateway.sequence import Sequence
 from gateway.step_trees import build_step_trees
 
@@ -35,3 +36,25 @@ def test_step_trees_match_the_batched_builders():
     chain = build_chain(lp[None], ids[None], [7], [9]).tree(0)
     assert torch.equal(trees["c"].tokens, chain.tokens) and trees["c"].size == 10
     assert trees["d"].tokens.tolist() == [8] and trees["d"].parents.tolist() == [-1]
+
+
+def test_host_ddtree_trees_are_the_reference_heaps_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    seqs = [_seq(f"s{i}", "ddtree", budget, 10 + i) for i, budget in enumerate((64, 64, 16, 5, 300, 1, 0))]
+    drafts, depths = {}, {}
+    for i, s in enumerate(seqs):
+        k = min(max(s.budget, 1), 64)
+        logits = torch.randn(15, 500, generator=g) * (2 + i)
+        if i == 3:
+            logits = logits.round()  # equal log-probs among the top-k: ties
+        lp, ids = torch.log_softmax(logits, -1).topk(k, -1)
+        if i == 5:
+            lp[2, 0] = float("nan")
+        drafts[s.seq_id] = (lp.contiguous(), ids.contiguous())
+        depths[s.seq_id] = (15, 15, 9, 15, 15, 4, 15)[i]
+    trees = build_step_trees(seqs, drafts, depths)
+    for s in seqs:
+        want = build_ddtree_reference(*drafts[s.seq_id], s.budget, depths[s.seq_id], s.bonus)
+        for name in ("tokens", "parents", "depths", "log_probs"):
+            got, ref = getattr(trees[s.seq_id], name), getattr(want, name)
+            assert got.dtype == ref.dtype and got.numpy().tobytes() == ref.numpy().tobytes(), (s.seq_id, name)
