@@ -75,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---- services ---------------------------------------------------------------------------------------------------
+# A step's segments between the processes (gateway/step_timeline.py), in the order of the critical path.
+SEGMENTS = ("feature_push", "drafter_store_and_draft", "draft_request", "draft_handler", "draft_answer",
+            "gateway_tree", "verify_request", "target_handler", "verify_answer", "gateway_between_steps")
+
+
 def breakdown(before: dict, after: dict) -> dict:
     """Per-step times (ms) of one phase from the three services' metric deltas. Series are summed over every
     label value (the gateway labels its step histograms by mode, but one phase runs one mode only)."""
@@ -105,6 +110,7 @@ def breakdown(before: dict, after: dict) -> dict:
         "prefetch_hits": common.delta(d0, d1, "ddtree_drafter_prefetched_drafts_total", outcome="hit"),
         "prefetch_misses": common.delta(d0, d1, "ddtree_drafter_prefetched_drafts_total", outcome="miss"),
         "batch_size": H(g0, g1, "ddtree_step_batch_size"),
+        **{f"segment_{name}": H(g0, g1, "ddtree_step_segment_seconds", segment=name) for name in SEGMENTS},
         "tree_size": H(g0, g1, "ddtree_tree_size_nodes"),
     }
     steps = b["step"]["count"]
@@ -352,6 +358,10 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
                               h["push_features_rpc_client"]["mean_ms"], h["push_features_rpc_server"]["mean_ms"],
                               h["transport_send"]["mean_ms"], h["prefill_rpc_client"]["mean_ms"],
                               h["target_prefill_forward"]["mean_ms"]])
+    segment_rows = [[r["system"], r["batch"], *(r["breakdown"]["histograms"].get(f"segment_{n}", {}).get("mean_ms")
+                                                for n in SEGMENTS)]
+                    for r in runs if "breakdown" in r and r["breakdown"]["engine_steps"]]
+    segment_table = common.md_table(["system", "batch", *(n.replace("_", " ") for n in SEGMENTS)], segment_rows)
     push_table = common.md_table(["system", "batch", "PushFeatures calls", "PushFeatures client ms",
                                   "PushFeatures server ms", "transport send ms", "Prefill RPC (gateway) ms",
                                   "prefill forward ms"], push_rows)
@@ -404,6 +414,18 @@ drafting on request). *Step − forwards* = step time minus the target and draft
 overlapped the hops counts as a forward). *Wall outside steps* = prefill, release and idle time.
 
 {bd_table}
+
+## A step's segments between the processes (mean ms where the step had one; wall-clock stamps of one host)
+
+*feature push* = the last Verify forward done on the target -> its features' push at the drafter; *drafter store
+and draft* = those features arrived -> the draft made from them; *draft request / answer*, *verify request /
+answer* = one-way trips; *draft handler* = the Draft waiting for features or slicing the ready draft; *target
+handler* = the Verify handler, forward included; *gateway tree* = the Draft answer -> the Verify sent (unpacking,
+tree build); *gateway between steps* = the Verify answer -> the next Draft (post-processing, a prefill when
+newcomers join). The critical path of a drafted step is feature push + drafter store and draft + draft answer +
+gateway tree + verify request + target handler, when the Draft request arrives before its draft is made.
+
+{segment_table}
 
 ## Feature transport (target → drafter) and prefill, mean ms per call
 

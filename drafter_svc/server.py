@@ -37,6 +37,7 @@ class PrefetchedDraft:
     bonus_token: int
     logprobs: torch.Tensor
     token_ids: torch.Tensor
+    made_unix_ns: int = 0   # wall clock when it was made (the gateway's step segments)
 
     def answers(self, item: DraftItem, top_k: int, depth: int) -> bool:
         """True when this draft is the one `item` asks for (same context and bonus, at least as deep and wide)."""
@@ -75,6 +76,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         # top-k of the latest Draft of any sequence: a gateway drafts with one budget, so its first Draft hits too.
         self.recent_top_k: int | None = None
         self.prefetched: dict[str, PrefetchedDraft] = {}
+        self.features_arrived: dict[str, int] = {}   # seq id -> wall clock of its latest push (step segments)
         self.nccl = None                        # NcclReceiver, made on the first JoinNccl (imports no cupy before)
 
     async def load(self) -> None:
@@ -127,6 +129,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
     @grpc_errors
     async def PushFeatures(self, request, context):
         require_ready(self.ready)
+        arrived = time.time_ns()
         shared = request.shared if request.HasField("shared") else None
         nccl = request.nccl if request.HasField("nccl") else None
         transport = "nccl" if nccl is not None else shared.kind if shared is not None else "inline"
@@ -181,6 +184,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             else:
                 stored += data.numel() * data.element_size()
                 self.rows_held[seq_id] = start + data.shape[0]
+                self.features_arrived[seq_id] = arrived
         self.prefetched.update((seq_id, d) for seq_id, d in drafts.items() if seq_id not in self.released)
         if drafts and self.metrics is not None:
             self.metrics.observe_draft(len(drafts), draft_s)
@@ -214,7 +218,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                             self.runner.vocab_size)
                 logprobs, ids = to_host(*self.runner.draft(items, top_k))
                 logprobs, ids = logprobs.float(), ids.to(torch.int32)
-                drafts = {it.seq_id: PrefetchedDraft(it.context_len, it.bonus_token, logprobs[b], ids[b])
+                made = time.time_ns()
+                drafts = {it.seq_id: PrefetchedDraft(it.context_len, it.bonus_token, logprobs[b], ids[b], made)
                           for b, it in enumerate(items)}
             except (ValueError, KeyError, RuntimeError) as exc:   # the Draft will say what is wrong, if still so
                 log.debug("no prefetched draft for this push: %s", exc)
@@ -250,6 +255,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
     @grpc_errors
     async def Draft(self, request, context):
         require_ready(self.ready)
+        received = time.time_ns()   # wall-clock stamps: the gateway's step segments (gateway/step_timeline.py)
         t0 = time.perf_counter_ns()
         if not request.items:
             raise ValueError("empty draft batch")
@@ -272,17 +278,20 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         depth = request.max_depth or self.runner.block_size - 1
         ready = {}
         self.recent_top_k = top_k
+        made = 0
         for it in items:
             self.last_top_k[it.seq_id] = top_k
             d = self.prefetched.pop(it.seq_id, None)
             if d is not None and d.answers(it, top_k, depth):
                 ready[it.seq_id] = (d.logprobs[:depth, :top_k], d.token_ids[:depth, :top_k])
+                made = max(made, d.made_unix_ns)
         missing = [it for it in items if it.seq_id not in ready]
         if missing:
             # On the model thread, host copy included: the event loop never waits for the GPU.
             logprobs, ids = await self.model_thread.run(self._draft_on_host, missing, top_k, depth)
             logprobs, ids = logprobs.float(), ids.to(torch.int32)
             ready.update((it.seq_id, (logprobs[b], ids[b])) for b, it in enumerate(missing))
+            made = time.time_ns()
         for it in items:
             logprobs, ids = ready[it.seq_id]
             results.append(drafter_pb2.DraftResult(
@@ -294,8 +303,10 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 self.metrics.observe_draft(len(missing), (t2 - t1) / 1e9)
             if items:
                 self.metrics.observe_prefetch(hits=len(items) - len(missing), misses=len(missing))
+        arrived = max((self.features_arrived.get(it.seq_id, 0) for it in items), default=0)
         return drafter_pb2.DraftResponse(results=results, timings=common_pb2.Timings(
-            total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, queue_ns=t1 - t0))
+            total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, queue_ns=t1 - t0, received_unix_ns=received,
+            features_received_unix_ns=arrived, draft_made_unix_ns=made, replied_unix_ns=time.time_ns()))
 
     async def DraftStream(self, request_iterator, context):
         """Draft for each message of a long-lived stream, in order (the gateway's step path)."""
@@ -318,6 +329,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             self.broken.pop(seq_id, None)
             self.last_top_k.pop(seq_id, None)
             self.prefetched.pop(seq_id, None)
+            self.features_arrived.pop(seq_id, None)
             self.released[seq_id] = None
         while len(self.released) > RELEASED_MEMORY:
             self.released.popitem(last=False)

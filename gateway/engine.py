@@ -17,6 +17,7 @@ from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
 from gateway.scheduler import PairQueue, plan_prefill_chunks
 from gateway.sequence import Sequence, Status
+from gateway.step_timeline import GatewayStamps, PreviousVerify, step_segments
 from gateway.step_trees import build_step_trees
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class PairEngine(BackgroundTask):
         self.vocab_size = pair.target_info.vocab_size
         self.task_name = f"engine-{pair.index}"
         self.releases_in_flight = 0   # Release RPCs sent and not yet answered (a drain waits for them)
+        self._previous_verify: PreviousVerify | None = None   # the last step's, for the next step's segments
 
     async def run(self) -> None:
         """Steps while there is work; sleeps on the queue's wake-up event otherwise. Never dies on one bad step."""
@@ -109,6 +111,7 @@ class PairEngine(BackgroundTask):
         live = [s for s in self.queue.running if s.status == Status.RUNNING and not s.finish_reason]
         prefilling = [s for s in live if not s.prefill_done]
         if prefilling:
+            self._previous_verify = None   # the next step's segments do not follow on from the last Verify alone
             await self._prefill(prefilling)
         batch = [s for s in live if s.status == Status.RUNNING and not s.finish_reason and s.prefill_done]
         if batch:
@@ -161,15 +164,17 @@ class PairEngine(BackgroundTask):
                 self.metrics.observe_prompt(len(s.prompt_ids))
                 self.metrics.observe_first_token(now - s.arrival)
 
-    async def _draft(self, seqs: list[Sequence]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """One Draft RPC for the speculative sequences; a drafter failure turns them autoregressive, not failed."""
+    async def _draft(self, seqs: list[Sequence], stamps: GatewayStamps
+                     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], common_pb2.Timings | None]:
+        """One Draft RPC for the speculative sequences -> (drafts by seq id, the drafter's timings); a drafter failure
+        turns them autoregressive, not failed."""
         drafting = [s for s in seqs if s.speculative and self._max_depth(s) > 0]
         if not drafting:
-            return {}
+            return {}, None
         if not self.pair.drafter_ok:
             for s in drafting:
                 s.drafting = False
-            return {}
+            return {}, None
         top_k = max((s.budget if s.mode == "ddtree" else 1) for s in drafting)
         top_k = max(1, min(top_k, self.vocab_size, MAX_TOP_K))
         depth = max(self._max_depth(s) for s in drafting)
@@ -177,7 +182,9 @@ class PairEngine(BackgroundTask):
             items=[drafter_pb2.DraftItem(seq_id=s.seq_id, bonus_token=s.bonus, context_len=s.context_len)
                    for s in drafting], top_k=top_k, max_depth=depth)
         try:
+            stamps.draft_sent = time.time_ns()
             response = await self.pair.draft(request, self.cfg.draft_timeout_s)
+            stamps.draft_received = time.time_ns()
         except grpc.aio.AioRpcError as exc:
             log.error("draft failed (%s: %s); %d sequences continue autoregressively", exc.code().name,
                       exc.details(), len(drafting))
@@ -185,7 +192,7 @@ class PairEngine(BackgroundTask):
                 self.pair.drafter_ok = False   # until the watch sees it answer again and re-attaches
             for s in drafting:
                 self._fall_back(s)
-            return {}
+            return {}, None
         out = {}
         by_id = {s.seq_id: s for s in drafting}
         for r in response.results:
@@ -197,7 +204,7 @@ class PairEngine(BackgroundTask):
         if self.cfg.calibrator is not None:  # bench-only: the target still verifies every token (lossless)
             out = {sid: self.cfg.calibrator.rewrite_sequence(by_id[sid].prompt_ids, by_id[sid].output_ids, lp, ids)
                    for sid, (lp, ids) in out.items()}
-        return out
+        return out, response.timings
 
     def _fall_back(self, s: Sequence) -> None:
         """The sequence continues autoregressively; its stats and the fallback counter show it."""
@@ -212,7 +219,8 @@ class PairEngine(BackgroundTask):
 
     async def _decode(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
-        drafts = await self._draft(seqs)
+        stamps = GatewayStamps()
+        drafts, draft_timings = await self._draft(seqs, stamps)
         t1 = time.perf_counter()
         trees = build_step_trees(seqs, drafts, {s.seq_id: self._max_depth(s) for s in seqs})
         t2 = time.perf_counter()
@@ -220,12 +228,21 @@ class PairEngine(BackgroundTask):
             target_pb2.TreeItem(seq_id=s.seq_id, tokens=trees[s.seq_id].tokens.tolist(),
                                 parents=trees[s.seq_id].parents.tolist()) for s in seqs])
         try:
+            stamps.verify_sent = time.time_ns()
             response = await self.pair.verify(request, self.cfg.rpc_timeout_s)
+            stamps.verify_received = time.time_ns()
         except grpc.aio.AioRpcError as exc:
+            self._previous_verify = None
             log.error("verify of %d sequences failed: %s %s", len(seqs), exc.code().name, exc.details())
             await self._fail(seqs, exc.code(), f"target verify failed ({exc.code().name})")
             return
         t3 = time.perf_counter()
+        previous = self._previous_verify
+        if previous is not None and not previous.precedes({s.seq_id for s in seqs}):
+            previous = None
+        segments = step_segments(stamps, draft_timings, response.timings, previous)
+        self._previous_verify = PreviousVerify(response.timings.forward_done_unix_ns, stamps.verify_received,
+                                               frozenset(s.seq_id for s in seqs))
         by_id = {r.seq_id: r for r in response.results}
         accepted_per_seq, tree_sizes = [], []
         for s in seqs:
@@ -247,9 +264,11 @@ class PairEngine(BackgroundTask):
                 tree_sizes.append(tree_size)
         if self.metrics is not None:
             modes = {s.mode for s in seqs}
+            mode = modes.pop() if len(modes) == 1 else "mixed"
             self.metrics.observe_step(batch_size=len(seqs), tree_sizes=tree_sizes, accepted_per_seq=accepted_per_seq,
                                       draft_s=t1 - t0, tree_s=t2 - t1, verify_s=t3 - t2,
-                                      step_s=time.perf_counter() - t0, mode=modes.pop() if len(modes) == 1 else "mixed")
+                                      step_s=time.perf_counter() - t0, mode=mode)
+            self.metrics.observe_segments(segments, mode)
 
     async def _release(self, seqs: list[Sequence]) -> None:
         """Frees the sequences in both services and reports their end; release failures are logged, not fatal."""

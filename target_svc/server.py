@@ -262,6 +262,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def Verify(self, request, context):
         require_ready(self.ready)
+        received = time.time_ns()   # wall-clock stamps: the gateway's step segments (gateway/step_timeline.py)
         t0 = time.perf_counter_ns()
         if not request.items:
             raise ValueError("empty verify batch")
@@ -274,7 +275,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                     parents=torch.tensor(list(it.parents), dtype=torch.long)))
         t1 = time.perf_counter_ns()
         outputs = await self.model_thread.run(self.runner.verify, items)
-        t2 = time.perf_counter_ns()
+        t2, forward_done = time.perf_counter_ns(), time.time_ns()
         nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features, o.next_token)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if self.metrics is not None:
@@ -284,7 +285,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                            accepted_tokens=o.accepted_tokens, next_token=o.next_token,
                                            context_len=o.context_len) for o in outputs]
         return target_pb2.VerifyResponse(results=results, timings=common_pb2.Timings(
-            total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes))
+            total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes,
+            received_unix_ns=received, forward_done_unix_ns=forward_done, replied_unix_ns=time.time_ns()))
 
     async def VerifyStream(self, request_iterator, context):
         """Verify for each message of a long-lived stream, in order (the gateway's step path)."""

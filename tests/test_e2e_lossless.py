@@ -114,6 +114,7 @@ def test_step_calls_over_streams_or_unary_are_lossless_and_observed_under_the_un
         results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, batch)])
         served = _rpc_calls(stack.metrics_ports["target"], "server")
         drafted = _rpc_calls(stack.metrics_ports["drafter"], "server")
+        segments = _segment_counts(stack.metrics_ports["gateway"])
     finally:
         stack.stop()
     for prompt, (_, max_tokens, mode, _), result in zip(prompts, batch, results):
@@ -123,3 +124,18 @@ def test_step_calls_over_streams_or_unary_are_lossless_and_observed_under_the_un
     assert drafted["DrafterService/PushFeatures"] >= steps
     # Streams end only when the stack stops: none has finished (with an OK status) while it served.
     assert "TargetService/VerifyStream" not in served and "DrafterService/DraftStream" not in drafted
+    # Every step's path split into its segments (one host: the services' clocks agree).
+    assert {"feature_push", "drafter_store_and_draft", "draft_request", "draft_handler", "draft_answer",
+            "gateway_tree", "verify_request", "target_handler", "verify_answer"} <= segments.keys()
+    assert segments["target_handler"] >= steps
+
+
+def _segment_counts(metrics_port: int) -> dict[str, float]:
+    """ddtree_step_segment_seconds_count by segment, summed over modes."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ddtree_step_segment_seconds_count{"):
+            segment = line.split('segment="', 1)[1].split('"', 1)[0]
+            counts[segment] = counts.get(segment, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts

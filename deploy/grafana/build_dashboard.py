@@ -120,6 +120,10 @@ def build() -> dict[str, Any]:
                                  (mean("ddtree_tree_build_seconds"), "tree build"),
                                  (mean("ddtree_verify_seconds"), "verify"),
                                  (mean("ddtree_step_seconds"), "whole step")], "s")
+    L.panel("Step segments (mean)", [(mean("ddtree_step_segment_seconds", "segment"), "{{segment}}")], "s",
+            description="A step's path between the processes (gateway/step_timeline.py): one-way trips, handlers, "
+                        "the feature push and the drafter's store and draft, from the services' wall-clock stamps "
+                        "(one host's clock).")
     L.panel("Batch size and steps", [(mean("ddtree_step_batch_size", "mode"), "gateway step {{mode}}"),
                                      (mean("ddtree_target_batch_size", "op"), "target {{op}}"),
                                      (mean("ddtree_drafter_batch_size"), "drafter draft"),

@@ -23,6 +23,8 @@ REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025,
                 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+SEGMENT_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005,
+                   0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0)
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02,
                0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -161,6 +163,10 @@ class GatewayMetrics(_ServiceMetrics):
         self.step_seconds = Histogram("ddtree_step_seconds", "Whole speculative step, seconds.", lm,
                                       buckets=STEP_BUCKETS, registry=r)
         self.steps = Counter("ddtree_steps", "Speculative steps run.", lm, registry=r)
+        self.step_segment_seconds = Histogram(
+            "ddtree_step_segment_seconds", "A step's segments between the processes (gateway/step_timeline.py: "
+            "one-way trips, handlers, the feature push), from the services' wall-clock stamps; seconds.",
+            lm + ["segment"], buckets=SEGMENT_BUCKETS, registry=r)
         self.drafter_fallbacks = Counter("ddtree_drafter_fallbacks", "Requests that continued autoregressively "
                                          "because the drafter failed.", ["model_name"], registry=r)
 
@@ -226,6 +232,11 @@ class GatewayMetrics(_ServiceMetrics):
             self.spec_decode_num_accepted_tokens.labels(*vl).inc(accepted)
         for pos, count in per_pos.items():
             self.spec_decode_num_accepted_tokens_per_pos.labels(*vl, str(pos)).inc(count)
+
+    def observe_segments(self, segments: dict[str, float], mode: str = "ddtree") -> None:
+        """One step's segments (name -> seconds, gateway/step_timeline.py)."""
+        for name, seconds in segments.items():
+            self.step_segment_seconds.labels(self.model_name, mode, name).observe(seconds)
 
     def observe_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float,
                          queue_s: float) -> None:
