@@ -167,6 +167,7 @@ class GatewayMetrics(_ServiceMetrics):
             "ddtree_step_segment_seconds", "A step's segments between the processes (gateway/step_timeline.py: "
             "one-way trips, handlers, the feature push), from the services' wall-clock stamps; seconds.",
             lm + ["segment"], buckets=SEGMENT_BUCKETS, registry=r)
+        self._segment_children: dict[tuple[str, str], Histogram] = {}
         self.drafter_fallbacks = Counter("ddtree_drafter_fallbacks", "Requests that continued autoregressively "
                                          "because the drafter failed.", ["model_name"], registry=r)
 
@@ -236,7 +237,11 @@ class GatewayMetrics(_ServiceMetrics):
     def observe_segments(self, segments: dict[str, float], mode: str = "ddtree") -> None:
         """One step's segments (name -> seconds, gateway/step_timeline.py)."""
         for name, seconds in segments.items():
-            self.step_segment_seconds.labels(self.model_name, mode, name).observe(seconds)
+            child = self._segment_children.get((mode, name))
+            if child is None:   # labels() locks and validates on every call: looked up once per (mode, segment)
+                child = self._segment_children[(mode, name)] = self.step_segment_seconds.labels(self.model_name,
+                                                                                                mode, name)
+            child.observe(seconds)
 
     def observe_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e_s: float,
                          queue_s: float) -> None:
