@@ -135,3 +135,31 @@ def test_opened_buffers_keep_only_the_most_recent() -> None:
 def test_cuda_ipc_staging_needs_a_cuda_device() -> None:
     with pytest.raises(ValueError, match="CUDA device"):
         StagingBuffer("cuda-ipc", 1024, torch.device("cpu"))
+
+
+def test_a_push_submitted_to_an_idle_sender_is_staged_at_once_and_one_behind_another_waits_its_turn() -> None:
+    """Staging at submit time takes the push off the step's critical path, but only while nothing may still be
+    reading the buffer: the second push here would land on the first one's rows, so it waits for the sender."""
+    import asyncio
+
+    from ddtree_serve.transport.shared import SharedBufferFeatureSender
+
+    async def go():
+        # No drafter answers at this address: the pushes fail later, in the sender task, which is not awaited here.
+        sender = SharedBufferFeatureSender(drafter_address="unix:/nonexistent/ddtree.sock", name="shm",
+                                           staging_bytes=1 << 16, timeout_s=0.2)
+        opened = OpenedBuffers()
+        first, second = torch.arange(12.0).view(3, 4), torch.full((3, 4), -1.0)
+        try:
+            sender.submit([FeatureRows("a", 0, first)])          # idle: copied into the buffer now
+            staged = opened.rows(sender._staging.descriptor, 0, 3, 4, "float32")   # noqa: SLF001
+            sender.submit([FeatureRows("b", 0, second)])         # the first is queued: not copied yet
+            kept = opened.rows(sender._staging.descriptor, 0, 3, 4, "float32")     # noqa: SLF001
+            return staged, kept
+        finally:
+            opened.close()
+            await sender.close()
+
+    staged, kept = asyncio.run(go())
+    assert torch.equal(staged, torch.arange(12.0).view(3, 4))
+    assert torch.equal(kept, torch.arange(12.0).view(3, 4))

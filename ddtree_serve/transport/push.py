@@ -45,6 +45,7 @@ class PushSender(FeatureSender):
         self._channel: grpc.aio.Channel | None = None
         self._queue: asyncio.Queue[list[FeatureRows] | None] | None = None
         self._task: asyncio.Task | None = None
+        self._sending = False   # a submission is being delivered (its rows may still be read by the drafter)
 
     def _ensure_started(self) -> None:
         if self._task is None:
@@ -69,12 +70,17 @@ class PushSender(FeatureSender):
         """Runs at submit time, on the caller's thread (a transport may mark the rows' readiness here)."""
         return rows
 
+    def _idle(self) -> bool:
+        """Nothing submitted is waiting or being delivered: the drafter has answered every push so far."""
+        return not self._sending and (self._queue is None or self._queue.empty())
+
     async def _run(self) -> None:
         while True:
             rows = await self._queue.get()
             try:
                 if rows is None:
                     return
+                self._sending = True
                 await self._send(rows)
             except Exception as exc:  # noqa: BLE001 - a failed push must not kill the sender
                 self.stats.failures += 1
@@ -87,6 +93,7 @@ class PushSender(FeatureSender):
                 else:
                     log.debug("%s feature push to %s failed: %s", self.name, self.drafter_address, exc)
             finally:
+                self._sending = False
                 self._queue.task_done()
 
     async def _push(self, batch: drafter_pb2.FeatureBatch) -> drafter_pb2.PushFeaturesResponse:

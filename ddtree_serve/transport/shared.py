@@ -3,6 +3,7 @@ mapped, and the PushFeatures message carries only their offsets."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ from ddtree_serve.transport.base import FeatureRows, dtype_name
 from ddtree_serve.transport.push import PushSender
 from ddtree_serve.transport.shared_buffer import StagingBuffer, plan_pieces
 
+log = logging.getLogger(__name__)
+
 DEFAULT_STAGING_BYTES = 64 << 20   # a bigger push (a long prompt's rows) goes out in several
 READY_POLLS = 32                     # event-loop turns spent polling a staging copy before waiting on a thread
 
@@ -21,6 +24,7 @@ READY_POLLS = 32                     # event-loop turns spent polling a staging 
 class _Submission:
     rows: list[FeatureRows]
     ready: torch.cuda.Event | None   # recorded after the work that produced the rows (CUDA only)
+    staged: tuple[int, object] | None = None   # (bytes, copy-done event or None) when staged at submit time
 
 
 @dataclass
@@ -37,13 +41,29 @@ class SharedBufferFeatureSender(PushSender):
 
     def _prepare(self, rows: list[FeatureRows]) -> _Submission:
         device = rows[0].data.device
-        if device.type != "cuda":
-            return _Submission(rows, None)
-        # The rows come from the model thread's stream: an event recorded there now (the forward that made them
-        # was queued before this call) lets the copy wait for exactly that work, on the GPU.
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.default_stream(device))
-        return _Submission(rows, ready)
+        ready = None
+        if device.type == "cuda":
+            # The rows come from the model thread's stream: an event recorded there now (the forward that made them
+            # was queued before this call) lets the copy wait for exactly that work, on the GPU.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.default_stream(device))
+        submission = _Submission(rows, ready)
+        # The push is on every step's critical path: when the sender is idle (the drafter has answered every push,
+        # so nothing reads the buffer) and the rows fit it at once, stage them now rather than when the sender
+        # task next runs, after the Verify answer has gone out. Whatever goes wrong here is left to the sender,
+        # which fails the push (and only the push) as before.
+        if self._idle() and _uniform(rows):
+            try:
+                pieces = self._pieces(rows)
+                if len(pieces) == 1:
+                    submission.staged = self._enqueue_stage(self._buffer_for(device), pieces[0], rows, ready)
+            except (ValueError, RuntimeError, OSError) as exc:
+                log.debug("%s: rows not staged at submit (%s); the sender stages them", self.name, exc)
+        return submission
+
+    def _pieces(self, rows: list[FeatureRows]):
+        row_bytes = int(rows[0].data.shape[1]) * rows[0].data.element_size()
+        return plan_pieces([r.num_rows for r in rows], row_bytes, self.staging_bytes)
 
     def _buffer_for(self, device: torch.device) -> StagingBuffer:
         if self._staging is None:
@@ -56,14 +76,15 @@ class SharedBufferFeatureSender(PushSender):
     async def _send(self, submission: _Submission) -> None:
         rows = submission.rows
         feature_dim = int(rows[0].data.shape[1])
-        if any(r.data.shape[1] != feature_dim or r.data.dtype != rows[0].data.dtype for r in rows):
+        if not _uniform(rows):
             raise ValueError("rows of one push must share feature_dim and dtype")
         staging = self._buffer_for(rows[0].data.device)
         dtype = dtype_name(rows[0].data.dtype)
-        row_bytes = feature_dim * rows[0].data.element_size()
-        for pieces in plan_pieces([r.num_rows for r in rows], row_bytes, staging.size_bytes):
+        for i, pieces in enumerate(self._pieces(rows)):
             t0 = time.perf_counter()
-            nbytes = await self._stage(staging, pieces, rows, submission.ready)
+            staged = submission.staged if i == 0 else None
+            nbytes = await self._finish_stage(*(staged or self._enqueue_stage(staging, pieces, rows,
+                                                                              submission.ready)))
             msgs = [rows[p.index].message(p.row_begin, p.row_end, dtype=dtype, shared_offset=p.offset)
                     for p in pieces]
             batch = drafter_pb2.FeatureBatch(rows=msgs, feature_dim=feature_dim, shared=staging.descriptor)
@@ -71,15 +92,23 @@ class SharedBufferFeatureSender(PushSender):
             await self._push(batch)
             self._delivered(nbytes, time.perf_counter() - t0)
 
-    async def _stage(self, staging: StagingBuffer, pieces, rows: list[FeatureRows], ready) -> int:
+    def _enqueue_stage(self, staging: StagingBuffer, pieces, rows: list[FeatureRows], ready) -> tuple[int, object]:
+        """Copies the pieces' rows into the buffer (on the GPU: queued on the copy stream after `ready`);
+        returns (bytes, the copy's done event, None when the copy is already done)."""
         if self._copy_stream is None:
-            return sum(staging.write(p, rows[p.index]) for p in pieces)
+            return sum(staging.write(p, rows[p.index]) for p in pieces), None
         with torch.cuda.stream(self._copy_stream):
             if ready is not None:
                 self._copy_stream.wait_event(ready)
             nbytes = sum(staging.write(p, rows[p.index]) for p in pieces)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
+        return nbytes, done
+
+    async def _finish_stage(self, nbytes: int, done) -> int:
+        """Waits until a staged copy is done; returns its bytes."""
+        if done is None:
+            return nbytes
         # A step's rows are a few hundred KB copied after the forward that made them has finished: the copy is
         # usually done within a few event-loop turns, and polling then spares the thread hop of a blocking wait.
         for _ in range(READY_POLLS):
@@ -93,3 +122,9 @@ class SharedBufferFeatureSender(PushSender):
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+
+
+def _uniform(rows: list[FeatureRows]) -> bool:
+    """All rows of a push share one feature width and dtype (a push is one buffer layout)."""
+    first = rows[0].data
+    return all(r.data.shape[1] == first.shape[1] and r.data.dtype == first.dtype for r in rows)
