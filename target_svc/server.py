@@ -278,6 +278,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         t2, forward_done = time.perf_counter_ns(), time.time_ns()
         nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features, o.next_token)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
+        if nbytes:
+            # One turn of the event loop lets the sender put the push on the wire before this answer: the push
+            # (-> the drafter's next draft) is the step's critical path, the answer has time to spare.
+            await asyncio.sleep(0)
         if self.metrics is not None:
             self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9,
                                          num_tokens=sum(len(it.tokens) for it in items))
