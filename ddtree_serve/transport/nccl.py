@@ -214,6 +214,10 @@ class NcclFeatureSender(SharedBufferFeatureSender):
                  reply.device_uuid or "?")
         return reply.device_uuid
 
+    def _prepare(self, rows):
+        # The send buffer is staged in _send, right before its NCCL send: no staging at submit here.
+        return self._submission(rows)
+
     async def _send(self, submission) -> None:
         rows = submission.rows
         if self._comm is None or self.ledger.aborted:

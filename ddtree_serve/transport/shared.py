@@ -40,14 +40,9 @@ class SharedBufferFeatureSender(PushSender):
         self._copy_stream = None
 
     def _prepare(self, rows: list[FeatureRows]) -> _Submission:
+        submission = self._submission(rows)
         device = rows[0].data.device
-        ready = None
-        if device.type == "cuda":
-            # The rows come from the model thread's stream: an event recorded there now (the forward that made them
-            # was queued before this call) lets the copy wait for exactly that work, on the GPU.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.default_stream(device))
-        submission = _Submission(rows, ready)
+        ready = submission.ready
         # The push is on every step's critical path: when the sender is idle (the drafter has answered every push,
         # so nothing reads the buffer) and the rows fit it at once, stage them now rather than when the sender
         # task next runs, after the Verify answer has gone out. Whatever goes wrong here is left to the sender,
@@ -60,6 +55,17 @@ class SharedBufferFeatureSender(PushSender):
             except (ValueError, RuntimeError, OSError) as exc:
                 log.debug("%s: rows not staged at submit (%s); the sender stages them", self.name, exc)
         return submission
+
+    @staticmethod
+    def _submission(rows: list[FeatureRows]) -> _Submission:
+        """The rows and, on CUDA, an event recorded on the model thread's stream now: the forward that made them
+        was queued before this call, so a copy waiting on it waits for exactly that work, on the GPU."""
+        ready = None
+        device = rows[0].data.device
+        if device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.default_stream(device))
+        return _Submission(rows, ready)
 
     def _pieces(self, rows: list[FeatureRows]):
         row_bytes = int(rows[0].data.shape[1]) * rows[0].data.element_size()
