@@ -79,7 +79,7 @@ for s in $SECTIONS; do
           --work-dir /tmp/w8 --reuse-checkpoints --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1
         grep "^|" "$R/step-cost-8b-$q.log" | head -6
       done
-      timeout 200 python3 -m bench.int8_kernel --ms ${INT8_MS:-1,65} --out-dir "$R" > "$R/int8-kernel.log" 2>&1
+      timeout 200 python3 -m bench.int8_kernel --ms ${INT8_MS:-1,65,2048} --out-dir "$R" > "$R/int8-kernel.log" 2>&1
       grep "^|" "$R/int8-kernel.log" | head -30 ;;
     gemv)   # the int8 GEMV path's tilings against the dot kernel at 1 and 4 rows (decides DDTREE_INT8_GEMV's default)
       timeout ${GEMV_SWEEP_S:-300} python3 -m bench.int8_kernel --gemv-sweep ${GEMV_ARGS:-} > "$R/int8-gemv-sweep.log" 2>&1
