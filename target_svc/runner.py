@@ -231,6 +231,15 @@ class TargetRunner:
             return 0.0
         return self.graphs.warmup(self.feature_layers, shapes)
 
+    def memory_summary(self) -> str:
+        """The device allocator's allocated, reserved and peak bytes, for the logs ('' on the CPU)."""
+        dev = self.device
+        if dev.type != "cuda":
+            return ""
+        return (f"GPU memory allocated {human_bytes(torch.cuda.memory_allocated(dev))}, reserved "
+                f"{human_bytes(torch.cuda.memory_reserved(dev))}, peak allocated "
+                f"{human_bytes(torch.cuda.max_memory_allocated(dev))}")
+
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> list[PrefillOutput]:
         """Admits prompts or continues chunked ones (any lengths, batched) and samples each finished one's first

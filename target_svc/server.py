@@ -116,8 +116,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             log.error("graph warm-up failed (graphs capture on first use instead): %r", exc)
             return
         if shapes:
-            log.info("verify graphs ready: %d buckets captured (%.1f s of capture) in %.1f s", len(shapes), seconds,
-                     time.perf_counter() - t0)
+            log.info("verify graphs ready: %d buckets captured (%.1f s of capture) in %.1f s; %s", len(shapes),
+                     seconds, time.perf_counter() - t0, self.runner.memory_summary())
 
     async def close(self) -> None:
         """Delivers queued features and stops the model thread."""

@@ -190,9 +190,15 @@ class VerifyGraphs:
         return fn(packed_dev, choices, *([features] if has_features else []))
 
     def shapes(self) -> list[VerifyShape]:
-        """Every (batch, nodes, key length) bucket."""
-        return [VerifyShape(b, t, k)
-                for b, t, k in itertools.product(self.batch_buckets, self.node_buckets, self.key_buckets)]
+        """Every (batch, nodes, key length) bucket, largest first.
+
+        Largest first because all graphs share one pool: the first capture sizes it for the biggest step and the
+        smaller ones then fit in the blocks it freed. Smallest first grew the pool capture by capture into pieces
+        no later capture could reuse (the flagship's warm-up, capped at a 48 GB card, ran out of memory at its
+        first batch-8 65-node bucket with 2.67 GiB in the pool)."""
+        shapes = [VerifyShape(b, t, k)
+                  for b, t, k in itertools.product(self.batch_buckets, self.node_buckets, self.key_buckets)]
+        return sorted(shapes, key=lambda s: (s.batch * s.nodes, s.key_len), reverse=True)
 
     def warmup(self, feature_layers: tuple[int, ...], shapes: list[VerifyShape] | None = None) -> float:
         """Captures the forward and commit of the given buckets (default: all) not captured yet, on one-node trees
