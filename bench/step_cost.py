@@ -212,12 +212,14 @@ def profile_forward(runner: TargetRunner, ids: list[str], nodes: int, gen: torch
     return out
 
 
-def kernel_profile(fn, device: torch.device, top: int = 25) -> dict:
+def kernel_profile(fn, device: torch.device, top: int = 25, warmup: bool = True) -> dict:
     """The kernels of one eager call of fn (device time per kernel name, summed, with call counts): where a step's
-    device time goes. Eager, so every kernel is attributed; a graph replays the same kernels minus launch gaps."""
+    device time goes. Eager, so every kernel is attributed; a graph replays the same kernels minus launch gaps.
+    warmup=False when fn cannot run twice (its kernels must then have run before)."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()   # lazy inits and autotuning outside the profile
+    if warmup:
+        fn()   # lazy inits and autotuning outside the profile
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:

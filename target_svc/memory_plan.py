@@ -193,8 +193,9 @@ def cap_gpu_memory(device: torch.device, cap_bytes: int, utilization: float = DE
     fraction = memory_cap_fraction(cap_bytes, card) * utilization
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     # The allocator's limit covers tensors, caches and graph pools, not the CUDA context, kernel images and the
-    # captured graphs' executables (measured at the 27B: ~0.6 GiB + ~11 MiB a graph): the (1 - utilization)
-    # share of the cap is left for them, as on a real card of that size.
+    # captured graphs' executables (measured at the 27B: 1.0 GiB with all 160 graphs captured), nor whatever
+    # kernels and libraries hold beside it (a long-prompt prefill of the 27B added 2.6 GiB, not yet explained):
+    # the (1 - utilization) share of the cap is left for them, as on a real card of that size.
     log.info("GPU memory capped at %s of cuda:%d's %s: torch's allocator may hold %s (--gpu-memory-utilization "
              "%.2f, fraction %.4f); the memory plan treats the cap as the card", human_bytes(cap_bytes), index,
              human_bytes(card), human_bytes(int(cap_bytes * utilization)), utilization, fraction)

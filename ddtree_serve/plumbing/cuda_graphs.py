@@ -50,8 +50,8 @@ def key_buckets(capacity: int) -> tuple[int, ...]:
 def tree_node_buckets(max_nodes: int) -> tuple[int, ...]:
     """1 (a decode step), then 4^k + 1 (a budget-4^k tree has 4^k + 1 nodes; a 16-node chain rounds to 17).
 
-    Every bucket is a graph per batch and key bucket, and a graph's executable holds device memory outside
-    torch's allocator (measured at the 27B: ~11 MiB a graph, 4.9 GiB for 384 graphs). Powers of four keep the
+    Every bucket is a graph per batch and key bucket, captured at start-up (the 27B's 80 buckets: ~110 s on the
+    H200) and holding its live outputs in the shared pool. Powers of four keep the
     budgets people run (16 and 64, the 16-token chain) exact, and pad the others (8 -> 17, 32 -> 65) at little
     cost: a 65-node verify is ~1.14x a 1-node one on the 8B."""
     out, b = [1], 4
