@@ -85,6 +85,25 @@ def sample(device: torch.device) -> dict:
             "outside": used - reserved, "source": source}
 
 
+def reset_local_memory() -> str:
+    """Sets the context's stack-size limit to its own value (driver API): the driver then re-sizes the local
+    memory it reserves for every resident thread, which a kernel that spills registers grows and the driver may
+    keep. Returns what happened, for the report."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        return f"no libcuda: {exc}"
+    stack_limit = 0   # CU_LIMIT_STACK_SIZE
+    value = ctypes.c_size_t()
+    rc = cuda.cuCtxGetLimit(ctypes.byref(value), stack_limit)
+    if rc != 0:
+        return f"cuCtxGetLimit failed ({rc})"
+    rc = cuda.cuCtxSetLimit(stack_limit, ctypes.c_size_t(value.value))
+    return f"stack limit {value.value} B re-set" if rc == 0 else f"cuCtxSetLimit failed ({rc})"
+
+
 def sdpa_context(variant: str):
     """The attention backend restriction of a variant (none for the others)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -131,8 +150,10 @@ def run_variant(args: argparse.Namespace, target_dir: str, variant: str) -> dict
             torch.cuda.synchronize(device)
             chunks.append({"start": c0, "tokens": c1 - c0, "seconds": time.perf_counter() - t0,
                            "profiled": profile is not None and c0 == starts[-1], **sample(device)})
+    reset = reset_local_memory()
+    after_reset = sample(device)
     return {"variant": variant, "layers": runner.num_layers, "start": start, "loaded": loaded, "chunks": chunks,
-            "profile": profile, "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "local_memory_reset": reset, "after_reset": after_reset, "profile": profile, "peak_allocated": torch.cuda.max_memory_allocated(device),
             "peak_reserved": torch.cuda.max_memory_reserved(device)}
 
 
@@ -154,11 +175,12 @@ def markdown(data: dict) -> str:
     rows = []
     for r in data["variants"]:
         if "error" in r:
-            rows.append([r["variant"], "-", "-", "-", "-", "-", r["error"][:120]])
+            rows.append([r["variant"], "-", "-", "-", "-", "-", "-", r["error"][:120]])
             continue
         ch = r["chunks"]
         rows.append([r["variant"], gib(r["loaded"]["outside"]), gib(ch[0]["outside"]), gib(ch[-1]["outside"]),
-                     round(sum(c["seconds"] for c in ch if not c.get("profiled")), 2), gib(r["peak_reserved"]), ch[-1]["source"]])
+                     gib(r["after_reset"]["outside"]), round(sum(c["seconds"] for c in ch if not c.get("profiled")), 2),
+                     gib(r["peak_reserved"]), ch[-1]["source"]])
     md = [f"# Device memory outside torch's allocator during a long prefill: {data['shape']} "
           f"({data['layers']} layers), {data['hardware'].get('gpu', '?')}", "",
           f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
@@ -166,7 +188,10 @@ def markdown(data: dict) -> str:
           "(int8 weights unless the variant says bf16; eager: no graphs). Outside = the process's device memory "
           "- torch's reserved bytes.", "",
           common.md_table(["variant", "outside after load (GiB)", "after chunk 1", "after the last chunk",
-                           "prefill s (unprofiled chunks)", "peak reserved (GiB)", "source"], rows)]
+                           "after re-setting the stack limit", "prefill s (unprofiled chunks)", "peak reserved (GiB)",
+                           "source"], rows),
+          "", "Re-setting the stack-size limit makes the driver re-size the local memory it reserves per resident "
+              "thread: a drop there means a register-spilling kernel had grown it."]
     for r in data["variants"]:
         if r.get("profile"):
             p = r["profile"]
