@@ -84,8 +84,10 @@ def verify_forward(model: TargetModel, packed: Tensor, nodes: int, key_len: int,
 
 
 def verify_commit(model: TargetModel, packed: Tensor, nodes: int, choices: Tensor, features: Tensor | None,
-                  path_width: int, traces: list | None = None) -> tuple[Tensor, Tensor | None]:
-    """Walk + commit of the pending block -> (packed [B, 2 + W]: accepted count | bonus | path, rows [B, W, F])."""
+                  path_width: int, traces: list | None = None,
+                  rows_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Walk + commit of the pending block -> (packed [B, 2 + W]: accepted count | bonus | path, rows [B, W, F]);
+    rows_out = a [B, W, F] buffer to write the rows into."""
     # path_width >= the deepest tree's depth + 1: accepted paths are at most that long, and the linear-attention
     # replay walks that many columns.
     ids, parents, sizes, ctx_lens, slots = unpack(packed, nodes)
@@ -94,7 +96,8 @@ def verify_commit(model: TargetModel, packed: Tensor, nodes: int, choices: Tenso
     model.commit_block(path, n_acc, slots, ctx_lens, traces)
     rows = None
     if features is not None:
-        rows = features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[-1]))
+        index = path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[-1])
+        rows = features.gather(1, index) if rows_out is None else torch.gather(features, 1, index, out=rows_out)
     return torch.cat([n_acc[:, None], walk.next_tokens[:, None], path], dim=1), rows
 
 
@@ -104,7 +107,8 @@ class VerifyGraphs:
     A bucket's graph keeps what is alive when its capture ends: with ~100 buckets, per-bucket fp32 logits and
     Gated DeltaNet traces would take more memory than a 27B int8 target's cache (measured: the flagship's
     warm-up ran past a 45 GiB cap). So every forward writes its logits and features into two buffers of the
-    largest shape, and a bucket's traces are let go once its commit is captured: the commit graph has their
+    largest shape, every commit its accepted rows into a third (per-bucket rows would be ~0.3 GiB at the 27B's
+    80 buckets), and a bucket's traces are let go once its commit is captured: the commit graph has their
     addresses baked in, and later captures may reuse that memory as scratch, which is safe because a step
     replays its forward and then its commit with no other replay in between.
     """
@@ -121,6 +125,7 @@ class VerifyGraphs:
         self._rows = self.batch_buckets[-1] * self.node_buckets[-1]
         self._logits_out = SharedOutput(self._rows * model.target.vocab_size, torch.float32, model.device)
         self._features_out: SharedOutput | None = None   # sized when the feature layers are known
+        self._rows_out: SharedOutput | None = None       # the commits' accepted feature rows, likewise
 
     @staticmethod
     def supports(model: TargetModel) -> bool:
@@ -141,7 +146,7 @@ class VerifyGraphs:
             self.forwards.graphs.clear()
             self.commits.graphs.clear()
             self._traces.clear()
-            self._features_out = None
+            self._features_out = self._rows_out = None
             self._feature_layers = feature_layers
 
     def _outputs(self, s: VerifyShape, feature_layers: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
@@ -179,15 +184,23 @@ class VerifyGraphs:
         """Replays (capturing on first use) the walk + commit of batch's bucket."""
         s = batch.shape
         has_features = features is not None
+        shared, rows_out = None, None
+        if has_features:
+            # The forward graph wrote these features into the shared buffer: the commit graph reads them there
+            # rather than from a static copy of its own (one per bucket, ~0.3 GiB over the 27B's buckets).
+            _, shared = self._outputs(s, self._feature_layers)
+            if features.data_ptr() != shared.data_ptr():
+                shared.copy_(features)
+            if self._rows_out is None:
+                self._rows_out = SharedOutput(self._rows * shared.shape[-1], shared.dtype, shared.device)
+            rows_out = self._rows_out.view(s.batch, s.nodes, shared.shape[-1])
         fn = self.commits.get(
             (s, has_features),
-            lambda p, c, *f: verify_commit(self.model, p, s.nodes, c, f[0] if f else None, s.nodes,
-                                           self._traces[s]),
-            lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device),
-                     *([torch.zeros_like(features)] if has_features else [])],
+            lambda p, c: verify_commit(self.model, p, s.nodes, c, shared, s.nodes, self._traces[s], rows_out),
+            lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device)],
         )
         self._traces.pop(s, None)   # captured: the graph holds the traces' addresses (see the class docstring)
-        return fn(packed_dev, choices, *([features] if has_features else []))
+        return fn(packed_dev, choices)
 
     def shapes(self) -> list[VerifyShape]:
         """Every (batch, nodes, key length) bucket, largest first.

@@ -137,3 +137,28 @@ def test_a_shared_output_views_one_buffer_at_every_bucket_shape_and_refuses_a_la
     assert torch.equal(large.reshape(-1)[:45], torch.full((45,), 3.0))
     with pytest.raises(ValueError, match="exceeds"):
         out.view(5, 9, 5)
+
+
+def test_commit_writes_the_accepted_rows_into_a_given_buffer_as_it_would_allocate_them(tmp_path):
+    model_dir = make_tiny_qwen3_5(tmp_path / "m", seed=5)
+    prompts = [list(range(20, 29)), list(range(30, 36))]
+    runners = [_prefilled(model_dir, prompts)[0] for _ in range(2)]
+    roots = _prefilled(model_dir, prompts)[1]
+    draft = _accepting_draft(runners[0], roots, [[50 + i for i in range(len(TREE) - 1)]] * 2)
+    _accepting_draft(runners[1], roots, draft)   # the same forwards on the second runner (none commits)
+    shape = VerifyShape(batch=2, nodes=len(TREE), key_len=64)
+    results = []
+    for runner, give_buffer in zip(runners, (False, True)):
+        trees, ctx, slots = _trees(runner, roots, draft)
+        batch = VerifyBatch.pack(trees, ctx, slots, shape, runner.model.cache.spec.scratch_slot)
+        _, greedy, features = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
+        buffer = torch.full_like(features, float("nan")) if give_buffer else None
+        result, rows = verify_commit(runner.model, batch.packed, shape.nodes, greedy, features, shape.nodes,
+                                     rows_out=buffer)
+        if give_buffer:
+            assert rows.data_ptr() == buffer.data_ptr()
+        results.append((result, rows))
+    (want_result, want_rows), (got_result, got_rows) = results
+    assert want_result[:, 0].tolist() == [4, 4]   # the planted path was accepted
+    assert torch.equal(got_result, want_result)
+    assert torch.equal(got_rows, want_rows)
