@@ -57,7 +57,7 @@ for s in $SECTIONS; do
       timeout ${SPEED8_S:-290} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
         --dtype bfloat16 --num-prompts 8 --max-tokens 96 --batch 8 --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
         ${SPEED8_ARGS:-} --out-dir "$R" --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
-      grep -E "tok/s|CALIB|Error|error" "$R/speed-8b.log" | tail -14 ;;
+      grep -E "tok/s|segments|CALIB|Error|error" "$R/speed-8b.log" | tail -20 ;;
     hybrid)
       timeout ${HYB_STEP_S:-320} python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 --profile \
         --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1

@@ -277,6 +277,10 @@ def main(argv=None) -> None:
                     ps = r["breakdown"]["per_step_ms"]
                     msg += f", tau {r['tau']}, step {ps.get('step')} ms (draft {ps.get('draft_phase')}, " \
                            f"tree {ps.get('tree_build')}, verify {ps.get('verify_phase')})"
+                    segments = {n: r["breakdown"]["histograms"].get(f"segment_{n}", {}).get("mean_ms") for n in SEGMENTS}
+                    if any(v is not None for v in segments.values()):   # printed now: a run cut short keeps them
+                        msg += "\n    segments (mean ms): " + ", ".join(f"{n} {v}" for n, v in segments.items()
+                                                                       if v is not None)
                 print(msg, flush=True)
     finally:
         stack.stop()
