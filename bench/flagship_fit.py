@@ -16,7 +16,9 @@ ddtree's outputs must equal ar's (lossless; the LM head follows a fixed successo
 flip greedy choices). The random drafter is almost never accepted, so ddtree's tok/s here is no speed figure.
 After each phase the target's Prometheus gauges are scraped (torch's reserved / allocated bytes and their peaks)
 and, where nvidia-smi lists processes, the target process's device memory (CUDA context included, which the cap
-does not cover). The served memory plan is read from the target's Info.
+does not cover); a thread also samples both every --sample-s seconds, so that what happens inside a phase (the
+long prefill's growth outside the allocator) is seen when it happens. The served memory plan is read from the
+target's Info.
 
     python -m bench.flagship_fit --work-dir /tmp/wfit --build-only        # the checkpoint only (~54 GB of disk)
     python -m bench.flagship_fit --work-dir /tmp/wfit --out-dir OUT       # the H200 run (builds if needed)
@@ -36,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout-s", type=float, default=900.0)
     p.add_argument("--log-dir", default="", help="service logs (default: a temporary dir, kept on failure)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    p.add_argument("--sample-s", type=float, default=2.0,
+                   help="seconds between the memory sampler's readings (0: phase ends only)")
     args = p.parse_args(argv)
     if args.no_cap or not args.device.startswith("cuda"):
         if args.gpu_memory_cap is not None and not args.no_cap:
@@ -184,6 +189,57 @@ def process_device_memory(pid: int) -> int | None:
         if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
             return int(parts[1]) * 2**20
     return None   # e.g. a container whose PID namespace nvidia-smi does not see
+
+
+class MemorySampler:
+    """Reads the target's device memory (nvidia-smi) and torch's reserved bytes every period_s, in a thread, until
+    stopped; samples are (seconds since start, process bytes, reserved bytes), where nvidia-smi lists the process."""
+
+    def __init__(self, stack, pid: int, period_s: float) -> None:
+        self.stack, self.pid, self.period_s = stack, pid, period_s
+        self.samples: list[tuple[float, int, int]] = []
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fit-memory-sampler", daemon=True)
+
+    def start(self) -> "MemorySampler":
+        """Starts sampling (a no-op sampler when period_s <= 0)."""
+        if self.period_s > 0:
+            self._thread.start()
+        return self
+
+    def now(self) -> float:
+        """Seconds since the sampler was made (the samples' clock)."""
+        return round(time.perf_counter() - self.t0, 1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                reserved = gpu_memory(self.stack)["reserved"]
+            except Exception:  # noqa: BLE001 - a scrape racing the shutdown; the next reading decides
+                continue
+            process = process_device_memory(self.pid)
+            if process is not None and reserved is not None:
+                self.samples.append((self.now(), process, reserved))
+
+    def stop(self) -> None:
+        """Stops the thread (waits for its last reading)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+
+    def summary(self, max_points: int = 400) -> dict:
+        """Largest process figure and largest outside-the-allocator share, with when, and the samples thinned to
+        at most max_points."""
+        s = list(self.samples)
+        if not s:
+            return {"samples": 0}
+        top = max(s, key=lambda x: x[1])
+        out = max(s, key=lambda x: x[1] - x[2])
+        step = max(1, -(-len(s) // max_points))
+        return {"samples": len(s), "period_s": self.period_s, "process_max": top[1], "process_max_at_s": top[0],
+                "outside_allocator_max": out[1] - out[2], "outside_allocator_max_at_s": out[0],
+                "timeline": [list(x) for x in s[::step]]}
 
 
 LOG_PROBLEMS = ("out of memory", "OutOfMemoryError", "Traceback", '"level": "ERROR"', " ERROR ")
@@ -287,6 +343,28 @@ def card_peak(memory: dict) -> int | None:
     return max(peak + outside, proc or 0)
 
 
+def phase_at(data: dict, t: float) -> str:
+    """The phase running at t seconds on the sampler's clock, or where t falls outside every phase."""
+    for p in data["phases"]:
+        if p.get("start_s") is not None and p["start_s"] <= t <= p.get("end_s", float("inf")):
+            return p["name"]
+    phases = data["phases"]
+    if not phases or t < phases[0].get("start_s", 0):
+        return "before the first phase"
+    return "after the last phase" if t > phases[-1].get("end_s", float("inf")) else "between phases"
+
+
+def sampled_line(data: dict) -> str:
+    """The memory sampler's finding in one sentence."""
+    s = data.get("memory_sampled") or {}
+    if not s.get("samples"):
+        return "Sampled during the phases: no readings (nvidia-smi does not list the process, or --sample-s 0)."
+    return (f"Sampled every {s['period_s']} s ({s['samples']} readings): the process's largest figure "
+            f"{s['process_max'] / GIB:.2f} GiB at {s['process_max_at_s']} s ({phase_at(data, s['process_max_at_s'])}), "
+            f"the most outside the allocator {s['outside_allocator_max'] / GIB:.2f} GiB at "
+            f"{s['outside_allocator_max_at_s']} s ({phase_at(data, s['outside_allocator_max_at_s'])}).")
+
+
 def activation_peak(data: dict) -> int | None:
     """Peak allocated bytes beyond the weights and the cache (to set against the plan's workspace estimate)."""
     plan = (data.get("info") or {}).get("memory_plan") or {}
@@ -352,7 +430,8 @@ def markdown(data: dict) -> str:
                                                .get("workspace_bytes"))]]),
         "", "After each phase (GiB): " + "; ".join(
             f"{p['name']}: peak reserved {gib(p['memory'].get('peak_reserved'))}, nvidia-smi "
-            f"{gib(p['memory'].get('process'))}" for p in data["phases"] if p.get("memory")), ""]
+            f"{gib(p['memory'].get('process'))}, outside the allocator {gib(p['memory'].get('outside_allocator'))}"
+            for p in data["phases"] if p.get("memory")), "", sampled_line(data), ""]
     rows = [[r["phase"], r["mode"], r["batch"], r["prompts"], r["prompt_tokens"], r["generated_tokens"],
              r["tokens_per_step"], r["wall_s"], r["tok_s"], p.get("outputs_equal")]
             for p in data["phases"] for r in p.get("runs", [])]
@@ -413,12 +492,13 @@ def main(argv=None) -> None:
         data["verdict"] = verdict(data)
         common.write_outputs(args.out_dir, stem, data, markdown(data))
 
-    stack = None
+    stack = sampler = None
     try:
         stack = common.start_stack(str(work / "target"), str(work / "drafter"), args.device, args.dtype,
                                    args.threads, budget=args.budget, max_batch=args.max_batch,
                                    max_seq_len=args.max_seq_len, log_dir=args.log_dir, target_args=target_args)
         target_pid = stack.procs["target"].pid
+        sampler = MemorySampler(stack, target_pid, args.sample_s).start()
         data["info"] = target_info(stack)
         print(f"memory plan: {data['info']['memory_plan']}", flush=True)
 
@@ -430,9 +510,14 @@ def main(argv=None) -> None:
                                         else mem["process"] - mem["reserved"])
             phase["memory"] = mem
             samples = [p["memory"] for p in data["phases"] if p.get("memory")]
-            data["memory"] = {**mem, "process_max": max((m["process"] for m in samples if m["process"]), default=None),
-                              "outside_allocator_max": max((m["outside_allocator"] for m in samples
-                                                            if m["outside_allocator"] is not None), default=None)}
+            sampled = sampler.summary()
+            data["memory_sampled"] = sampled
+            process = [m["process"] for m in samples if m["process"]] + [sampled.get("process_max") or 0]
+            outside = [m["outside_allocator"] for m in samples if m["outside_allocator"] is not None]
+            if sampled.get("outside_allocator_max") is not None:
+                outside.append(sampled["outside_allocator_max"])
+            data["memory"] = {**mem, "process_max": max(process) or None,
+                              "outside_allocator_max": max(outside, default=None)}
             dead = [n for n, alive in stack.alive().items() if not alive]
             if dead:
                 raise RuntimeError(f"{', '.join(dead)} exited")
@@ -447,7 +532,7 @@ def main(argv=None) -> None:
             phases.append(("long", random_prompts(held, args.long_prompt_tokens, vocab, args.seed + 1), held,
                            args.max_tokens))
         for name, prompts, batch, max_tokens in phases:
-            phase: dict = {"name": f"{name} b{batch}", "runs": []}
+            phase: dict = {"name": f"{name} b{batch}", "runs": [], "start_s": sampler.now()}
             data["phases"].append(phase)
             t0 = time.perf_counter()
             runs = {}
@@ -459,6 +544,7 @@ def main(argv=None) -> None:
             phase["outputs_equal"] = not mismatched
             phase["mismatched_prompts"] = mismatched
             phase["seconds"] = round(time.perf_counter() - t0, 1)
+            phase["end_s"] = sampler.now()
             measure(phase)
             data["target_log_problems"] = log_problems(stack.log_dir)
             save()
@@ -470,6 +556,8 @@ def main(argv=None) -> None:
         save()
         raise
     finally:
+        if sampler is not None:
+            sampler.stop()
         if stack is not None:
             stack.stop()
             if data["error"] is None and not args.log_dir:

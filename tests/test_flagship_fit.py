@@ -134,3 +134,17 @@ def test_a_results_command_line_records_the_allocator_setting_it_ran_under(monke
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert common.command_line("bench.flagship_fit") == (
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m bench.flagship_fit --out-dir o")
+
+
+def test_the_memory_sampler_reports_the_largest_process_figure_and_outside_share_with_their_phase():
+    sampler = flagship_fit.MemorySampler(stack=None, pid=0, period_s=2.0)
+    sampler.samples = [(1.0, 30 * GIB, 29 * GIB), (5.0, 34 * GIB, 30 * GIB), (9.0, 35 * GIB, 33 * GIB)]
+    s = sampler.summary()
+    assert s["samples"] == 3 and s["process_max"] == 35 * GIB and s["process_max_at_s"] == 9.0
+    assert s["outside_allocator_max"] == 4 * GIB and s["outside_allocator_max_at_s"] == 5.0
+    data = {"memory_sampled": s, "phases": [{"name": "short b1", "start_s": 0.5, "end_s": 4.0},
+                                            {"name": "long b8", "start_s": 4.5, "end_s": 8.0}]}
+    line = flagship_fit.sampled_line(data)
+    assert "35.00 GiB at 9.0 s (after the last phase)" in line and "4.00 GiB at 5.0 s (long b8)" in line
+    assert flagship_fit.MemorySampler(None, 0, 2.0).summary() == {"samples": 0}
+    assert "no readings" in flagship_fit.sampled_line({"memory_sampled": {"samples": 0}, "phases": []})
