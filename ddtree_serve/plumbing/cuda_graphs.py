@@ -103,10 +103,13 @@ class CapturedFunction:
     outputs: object  # whatever fn returned: tensors (or tuples of them) living in the graph's pool
 
     @classmethod
-    def capture(cls, fn: Callable[..., object], example_inputs: Sequence[Tensor], pool, warmup: int = 2) -> "CapturedFunction":
-        """Runs fn `warmup` times on a side stream (lazy inits, autotuning), then records it."""
+    def capture(cls, fn: Callable[..., object], example_inputs: Sequence[Tensor], pool, warmup: int = 2,
+                stream: torch.cuda.Stream | None = None) -> "CapturedFunction":
+        """Runs fn `warmup` times on a side stream (lazy inits, autotuning), then records it. Pass the same side
+        stream to every capture: the allocator caches freed blocks per stream, so a fresh stream per capture
+        could not reuse what the previous captures' warm-up runs freed."""
         static = tuple(x.clone() for x in example_inputs)
-        stream = torch.cuda.Stream(device=static[0].device)
+        stream = stream or torch.cuda.Stream(device=static[0].device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(warmup):
@@ -131,6 +134,7 @@ class GraphCache:
     def __init__(self, name: str) -> None:
         self.name = name
         self.pool = None  # made at the first capture, so that a CPU process can hold a GraphCache
+        self.warmup_stream: torch.cuda.Stream | None = None   # every capture's warm-up runs, likewise
         self.graphs: dict[Hashable, CapturedFunction] = {}
         self.capture_seconds = 0.0
 
@@ -138,10 +142,12 @@ class GraphCache:
         """The graph for key, capturing fn over example_inputs() the first time."""
         captured = self.graphs.get(key)
         if captured is None:
+            inputs = example_inputs()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
+                self.warmup_stream = torch.cuda.Stream(device=inputs[0].device)
             t0 = time.perf_counter()
-            captured = CapturedFunction.capture(fn, example_inputs(), self.pool)
+            captured = CapturedFunction.capture(fn, inputs, self.pool, stream=self.warmup_stream)
             elapsed = time.perf_counter() - t0
             self.capture_seconds += elapsed
             self.graphs[key] = captured
