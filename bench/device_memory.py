@@ -16,6 +16,7 @@ one suspect off at a time:
                     own backend choice
     sdpa-math       attention through SDPA's math backend only
     sdpa-efficient  attention through SDPA's memory-efficient backend only
+    sdpa-cudnn      attention through SDPA's cuDNN backend only
     no-fla          Gated DeltaNet chains through the PyTorch reference instead of fla's kernels
     bf16            no quantization
 
@@ -42,7 +43,7 @@ import torch
 from bench import common
 from bench.shapes import SHAPES, build_target
 
-VARIANTS = ("default", "sdpa-math", "sdpa-efficient", "no-fla", "bf16")
+VARIANTS = ("default", "sdpa-math", "sdpa-efficient", "sdpa-cudnn", "no-fla", "bf16")
 GIB = 1024**3
 
 
@@ -112,6 +113,8 @@ def sdpa_context(variant: str):
         return sdpa_kernel(SDPBackend.MATH)
     if variant == "sdpa-efficient":
         return sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION)
+    if variant == "sdpa-cudnn":
+        return sdpa_kernel(SDPBackend.CUDNN_ATTENTION)
     return contextlib.nullcontext()
 
 
