@@ -43,7 +43,7 @@ import torch
 from bench import common
 from bench.shapes import SHAPES, build_target
 
-VARIANTS = ("default", "sdpa-math", "sdpa-efficient", "sdpa-cudnn", "no-fla", "bf16")
+VARIANTS = ("default", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "bf16", "no-fla")   # the slowest last
 GIB = 1024**3
 
 
@@ -221,14 +221,18 @@ def main(argv=None) -> None:
         sys.exit("bench.device_memory measures CUDA device memory: it needs a CUDA device")
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        sys.exit(f"unknown variants {unknown}; of {VARIANTS}")
+    if unknown or not variants:
+        sys.exit(f"variants must name some of {VARIANTS}; got {args.variants!r}")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="ddtree-device-memory-"))
     t0 = time.perf_counter()
     target_dir = str(build_target(args.shape, work / "target", args.layers, device="cuda", dtype=torch.bfloat16))
     print(f"checkpoint built in {time.perf_counter() - t0:.1f} s", flush=True)
     torch.cuda.empty_cache()
-    results = []
+    hw = common.hardware("cuda", "bfloat16", None)
+    data = {"bench": "device_memory", "command": common.command_line("bench.device_memory"), "date": common.now_utc(),
+            "hardware": hw, "shape": args.shape, "layers": args.layers, "batch": args.batch,
+            "prompt_tokens": args.prompt_tokens, "chunk": args.chunk, "variants": []}
+    stem = f"device-memory-{args.shape}-{common.hardware_tag(hw)}"
     passthrough = [f"--shape={args.shape}", f"--batch={args.batch}", f"--prompt-tokens={args.prompt_tokens}",
                    f"--chunk={args.chunk}"]
     for variant in variants:
@@ -240,18 +244,13 @@ def main(argv=None) -> None:
                                                           "error": (proc.stderr or proc.stdout)[-2000:]}
         except subprocess.TimeoutExpired:
             result = {"variant": variant, "error": f"timed out after {args.timeout_s} s"}
-        results.append(result)
+        data["variants"].append(result)
         summary = result.get("error") or (f"outside after load {result['loaded']['outside'] / GIB:.2f} GiB, after "
                                           f"the prefill {result['chunks'][-1]['outside'] / GIB:.2f} GiB, "
                                           f"{sum(c['seconds'] for c in result['chunks']):.1f} s")
         print(f"{variant}: {summary}", flush=True)
-    hw = common.hardware("cuda", "bfloat16", None)
-    data = {"bench": "device_memory", "command": common.command_line("bench.device_memory"), "date": common.now_utc(),
-            "hardware": hw, "shape": args.shape, "layers": args.layers, "batch": args.batch,
-            "prompt_tokens": args.prompt_tokens, "chunk": args.chunk, "variants": results}
-    md = markdown(data)
-    paths = common.write_outputs(args.out_dir, f"device-memory-{args.shape}-{common.hardware_tag(hw)}", data, md)
-    print(md)
+        paths = common.write_outputs(args.out_dir, stem, data, markdown(data))   # after each: a run cut short keeps them
+    print(markdown(data))
     print("wrote", *paths)
 
 
