@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ddtree_serve.decoding.ddtree import DraftTree, build_chain, build_ddtree_batch, root_tree
-from ddtree_serve.decoding.ddtree_host import build_ddtree_host
+from ddtree_serve.decoding.ddtree_host import build_chain_host, build_ddtree_host
 from gateway.sequence import Sequence
 
 
@@ -16,12 +16,14 @@ def build_step_trees(seqs: list[Sequence], drafts: dict[str, tuple[torch.Tensor,
         group = [s for s in seqs if s.mode == kind and s.seq_id in drafts]
         if not group:
             continue
-        if kind == "ddtree" and drafts[group[0].seq_id][0].is_cpu:
-            # On the host the heap algorithm beats the batched tensor builder many times over (torch's per-op
+        if drafts[group[0].seq_id][0].is_cpu:
+            # On the host, per-sequence numpy builders beat the batched tensor ones many times over (torch's per-op
             # overhead dominates on tensors this small); identical trees (tests/test_ddtree.py, bench/tree_build.py).
             for s in group:
                 logprobs, ids = drafts[s.seq_id]
-                trees[s.seq_id] = build_ddtree_host(logprobs, ids, s.budget, max_depths[s.seq_id], s.bonus)
+                trees[s.seq_id] = (build_ddtree_host(logprobs, ids, s.budget, max_depths[s.seq_id], s.bonus)
+                                   if kind == "ddtree" else
+                                   build_chain_host(logprobs, ids, max_depths[s.seq_id], s.bonus))
             continue
         logprobs = torch.stack([drafts[s.seq_id][0] for s in group])
         ids = torch.stack([drafts[s.seq_id][1] for s in group])

@@ -19,7 +19,7 @@ from ddtree_serve.decoding.ddtree import (
     root_tree,
     tree_log_probs,
 )
-from ddtree_serve.decoding.ddtree_host import build_ddtree_host
+from ddtree_serve.decoding.ddtree_host import build_chain_host, build_ddtree_host
 
 
 def random_topk(gen: torch.Generator, batch: int, n_pos: int, k: int, vocab: int = 40, sharp: float = 2.0):
@@ -328,3 +328,30 @@ def test_host_edge_cases():
     assert_host_equals_reference(torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.long))  # no candidates
     with pytest.raises(ValueError):
         build_ddtree_host(lp[0], ids[0, :, :2], 4)
+
+
+# ---- build_chain_host: build_chain's row, bit for bit -------------------------------------------------------------
+def test_host_chain_equals_the_batched_chain_builder():
+    gen = torch.Generator().manual_seed(27)
+    specials = torch.tensor([float("nan"), float("-inf"), 0.0, -0.0, -2000.0])
+    cases = [random_topk(gen, 1, n, k, vocab=500, sharp=3.0) for n, k in ((1, 1), (5, 3), (15, 64), (16, 1))]
+    lp, ids = random_topk(gen, 1, 6, 4)
+    lp[0, ::2, 0] = specials[:3]   # NaN, -inf and 0 on the chain's own column
+    cases.append((lp, ids))
+    cases.append((torch.full((1, 15, 2), -1000.0), torch.arange(30).reshape(1, 15, 2)))   # past float64's exact sums
+    for lp, ids in cases:
+        for depth in (None, 0, 1, 3, 100):
+            want = build_chain(lp, ids, [7], None if depth is None else [depth]).tree(0)
+            assert_identical_tree(build_chain_host(lp[0], ids[0], depth, root_token=7), want)
+    for dtype in (torch.float16, torch.bfloat16):
+        lp, ids = random_topk(gen, 1, 5, 3)
+        assert_identical_tree(build_chain_host(lp[0].to(dtype), ids[0].to(torch.int32), 4, root_token=2),
+                              build_chain(lp.to(dtype), ids, [2], [4]).tree(0))
+
+
+def test_host_chain_of_no_candidates_or_no_depth_is_the_root_alone():
+    for lp, ids, depth in ((torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.long), None),
+                           (torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.long), None),
+                           (-torch.rand(4, 2), torch.arange(8).reshape(4, 2), 0)):
+        tree = build_chain_host(lp, ids, depth, root_token=9)
+        assert tree.tokens.tolist() == [9] and tree.parents.tolist() == [-1] and tree.log_probs.tolist() == [0.0]

@@ -16,6 +16,8 @@ in the same order for any input (unsorted rows, ties, NaN, -inf):
   summed as they are, as Python floats: the same numbers without a quantizing pass. The first value read outside
   that range sends the build to Python ints, quantized with numpy exactly as `_quantize` does;
 - the outputs are made from one numpy array per field rather than torch.tensor on Python lists.
+
+`build_chain_host` does the same for a DFlash chain (`build_chain`'s row, in numpy).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from ddtree_serve.decoding.ddtree import _LOGP_FLOOR, _SCALE_BITS, DraftTree, _check_topk, num_prefixes
 
-__all__ = ["build_ddtree_host"]
+__all__ = ["build_chain_host", "build_ddtree_host"]
 
 _SCALE = float(2**_SCALE_BITS)
 _FLOAT32_EXACT_MAX = -(2.0 ** (23 - _SCALE_BITS))  # a float32 this far from 0 is a multiple of 2**-40
@@ -50,6 +52,24 @@ def build_ddtree_host(
     nodes, fixed_point = _pop_order(logprobs, ids, budget, max_depth)
     tree = _tree(nodes, fixed_point, ids, root_token)
     return tree if logprobs.is_cpu else tree.to(logprobs.device)
+
+
+def build_chain_host(logprobs: Tensor, ids: Tensor, max_depth: int | None = None, root_token: int = 0) -> DraftTree:
+    """build_chain's tree for one sequence, bit for bit: the top-1 token of each position, in numpy (host tensors
+    only)."""
+    _check_topk(logprobs, ids, 2)
+    n_pos, k = logprobs.shape
+    cap = 0 if k == 0 else n_pos if max_depth is None else max(0, min(n_pos, max_depth))
+    score = np.zeros(cap + 1, dtype=np.int64)
+    np.cumsum(_quantize_np(logprobs[:cap, :1].to(torch.float64).numpy().ravel()), out=score[1:])
+    tokens = np.empty(cap + 1, dtype=np.int64)
+    tokens[0] = root_token
+    tokens[1:] = ids[:cap, :1].numpy().ravel()
+    steps = np.arange(cap + 1, dtype=np.int64)
+    # the reference's _dequantize: int64 -> float64, / 2**40 (exact), -> float32; the root's 0 as it sets it
+    log_probs = (score.astype(np.float64) / _SCALE).astype(np.float32)
+    return DraftTree(torch.from_numpy(tokens), torch.from_numpy(steps - 1), torch.from_numpy(steps),
+                     torch.from_numpy(log_probs))
 
 
 def _pop_order(logprobs: Tensor, ids: Tensor, budget: int, max_depth: int | None) -> tuple[_Nodes, bool]:
