@@ -47,6 +47,18 @@ class TargetServerConfig(ModelServiceConfig):
 WARMUP_LOG_S = 15.0   # a long warm-up (the 27B's ~120 buckets take minutes) logs its progress this often
 
 
+def warmup_failure(exc: Exception, bucket: int, buckets: int) -> str:
+    """The log line of a failed graph warm-up: what failed, what the service does now, and, when the device ran
+    out of memory, the flags that make room (as vLLM users know them)."""
+    line = (f"verify graph warm-up failed at bucket {bucket} of {buckets} (the rest capture on first use): "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    if isinstance(exc, torch.OutOfMemoryError):
+        line += (". The graphs do not fit beside the weights and the cache, and steps of those buckets will fail "
+                 "alike: lower --max-batch or --max-seq-len, raise --gpu-memory-utilization (the graph pool and the "
+                 "allocator's caching come out of its headroom), or serve with --enforce-eager")
+    return line
+
+
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     """Holds the TargetRunner; model work runs on one dedicated thread so the event loop stays responsive."""
 
@@ -104,6 +116,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         requests ran past their deadline)."""
         t0 = last_log = time.perf_counter()
         shapes = self.runner.warmup_shapes()
+        done = 0
         try:
             for done, shape in enumerate(shapes, start=1):
                 seconds = await self.model_thread.run(self.runner.warmup, [shape])
@@ -113,7 +126,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the service still works: graphs capture on first use instead
-            log.error("graph warm-up failed (graphs capture on first use instead): %r", exc)
+            log.error("%s; %s", warmup_failure(exc, done, len(shapes)), self.runner.memory_summary())
             return
         if shapes:
             log.info("verify graphs ready: %d buckets captured (%.1f s of capture) in %.1f s; %s", len(shapes),
