@@ -20,7 +20,8 @@
 #              removes /tmp/w8 and /tmp/w27 first)
 #   fit        that target, int8, capped at a 48 GB card (--gpu-memory-cap) through the three services: memory
 #              plan, peak memory, batch 1 and 8, ar == ddtree (builds /tmp/wfit when fitbuild has not; FIT_ARGS
-#              adds flags, e.g. FIT_ARGS=--lazy-graphs when capturing every graph bucket up front runs too long)
+#              adds flags, e.g. FIT_ARGS=--lazy-graphs when capturing every graph bucket up front runs too long);
+#              a service that runs out of memory leaves an allocator snapshot, summarised by bench.memory_snapshot
 #   devmem     device memory outside torch's allocator during a long prefill, one suspect off per variant, and the
 #              prefill's kernels (bench.device_memory at the 27B layout cut to DEVMEM_LAYERS=8 layers; ~2 GB disk)
 # Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
@@ -94,8 +95,11 @@ for s in $SECTIONS; do
     fit)
       rm -rf /tmp/w8 /tmp/w27
       mkdir -p "$R/fit"
+      # an allocator snapshot from a service that runs out of memory, summarised (the pickle itself stays here)
+      DDTREE_CUDA_MEMORY_HISTORY=/tmp/fit-oom.pickle \
       timeout ${FIT_S:-570} python3 -m bench.flagship_fit --work-dir /tmp/wfit --out-dir "$R/fit" --log-dir "$R/logs-fit" \
         ${FIT_ARGS:-} > "$R/fit.log" 2>&1
+      for f in /tmp/fit-oom-*.pickle; do [ -e "$f" ] && python3 -m bench.memory_snapshot "$f" --out-dir "$R/fit" | head -40; done
       grep -E "tok/s|memory plan|^FITS|^DOES|^INCOMPLETE|^SERVED|Error|error" "$R/fit.log" | tail -20 ;;
     devmem)
       timeout ${DEVMEM_S:-540} python3 -m bench.device_memory --layers ${DEVMEM_LAYERS:-8} --work-dir /tmp/wdm --out-dir "$R" \

@@ -68,3 +68,23 @@ def test_shutdown_cancels_the_queued_work_and_refuses_new_work():
         return running.done() and not running.cancelled(), queued.cancelled()
 
     assert asyncio.run(main()) == (True, True)
+
+
+def test_the_error_hook_sees_each_failure_on_the_model_thread_and_a_failing_hook_stops_nothing():
+    seen = []
+
+    def hook(exc):
+        seen.append((type(exc).__name__, threading.get_ident()))
+        raise RuntimeError("the hook itself failed")
+
+    async def main():
+        mt = ModelThread("model", on_error=hook)
+        with pytest.raises(KeyError):
+            await mt.run(lambda: {}["gone"])
+        worker = await mt.run(threading.get_ident)
+        result = await mt.run(sum, [1, 2, 3])
+        mt.shutdown()
+        return worker, result
+
+    worker, result = asyncio.run(main())
+    assert seen == [("KeyError", worker)] and result == 6

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddtree_serve.plumbing.cuda_memory_history import MemoryHistory
 from ddtree_serve.plumbing.leases import LeaseTable
 from ddtree_serve.plumbing.messages import cache_usage_proto
 from ddtree_serve.plumbing.model_thread import ModelThread
@@ -38,6 +39,7 @@ class ModelServicer:
     def __init__(self, thread_name: str, metrics=None, lease_s: float = 60.0) -> None:
         self.metrics = metrics
         self.runner: Any = None
+        self.memory_history = MemoryHistory()
         self.ready = asyncio.Event()
         self.model_thread = ModelThread(thread_name)
         self.leases = LeaseTable(lease_s)
@@ -53,6 +55,9 @@ class ModelServicer:
     async def load_runner(self, make_runner: Callable[[Any], Any], runner_cfg: Any, device: str, what: str) -> None:
         """Builds the runner on the model thread, starts the GPU-memory gauges and marks the servicer ready."""
         t0 = time.perf_counter()
+        # opt-in: an allocator snapshot on the first OOM
+        self.memory_history = MemoryHistory.from_env(device, self.model_thread.name)
+        self.model_thread.on_error = self.memory_history.on_error
         self.runner = await self.model_thread.run(make_runner, runner_cfg)
         if self.metrics is not None:
             self.metrics.track_gpu_memory(device)

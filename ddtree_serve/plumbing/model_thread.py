@@ -20,8 +20,9 @@ _STOP = None   # queued by shutdown(): the thread ends after the work before it
 class ModelThread:
     """One dedicated thread for a service's model work: device work stays serialised, the event loop stays free."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, on_error: Callable[[BaseException], None] | None = None):
         self.name = name
+        self.on_error = on_error   # called on this thread with each failure of a work item (diagnostics)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -71,6 +72,11 @@ class ModelThread:
                 result, error = fn(*args), None
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to the awaiting caller
                 result, error = None, exc
+                if self.on_error is not None:
+                    try:
+                        self.on_error(exc)
+                    except Exception:  # noqa: BLE001 - a diagnostic hook must not stop the thread
+                        pass
             try:
                 loop.call_soon_threadsafe(_settle, future, result, error)
             except RuntimeError:   # the loop closed meanwhile: nobody is waiting any more
