@@ -387,6 +387,7 @@ def headline(data: dict) -> dict:
             "fit_cache_gib": gib(plan.get("cache_bytes")), "fit_sequences_held": plan.get("max_batch"),
             "fit_max_seq_len": plan.get("max_seq_len"), "fit_peak_reserved_gib": gib(m.get("peak_reserved")),
             "fit_peak_allocated_gib": gib(m.get("peak_allocated")), "fit_process_gib": gib(m.get("process_max")),
+            "fit_outside_allocator_gib": gib(m.get("outside_allocator_max")),
             "fit_card_peak_gib": gib(card_peak(m)), "fit_activation_peak_gib": gib(activation_peak(data)),
             "fit_workspace_estimate_gib": gib(plan.get("workspace_bytes")),
             "fit_outputs_equal": bool(equal) and all(e is True for e in equal)}

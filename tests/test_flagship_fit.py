@@ -118,6 +118,9 @@ def test_the_headline_figures_for_the_h200_report(tmp_path):
     assert head["fit_cap_gib"] == 44.99 and head["fit_peak_reserved_gib"] == 40.0 and head["fit_outputs_equal"]
     assert head["fit_activation_peak_gib"] == 5.0 and head["fit_workspace_estimate_gib"] == 2.0
     assert head["fit_sequences_held"] == 8 and head["fit_weights_gib"] == 27.0 and head["fit_process_gib"] is None
+    assert head["fit_outside_allocator_gib"] is None   # nvidia-smi did not list the process
+    data["memory"].update(process_max=41 * GIB, outside_allocator_max=3 * GIB)
+    assert flagship_fit.headline(data)["fit_outside_allocator_gib"] == 3.0
     from bench import h200_report
 
     path = tmp_path / "fit.json"
