@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from bench import common
+from bench.flagship_fit import process_device_memory
 from bench.shapes import SHAPES, build_target
 
 VARIANTS = ("default", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "bf16", "no-fla")   # the slowest last
@@ -64,15 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def device_memory_used(device: torch.device) -> tuple[int, str]:
     """This process's device memory (bytes) and where the figure came from."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-        for line in out.splitlines():
-            parts = [x.strip() for x in line.split(",")]
-            if len(parts) == 2 and parts[0] == str(os.getpid()) and parts[1].isdigit():
-                return int(parts[1]) * 2**20, "nvidia-smi"
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    used = process_device_memory(os.getpid())
+    if used is not None:
+        return used, "nvidia-smi"
     free, total = torch.cuda.mem_get_info(device)
     return total - free, "device used"
 
