@@ -925,3 +925,32 @@ def test_to_host_copies_equal_cpu_copies_after_queued_work():
     assert torch.equal(got[0], x.cpu()) and torch.equal(got[1], ids.cpu()) and torch.equal(got[2], view.cpu())
     assert got[0].is_pinned() and torch.equal(got[3], torch.arange(3))
 
+
+
+def test_a_capture_warmed_up_in_its_graph_pool_holds_its_scratch_once_and_replays_like_eager():
+    """DDTREE_GRAPH_WARMUP_IN_POOL: the warm-up runs' scratch and the capture's are one allocation in the graph pool
+    (otherwise one copy stays cached in the default pool and another sits in the graph pool)."""
+    import gc
+
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+
+    def fn(x):   # a 256 MiB intermediate per call
+        return (x.repeat(64, 1) * 2.0).sum(dim=0)
+
+    x = torch.randn(1024, 1024, device="cuda")
+    want = fn(x)
+    grown = {}
+    for in_pool in (False, True):
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        captured = CapturedFunction.capture(fn, [x], torch.cuda.graph_pool_handle(), in_pool=in_pool)
+        torch.cuda.synchronize()
+        grown[in_pool] = torch.cuda.memory_reserved() - before
+        assert torch.equal(captured(x), want)
+        fresh = torch.randn(1024, 1024, device="cuda")
+        assert torch.equal(captured(fresh), fn(fresh))
+        del captured
+    scratch = 64 * 1024 * 1024 * 4
+    assert grown[False] >= 2 * scratch * 0.9 and grown[True] <= scratch * 1.25, grown
