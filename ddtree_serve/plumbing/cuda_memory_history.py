@@ -5,8 +5,7 @@ runner starts loading (torch.cuda.memory._record_memory_history, Python stacks) 
 time its model work runs out of device memory (a graph warm-up or a request), to PATH with the service's name
 added to the file's stem (`oom.pickle` -> `oom-target-model.pickle`: the two model services may share the
 variable); `python -m bench.memory_snapshot FILE` then sums the live blocks by memory pool and by the line that
-allocated them. Off by default: recording costs
-a little on every allocation. A CPU service ignores it.
+allocated them. Off by default: recording costs a little on every allocation. A CPU service ignores it.
 """
 from __future__ import annotations
 
@@ -64,15 +63,6 @@ def snapshot_path(value: str, service: str) -> Path:
     return path.with_name(f"{path.stem}-{service}{path.suffix or '.pickle'}")
 
 
-@dataclass(frozen=True)
-class LiveBytes:
-    """Live bytes of one memory pool or one allocating line, and how many blocks."""
-
-    where: str
-    bytes: int
-    blocks: int
-
-
 def live_blocks(snapshot: dict) -> list[tuple[tuple[int, int], dict]]:
     """(pool id, block) of every block in use in a torch.cuda.memory._snapshot() dict."""
     out = []
@@ -110,4 +100,4 @@ def summarize(snapshot: dict, top: int = 25) -> dict:
     ranked = sorted(lines.items(), key=lambda kv: -kv[1][0])[:top]
     return {"pools": [{"pool": "default" if pool == (0, 0) else f"graph pool {pool}", "live_bytes": v[0],
                        "blocks": v[1], "reserved_bytes": v[2]} for pool, v in sorted(pools.items())],
-            "lines": [LiveBytes(where, v[0], v[1]).__dict__ for where, v in ranked]}
+            "lines": [{"where": where, "bytes": v[0], "blocks": v[1]} for where, v in ranked]}
