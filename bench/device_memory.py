@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.flagship_fit import process_device_memory
+from ddtree_serve.plumbing.process_memory import process_device_memory
 from bench.shapes import SHAPES, build_target
 
 VARIANTS = ("default", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "bf16", "no-fla")   # the slowest last

@@ -35,7 +35,6 @@ import asyncio
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,6 +44,7 @@ from pathlib import Path
 
 from bench import common
 from bench.shapes import SHAPES
+from ddtree_serve.plumbing.process_memory import process_device_memory
 
 # A "48 GB" card as nvidia-smi reports it (target_svc/memory_plan.py CARD_48GB_BYTES), in GiB: the flag's unit.
 CARD_48GB_GIB = 46068 / 1024
@@ -175,20 +175,6 @@ def gpu_memory(stack) -> dict:
         values = [v for (n, _), v in samples.items() if n == name]
         out[key] = int(sum(values)) if values else None
     return out
-
-
-def process_device_memory(pid: int) -> int | None:
-    """Device memory of process pid as nvidia-smi lists it (bytes, CUDA context included); None when unlisted."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
-            return int(parts[1]) * 2**20
-    return None   # e.g. a container whose PID namespace nvidia-smi does not see
 
 
 class MemorySampler:

@@ -90,7 +90,8 @@ def target_config(args):
                               lazy_graphs=args.lazy_graphs,
                               allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s,
                               quantize=args.quantize, gpu_memory_utilization=args.gpu_memory_utilization,
-                              kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_cap_gb=args.gpu_memory_cap)
+                              kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_cap_gb=args.gpu_memory_cap,
+                              kernel_warmup_passes=args.kernel_warmup_passes)
 
 
 def cmd_target(args) -> None:
@@ -365,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "plan takes the cap as the card (--gpu-memory-utilization x cap - what the process holds). "
                         "Emulates a smaller card on a larger one, or shares a card; refused on CPU and above the "
                         "card's size")
+    p.add_argument("--kernel-warmup-passes", type=_int_in(0), default=3,
+                   help="CUDA only: before the model loads, autotune and compile its kernels in up to this many "
+                        "throwaway processes (each loads the first layers, prefills and verifies one batch), until one "
+                        "finds them all cached; the server then loads the tuned kernels only, without the device "
+                        "memory that autotuning leaves behind (0: autotune in the server)")
     p.add_argument("--lease-s", type=float, default=60.0,
                    help="a sequence whose gateway has not been heard from for this long is freed")
     p.set_defaults(func=cmd_target)

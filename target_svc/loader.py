@@ -20,6 +20,7 @@ LINEAR_ATTENTION = "linear_attention"
 # Checkpoint prefixes of the Qwen3.5 multimodal wrapper: the language model is served, the rest is skipped.
 _WRAPPER_TEXT_PREFIX = "model.language_model."
 _WRAPPER_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+_LAYERS_PREFIX = "model.layers."
 
 
 @dataclass
@@ -123,12 +124,21 @@ def _quantize_on(device: torch.device, weight: torch.Tensor, bits: int, dtype: t
     return QuantizedWeight(q.qweight.clone(), q.scales.clone(), q.bits)
 
 
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a tensor name belongs to ("model.layers.3.mlp..." -> 3), None outside the layers."""
+    if not name.startswith(_LAYERS_PREFIX):
+        return None
+    index, _, _ = name[len(_LAYERS_PREFIX):].partition(".")
+    return int(index) if index.isdigit() else None
+
+
 def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: torch.device, dtype: torch.dtype,
-                  quantized: frozenset[str] = frozenset(), bits: int = 8) -> None:
+                  quantized: frozenset[str] = frozenset(), bits: int = 8, num_layers: int | None = None) -> None:
     """Assigns checkpoint tensors (cast to dtype, on device) to a meta-initialised model; strict on missing keys.
 
     The weights of the Linear modules named in `quantized` are quantized to `bits` one tensor at a time as they
     arrive (stored as `qweight` + `scales`): the float weights of those layers never exist on the device together.
+    num_layers: the checkpoint's layers from this index on are skipped (never read).
     """
     # remove_duplicate=False: a tied lm_head.weight is its own name even when it shares the embedding's tensor.
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -146,6 +156,8 @@ def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: to
                         name = "model." + key[len(_WRAPPER_TEXT_PREFIX) :]
                 elif key.startswith("mtp."):
                     continue  # multi-token-prediction head shipped with Qwen3.5 checkpoints: unused
+                if num_layers is not None and (_layer_index(name) or 0) >= num_layers:
+                    continue
                 module_name, _, leaf = name.rpartition(".")
                 if leaf == "weight" and module_name in quantized:
                     q = _quantize_on(device, f.get_tensor(key), bits, dtype, scratch)
@@ -168,12 +180,13 @@ def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: to
 
 def load_target(
     model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    quantize: str = "none",
+    quantize: str = "none", num_layers: int | None = None,
 ) -> LoadedTarget:
     """Loads the text decoder of a local checkpoint directly onto (device, dtype); never touches the network.
 
     quantize="int8" / "int4": the decoder layers' linear projections are quantized as they load
-    (target_svc/quantization.py).
+    (target_svc/quantization.py). num_layers: only the first num_layers decoder layers (a tool's cut of the
+    model: kernel_warmup.py runs the real widths without the real depth).
     """
     check_quantize_mode(quantize)
     model_dir = Path(model_dir)
@@ -183,6 +196,12 @@ def load_target(
     if hasattr(top_config, "text_config") and not wrapper:
         raise ValueError(f"unsupported multimodal checkpoint {top_config.model_type!r}")
     text_config = top_config.text_config if wrapper else top_config
+    if num_layers is not None:
+        if not 1 <= num_layers <= text_config.num_hidden_layers:
+            raise ValueError(f"num_layers must be in 1..{text_config.num_hidden_layers}, got {num_layers}")
+        if getattr(text_config, "layer_types", None):
+            text_config.layer_types = list(text_config.layer_types)[:num_layers]
+        text_config.num_hidden_layers = num_layers
     layer_types = _check_supported(text_config)
 
     # Built on the meta device (no memory, no random init), then the tensors are assigned: the vision tower of
@@ -195,7 +214,7 @@ def load_target(
     if bits:
         quantized = frozenset(replace_linears(hf_model.model.layers, "model.layers.", dtype,
                                               int8_matmul_backend(device), bits))
-    _load_weights(hf_model, _checkpoint_files(model_dir), wrapper, device, dtype, quantized, bits)
+    _load_weights(hf_model, _checkpoint_files(model_dir), wrapper, device, dtype, quantized, bits, num_layers)
     hf_model.eval().requires_grad_(False)
 
     decoder = hf_model.model

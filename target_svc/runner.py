@@ -60,6 +60,7 @@ class TargetConfig:
     # CUDA only: the allocator may hold at most this many bytes, and the plan takes it as the card's size (a
     # smaller card emulated on a larger one, or a share of a card other processes also use).
     gpu_memory_cap_bytes: int | None = None
+    num_layers: int | None = None   # tools only: the checkpoint's first num_layers decoder layers (kernel_warmup.py)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class TargetRunner:
             # Before the weights load: loading is part of what must fit under the cap.
             cap_gpu_memory(torch.device(cfg.device), cfg.gpu_memory_cap_bytes,
                            cfg.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION)
-        self.target = load_target(cfg.model_dir, cfg.device, cfg.dtype, cfg.quantize)
+        self.target = load_target(cfg.model_dir, cfg.device, cfg.dtype, cfg.quantize, cfg.num_layers)
         # Positions past the model's trained range are not served.
         self.max_seq_len = min(cfg.max_seq_len, self.target.max_position_embeddings)
         # Planned after the weights are on the device (what is left is measured) and before the cache exists.
