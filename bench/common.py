@@ -230,7 +230,7 @@ def start_stack(model: str, drafter: str, device: str, dtype: str, threads: int 
                        extra={"target": [*model_args, *(target_args or [])], "drafter": drafter_args,
                               "gateway": list(gateway_args or [])})
     t0 = time.perf_counter()
-    stack.start(timeout_s=900)
+    stack.start(timeout_s=960)
     print(f"services up in {time.perf_counter() - t0:.1f} s (logs in {stack.log_dir})", flush=True)
     return stack
 

@@ -87,7 +87,7 @@ def main() -> None:
 
         stack = LocalStack(model=resolve_model(args.model), drafter=resolve_drafter(args.drafter), budget=0,
                            device=args.device, threads=args.threads, http=True)
-        stack.start(timeout_s=900)
+        stack.start(timeout_s=960)
         base_url = stack.http_url
     rows, data = [], {"command": command_line("bench.http_load"), "date": now_utc(), "hardware": hw,
                       "prompts": source, "concurrency": args.concurrency, "max_tokens": args.max_tokens, "modes": {}}

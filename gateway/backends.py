@@ -49,7 +49,7 @@ class BackendPair:
     _verify_calls: StreamedCalls | None = field(default=None, repr=False)   # made by connect()
     _draft_calls: StreamedCalls | None = field(default=None, repr=False)
 
-    async def connect(self, timeout_s: float = 300.0, transport: str = "inline") -> None:
+    async def connect(self, timeout_s: float = 900.0, transport: str = "inline") -> None:
         """Waits for both services to be ready, reads their info and attaches the drafter to the target."""
         await wait_until_serving(self.address.target, timeout_s)
         await wait_until_serving(self.address.drafter, timeout_s)

@@ -155,7 +155,7 @@ def cmd_gateway(args) -> None:
         engine.calibrator = calibrator_from_args(args.calibrated_acceptance, args.calibration_references)
     cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
                         transport=args.transport, drain_s=args.drain_s, engine=engine,
-                        step_streams=not args.unary_steps)
+                        step_streams=not args.unary_steps, backend_wait_s=args.backend_wait_s)
     from gateway.backends import AttachRefused
 
     try:
@@ -419,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM: seconds running requests get to finish before their streams are ended")
     p.add_argument("--draft-timeout-s", type=float, default=10.0,
                    help="a Draft slower than this turns its sequences autoregressive (stalled drafter)")
+    p.add_argument("--backend-wait-s", type=_float_in(0.0, lo_open=True), default=900.0,
+                   help="at start-up, how long to wait for each target and drafter to serve (a 27B target's first "
+                        "start autotunes its kernels and loads ~30 GB: minutes)")
     _add_common(p, 50050)
     p.set_defaults(func=cmd_gateway)
 

@@ -159,8 +159,9 @@ class LocalStack:
         """The services' environment: the stack's secret, and NVLink multicast off before NCCL initialises."""
         return dict(os.environ, PYTHONUNBUFFERED="1", DDTREE_INTERNAL_SECRET=self.secret, NCCL_NVLS_ENABLE="0")
 
-    def start(self, timeout_s: float = 600.0) -> "LocalStack":
-        """Starts the processes and waits until the gateway is SERVING (raises if a process dies first)."""
+    def start(self, timeout_s: float = 960.0) -> "LocalStack":
+        """Starts the processes and waits until the gateway is SERVING (raises if a process dies first); longer than
+        the gateway's own wait for its backends (--backend-wait-s), so that its error is the one reported."""
         env = self.env()
         if self.api_key:
             env["DDTREE_API_KEY"] = self.api_key

@@ -8,8 +8,8 @@ ones that spill, which the driver keeps). Both caches persist on disk (fla autot
 cache_results; inductor caches its kernels and their configs), so a process that starts after them loads only
 the chosen kernels: 0.07 GiB outside the allocator instead of 2.7, and ~6 s instead of ~70.
 
-A pass loads the checkpoint's first few layers (the real widths, one layer of each type), prefills a batch of
-two chunks at the server's chunk size and verifies a small tree, eagerly, then reports its time and the device
+A pass loads the checkpoint's first few layers (the real widths, one layer of each type), prefills two chunks at
+the server's chunk size and verifies a tree and a single token, at the full batch and at batch 1, eagerly, then reports its time and the device
 memory it grew outside the allocator. The server runs passes until one is lean (on the H200 the first two
 processes after an empty cache still autotuned; the third did not), at most `passes` of them.
 
@@ -87,11 +87,21 @@ def _outside_allocator(device: torch.device) -> int | None:
     return None if used is None else used - torch.cuda.memory_reserved(device)
 
 
+def _chain(runner, seq_id: str, nodes: int, gen: torch.Generator):
+    """A verify item: a chain of `nodes` random tokens (distinct siblings trivially) rooted at the pending token."""
+    from target_svc.runner import VerifyItem
+
+    tokens = torch.randint(0, runner.target.vocab_size, (nodes,), generator=gen)
+    tokens[0] = runner.seqs[seq_id].pending_token
+    return VerifyItem(seq_id, tokens, torch.arange(-1, nodes - 1))
+
+
 def run_pass(spec: WarmupSpec) -> WarmupPass:
-    """One pass in this process: load the layer prefix, prefill two chunks of a full batch, verify one tree each."""
+    """One pass in this process: load the layer prefix; prefill two chunks and verify a tree and a single token,
+    for a full batch and for one sequence."""
     from transformers import AutoConfig
 
-    from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
+    from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
 
     t0 = time.perf_counter()
     top = AutoConfig.from_pretrained(spec.model_dir, local_files_only=True)
@@ -101,23 +111,22 @@ def run_pass(spec: WarmupSpec) -> WarmupPass:
     device = torch.device(spec.device)
     runner = TargetRunner(TargetConfig(
         spec.model_dir, device=spec.device, dtype=getattr(torch, spec.dtype), max_batch=spec.batch,
-        max_seq_len=2 * spec.chunk + 2 * spec.tree_nodes, max_tree_nodes=spec.tree_nodes, prefill_chunk=spec.chunk,
+        max_seq_len=2 * spec.chunk + 2 * spec.tree_nodes + 2, max_tree_nodes=spec.tree_nodes, prefill_chunk=spec.chunk,
         enforce_eager=True, quantize=spec.quantize, num_layers=layers))
     before = _outside_allocator(device) if device.type == "cuda" else None
     gen = torch.Generator().manual_seed(0)
-    vocab = runner.target.vocab_size
-    prompts = torch.randint(0, vocab, (spec.batch, 2 * spec.chunk), generator=gen).tolist()
-    for start in (0, spec.chunk):
-        runner.prefill([PrefillItem(f"warm{b}", prompts[b][start:start + spec.chunk], start=start,
-                                    more=start == 0) for b in range(spec.batch)])
-    # One tree per sequence at the largest size (a chain: distinct siblings trivially), the root its pending token.
-    parents = torch.arange(-1, spec.tree_nodes - 1)
-    trees = []
-    for seq_id, seq in runner.seqs.items():
-        tokens = torch.randint(0, vocab, (spec.tree_nodes,), generator=gen)
-        tokens[0] = seq.pending_token
-        trees.append(VerifyItem(seq_id, tokens, parents))
-    runner.verify(trees)
+    # The full batch, then one sequence alone: torch.compile specialises size-1 dimensions, so batch 1 builds
+    # kernels of its own (as the server's one-request phases do).
+    for batch in sorted({spec.batch, 1}, reverse=True):
+        seq_ids = [f"warm{batch}-{b}" for b in range(batch)]
+        prompts = torch.randint(0, runner.target.vocab_size, (batch, 2 * spec.chunk), generator=gen).tolist()
+        for start in (0, spec.chunk):
+            runner.prefill([PrefillItem(seq_id, prompt[start:start + spec.chunk], start=start, more=start == 0)
+                            for seq_id, prompt in zip(seq_ids, prompts)])
+        for nodes in (spec.tree_nodes, 1):
+            runner.verify([_chain(runner, seq_id, nodes, gen) for seq_id in seq_ids])
+        for seq_id in seq_ids:
+            runner.release(seq_id)
     after = _outside_allocator(device) if device.type == "cuda" else None
     growth = None if before is None or after is None else after - before
     return WarmupPass(seconds=time.perf_counter() - t0, layers=layers, outside_growth_bytes=growth)

@@ -144,7 +144,8 @@ def test_compose_structure() -> None:
         assert flags(command(svc))["device"] == "cuda:0"      # the only GPU the container sees
         assert svc["healthcheck"]["start_period"]              # model loading takes minutes
         for vol in svc["volumes"]:
-            assert substitute(vol).endswith(":ro"), f"model dirs are mounted read-only: {vol}"
+            if not vol.startswith("kernel-cache:"):
+                assert substitute(vol).endswith(":ro"), f"model dirs are mounted read-only: {vol}"
     assert "deploy" not in services["gateway"]
     t, d = flags(command(services["target"])), flags(command(services["drafter"]))
     assert t["model"] == d["target-model"] == "/models/target"
@@ -172,6 +173,17 @@ def test_compose_structure() -> None:
             assert src in cfg["volumes"], f"named volume {src} is declared"
     assert graf["depends_on"]["prometheus"]["condition"] == "service_healthy"
     assert "profiles" not in prom and "profiles" not in graf      # monitoring comes with either profile
+
+
+def test_the_gpu_target_keeps_its_kernel_caches_on_a_named_volume() -> None:
+    """The target's kernel warm-up passes autotune into Triton's and inductor's caches; a restart finds them."""
+    cfg = load_compose()
+    target = cfg["services"]["target"]
+    assert "kernel-cache:/kernel-cache" in target["volumes"] and "kernel-cache" in cfg["volumes"]
+    env = target["environment"]
+    assert env["TRITON_CACHE_DIR"].startswith("/kernel-cache/")
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/kernel-cache/")
+    assert env["TRITON_CACHE_DIR"] != env["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def test_cpu_profile_runs_the_bundled_pair_without_gpus() -> None:

@@ -8,12 +8,10 @@ can overlap; a graph's outputs stay valid until the next replay of any graph of 
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,34 +74,6 @@ def power_of_two_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
     return tuple(out)
 
 
-# Whether a capture's warm-up runs allocate from the graph pool, on the stream the capture then records on: the
-# warm-up's activations and the capture's are then one allocation, not one in each pool (the 27B's warm-up ran out
-# of a 48 GB card's allocator with the largest step's activations held twice). Off by default until an H200 run has
-# shown it (DDTREE_GRAPH_WARMUP_IN_POOL=on; tests/test_gpu.py checks the memory it saves and that replays agree).
-WARMUP_IN_POOL_ENV = "DDTREE_GRAPH_WARMUP_IN_POOL"
-
-
-def warmup_in_pool_enabled() -> bool:
-    """DDTREE_GRAPH_WARMUP_IN_POOL=on."""
-    return os.environ.get(WARMUP_IN_POOL_ENV, "off").strip().lower() == "on"
-
-
-@contextlib.contextmanager
-def allocating_to_pool(pool, device: torch.device) -> Iterator[None]:
-    """This thread's CUDA allocations come from the graph pool `pool` (as torch inductor's CUDA-graph trees run
-    their warm-ups); RuntimeError where this torch cannot."""
-    begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
-    if begin is None:
-        raise RuntimeError("this torch cannot route allocations to a graph pool")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    begin(index, pool)
-    try:
-        yield
-    finally:
-        torch._C._cuda_endAllocateToPool(index, pool)
-        torch._C._cuda_releasePool(index, pool)
-
-
 class SharedOutput:
     """One flat buffer that the graphs of every bucket write an output into, viewed at each bucket's shape.
 
@@ -134,25 +104,21 @@ class CapturedFunction:
 
     @classmethod
     def capture(cls, fn: Callable[..., object], example_inputs: Sequence[Tensor], pool, warmup: int = 2,
-                stream: torch.cuda.Stream | None = None, in_pool: bool | None = None) -> "CapturedFunction":
+                stream: torch.cuda.Stream | None = None) -> "CapturedFunction":
         """Runs fn `warmup` times on a side stream (lazy inits, autotuning), then records it. Pass the same side
         stream to every capture: the allocator caches freed blocks per stream, so a fresh stream per capture
-        could not reuse what the previous captures' warm-up runs freed. in_pool (default: warmup_in_pool_enabled(),
-        and only with a pool): the warm-up runs allocate from the graph pool and the capture records on that same
-        stream, so the capture reuses what the warm-up freed."""
+        could not reuse what the previous captures' warm-up runs freed. (Running the warm-ups inside the graph pool
+        saved nothing on the H200: torch.cuda.graph empties the allocator's cache before it records.)"""
         static = tuple(x.clone() for x in example_inputs)
         device = static[0].device
         stream = stream or torch.cuda.Stream(device=device)
-        if in_pool is None:
-            in_pool = warmup_in_pool_enabled()
-        in_pool = in_pool and pool is not None
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), (allocating_to_pool(pool, device) if in_pool else contextlib.nullcontext()):
+        with torch.cuda.stream(stream):
             for _ in range(warmup):
                 fn(*static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream if in_pool else None):
+        with torch.cuda.graph(graph, pool=pool):
             outputs = fn(*static)
         return cls(graph, static, outputs)
 
