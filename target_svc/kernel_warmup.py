@@ -9,7 +9,8 @@ cache_results; inductor caches its kernels and their configs), so a process that
 the chosen kernels: 0.07 GiB outside the allocator instead of 2.7, and ~6 s instead of ~70.
 
 A pass loads the checkpoint's first few layers (the real widths, one layer of each type), prefills two chunks at
-the server's chunk size and verifies a tree and a single token, at the full batch and at batch 1, eagerly, then reports its time and the device
+the server's chunk size and verifies a tree and a single token, at the full batch and at batch 1 (each verify
+shape captured as the server captures it, so the graph path's compiled functions are built too), then reports its time and the device
 memory it grew outside the allocator. The server runs passes until one is lean (on the H200 the first two
 processes after an empty cache still autotuned; the third did not), at most `passes` of them.
 
@@ -112,7 +113,7 @@ def run_pass(spec: WarmupSpec) -> WarmupPass:
     runner = TargetRunner(TargetConfig(
         spec.model_dir, device=spec.device, dtype=getattr(torch, spec.dtype), max_batch=spec.batch,
         max_seq_len=2 * spec.chunk + 2 * spec.tree_nodes + 2, max_tree_nodes=spec.tree_nodes, prefill_chunk=spec.chunk,
-        enforce_eager=True, quantize=spec.quantize, num_layers=layers))
+        lazy_graphs=True, quantize=spec.quantize, num_layers=layers))
     before = _outside_allocator(device) if device.type == "cuda" else None
     gen = torch.Generator().manual_seed(0)
     # The full batch, then one sequence alone: torch.compile specialises size-1 dimensions, so batch 1 builds
