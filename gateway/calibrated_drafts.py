@@ -21,6 +21,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -270,29 +271,26 @@ def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int],
     if n == 0:
         return logprobs, ids
     out_lp, out_ids = logprobs.clone(), ids.clone()
-    rows = ids[:n].tolist()
     # One draw per depth, against the profile's own K: the same draws whatever K the gateway asked for.
-    ranks = profile.sample_ranks(n, rng)
-    new_rows = []
-    for d in range(n):
-        true, rank = int(future_tokens[d]), ranks[d]
-        others = [t for t in rows[d] if t != true]
-        if rank < k:
-            others = others[:k - 1]
-            new = others[:rank] + [true] + others[rank:]
-        else:
-            new = others[:k]
-        if len(new) < k:  # the true token was in the list and is now absent: one filler, distinct from all
-            used = set(new) | {true}
-            filler = 0
-            while len(new) < k:
-                while filler in used:
-                    filler += 1
-                new.append(filler)
-                used.add(filler)
-        new_rows.append(new)
+    ranks = np.asarray(profile.sample_ranks(n, rng))[:, None]
+    rows = ids[:n].cpu().numpy()
+    true = np.asarray(future_tokens[:n], dtype=rows.dtype)[:, None]
+    is_true = rows == true
+    # Each row's other ids in their order, then the true token where it was drafted (a stable sort moves it last).
+    others = np.take_along_axis(rows, np.argsort(is_true, axis=1, kind="stable"), axis=1)
+    # Column j takes others[j] before the rank, the true token at it, others[j - 1] after it (rank K: absent).
+    col = np.arange(k)[None, :]
+    new = np.take_along_axis(others, col - (col > ranks), axis=1)
+    new = np.where(col == ranks, true, new)
+    # An absent true token that was drafted sits in the last column: one filler there, distinct from all.
+    for d in np.flatnonzero((ranks[:, 0] >= k) & is_true.any(axis=1)):
+        used = set(new[d, :k - 1].tolist()) | {int(true[d, 0])}
+        filler = 0
+        while filler in used:
+            filler += 1
+        new[d, k - 1] = filler
     # One tensor per draft, not two per depth: this runs for every sequence of every step, on the gateway's loop.
-    out_ids[:n] = torch.tensor(new_rows, dtype=ids.dtype)
+    out_ids[:n] = torch.from_numpy(new).to(ids.dtype)
     out_lp[:n] = profile.logprob_table(n, k).to(logprobs.dtype)
     return out_lp, out_ids
 
