@@ -1,4 +1,10 @@
-"""Incremental detokenization with stop strings, as a streaming client expects it."""
+"""Incremental detokenization with stop strings, as a streaming client expects it.
+
+Each update decodes only a window of the last tokens (as TGI and vLLM do): the ids from `prefix_offset` on, less
+what the ids from `prefix_offset` to `read_offset` decoded to. Decoding the whole output every step instead costs
+time in its length, on every step of every sequence (quadratic over a response, on the gateway's loop). The
+window starts one token before the new ones, so a tokenizer that drops a leading space at the start of a decode
+still shows it; a window that ends inside a multi-byte character ("\ufffd") is kept open until it completes."""
 from __future__ import annotations
 
 import re
@@ -17,9 +23,26 @@ class IncrementalDetokenizer:
         self.text = ""         # decoded text of self.ids (truncated at a stop string once hit)
         self.sent = 0          # characters of self.text already streamed
         self.stopped = False
+        self._stable = ""      # text of ids[:read_offset], final
+        self._prefix_offset = 0
+        self._read_offset = 0
 
     def _decode(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        """The text of all ids so far, decoding only the window since the last complete character."""
+        window = self.ids[self._prefix_offset:]
+        if not window:
+            return self._stable
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        full = decode(window, skip_special_tokens=True)
+        if full.startswith(prefix):
+            text = self._stable + full[len(prefix):]
+        else:   # the window's tail changed its head (a tokenizer's clean-up across the boundary): decode it all
+            text = decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self._stable = text
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        return text
 
     def stop_hit(self, token: int) -> bool:
         """Adds one token; True when a stop string now appears (the text is cut right before it)."""

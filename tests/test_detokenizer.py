@@ -72,3 +72,54 @@ def test_special_tokens_are_not_streamed(tokenizer) -> None:
     ids = tokenizer.encode("hi", add_special_tokens=False) + [tokenizer.eos_token_id]
     deltas, _ = stream(IncrementalDetokenizer(tokenizer), ids)
     assert "".join(deltas) == "hi"
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir), local_files_only=True)
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_streamed_text_equals_the_whole_decode_for_random_token_runs(which, request) -> None:
+    """The windowed decode adds up to decoding everything at once, whatever the ids and however many arrive per
+    step (multi-byte characters split across steps, special tokens, spaces and punctuation included)."""
+    import random
+
+    tokenizer = request.getfixturevalue("tokenizer" if which == "tiny" else "smollm2_tokenizer")
+
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    texts = ["caf\u00e9 \u00fcber \u4e2d\u6587 \U0001f600!", " hello , world . x", "a\n\n  b\tc"]
+    for trial in range(60):
+        if trial % 2:
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        else:
+            ids = tokenizer.encode(rng.choice(texts) * rng.randint(1, 3), add_special_tokens=False)
+        detok, out, i = IncrementalDetokenizer(tokenizer), [], 0
+        while i < len(ids):
+            step = ids[i:i + rng.randint(1, 5)]   # several tokens a step, as a verify accepts them
+            i += len(step)
+            for tok in step:
+                detok.stop_hit(tok)
+            out.append(detok.take_text(final=i >= len(ids)))
+        assert "".join(out) == tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
+def test_a_step_decodes_a_window_not_the_whole_output(tokenizer) -> None:
+    """The cost of a step does not grow with the length of the output."""
+    calls = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    detok = IncrementalDetokenizer(Counting())
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 20, add_special_tokens=False)
+    for tok in ids:
+        detok.stop_hit(tok)
+        detok.take_text()
+    assert "".join([detok.text]) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(calls[-20:]) <= 8, calls[-20:]
