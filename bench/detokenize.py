@@ -85,7 +85,7 @@ def main(argv=None) -> None:
         "(one sequence) over the steps whose output ends in the length range; the texts are identical.", "",
         common.md_table(["output tokens", "whole decode us", "windowed us", "x"], rows), ""])
     print(md)
-    print("wrote", *common.write_outputs(args.out_dir, f"detokenize-{common.hardware_tag(hw)}", data, md))
+    common.write_outputs(args.out_dir, f"detokenize-{common.hardware_tag(hw)}", data, md)
 
 
 if __name__ == "__main__":
