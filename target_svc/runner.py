@@ -278,19 +278,28 @@ class TargetRunner:
         batch = VerifyBatch.pack([(tr.tokens, tr.parents) for tr in trees], ctx_host, [tr.seq.slot for tr in trees],
                                  shape, self.model.cache.spec.scratch_slot)
         packed_dev = batch.packed.to(self.device, non_blocking=True)  # the one host->device copy of the step
+        seqs = [tr.seq for tr in trees]
+        width = max(tr.max_depth for tr in trees) + 1   # accepted paths are at most this long
+        result = None
         if graphed:
-            logits, choices, features = self.graphs.forward(batch, packed_dev, self.feature_layers)
-        else:
+            try:
+                logits, choices, features = self.graphs.forward(batch, packed_dev, self.feature_layers)
+                if not all(seq.sampling.greedy for seq in seqs):
+                    choices = self._sample_rows(logits, choices, seqs, sizes)
+                result, rows = self.graphs.commit(batch, packed_dev, choices, features)
+            except torch.OutOfMemoryError as exc:
+                # Nothing is committed before the commit runs (the forward only wrote the tree's K/V past the
+                # context): the step runs again eagerly, and so do this bucket's later steps.
+                log.warning("verify bucket %s could not be captured (%s): its steps run eagerly; %s", shape,
+                            str(exc).splitlines()[0][:200] if str(exc) else "out of memory", self.memory_summary())
+                self.graphs.give_up(shape)
+                graphed = False
+        if result is None:
             logits, choices, features = verify_forward(self.model, packed_dev, shape.nodes, shape.key_len,
                                                        self.feature_layers)
-        seqs = [tr.seq for tr in trees]
-        if not all(seq.sampling.greedy for seq in seqs):
-            choices = self._sample_rows(logits, choices, seqs, sizes)
-        if graphed:
-            result, rows = self.graphs.commit(batch, packed_dev, choices, features)
-        else:
-            # Accepted paths are at most max_depth + 1 long: narrowing keeps the GDN replay short.
-            width = max(tr.max_depth for tr in trees) + 1
+            if not all(seq.sampling.greedy for seq in seqs):
+                choices = self._sample_rows(logits, choices, seqs, sizes)
+            # Narrowing to the deepest path keeps the GDN replay short.
             result, rows = verify_commit(self.model, packed_dev, shape.nodes, choices, features, width)
         if graphed and rows is not None:
             rows = rows.clone()  # the graph's buffer is overwritten by the next step; the pushes may be later

@@ -50,13 +50,15 @@ WARMUP_LOG_S = 15.0   # a long warm-up (the 27B's ~120 buckets take minutes) log
 
 
 def warmup_failure(exc: Exception, bucket: int, buckets: int) -> str:
-    """The log line of a failed graph warm-up: what failed, what the service does now, and, when the device ran
-    out of memory, the flags that make room (as vLLM users know them)."""
-    line = (f"verify graph warm-up failed at bucket {bucket} of {buckets} (the rest capture on first use): "
+    """The log line of a failed graph warm-up step: what failed, what the service does now, and, when the device
+    ran out of memory, the flags that make room (as vLLM users know them)."""
+    oom = isinstance(exc, torch.OutOfMemoryError)
+    then = "its steps run eagerly" if oom else "the rest capture on first use"
+    line = (f"verify graph warm-up failed at bucket {bucket} of {buckets} ({then}): "
             f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
-    if isinstance(exc, torch.OutOfMemoryError):
-        line += (". The graphs do not fit beside the weights and the cache, and steps of those buckets will fail "
-                 "alike: lower --max-batch or --max-seq-len, raise --gpu-memory-utilization (the graph pool and the "
+    if oom:
+        line += (". The graph does not fit beside the weights and the cache (eager steps are slower): lower "
+                 "--max-batch or --max-seq-len, raise --gpu-memory-utilization (the graph pool and the "
                  "allocator's caching come out of its headroom), or serve with --enforce-eager")
     return line
 
@@ -124,20 +126,25 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         t0 = last_log = time.perf_counter()
         shapes = self.runner.warmup_shapes()
         done = 0
-        try:
-            for done, shape in enumerate(shapes, start=1):
+        seconds, eager = 0.0, 0
+        for done, shape in enumerate(shapes, start=1):
+            try:
                 seconds = await self.model_thread.run(self.runner.warmup, [shape])
-                if time.perf_counter() - last_log >= WARMUP_LOG_S and done < len(shapes):
-                    last_log = time.perf_counter()
-                    log.info("verify graph warm-up: %d of %d buckets in %.0f s", done, len(shapes), last_log - t0)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the service still works: graphs capture on first use instead
-            log.error("%s; %s", warmup_failure(exc, done, len(shapes)), self.runner.memory_summary())
-            return
+            except asyncio.CancelledError:
+                raise
+            except torch.OutOfMemoryError as exc:   # that bucket runs eagerly; the others may still fit
+                eager += 1
+                log.error("%s; %s", warmup_failure(exc, done, len(shapes)), self.runner.memory_summary())
+                continue
+            except Exception as exc:  # noqa: BLE001 - the service still works: graphs capture on first use instead
+                log.error("%s; %s", warmup_failure(exc, done, len(shapes)), self.runner.memory_summary())
+                return
+            if time.perf_counter() - last_log >= WARMUP_LOG_S and done < len(shapes):
+                last_log = time.perf_counter()
+                log.info("verify graph warm-up: %d of %d buckets in %.0f s", done, len(shapes), last_log - t0)
         if shapes:
-            log.info("verify graphs ready: %d buckets captured (%.1f s of capture) in %.1f s; %s", len(shapes),
-                     seconds, time.perf_counter() - t0, self.runner.memory_summary())
+            log.info("verify graphs ready: %d buckets captured, %d eager (%.1f s of capture) in %.1f s; %s",
+                     len(shapes) - eager, eager, seconds, time.perf_counter() - t0, self.runner.memory_summary())
 
     async def close(self) -> None:
         """Delivers queued features and stops the model thread."""

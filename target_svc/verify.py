@@ -122,6 +122,7 @@ class VerifyGraphs:
         self.commits = GraphCache("target verify commit")
         self._feature_layers: tuple[int, ...] | None = None
         self._traces: dict[VerifyShape, list] = {}   # from a bucket's forward capture until its commit capture
+        self.eager_shapes: set[VerifyShape] = set()   # buckets whose capture ran out of memory: they run eagerly
         self._rows = self.batch_buckets[-1] * self.node_buckets[-1]
         self._logits_out = SharedOutput(self._rows * model.target.vocab_size, torch.float32, model.device)
         self._features_out: SharedOutput | None = None   # sized when the feature layers are known
@@ -133,12 +134,25 @@ class VerifyGraphs:
         return model.device.type == "cuda" and (not model.linear_index or model.tree_gdn == "wy")
 
     def shape_for(self, batch: int, nodes: int, key_len: int) -> VerifyShape | None:
-        """The bucket covering a step, or None when it is larger than every bucket (the step then runs eagerly)."""
+        """The bucket covering a step, or None when it is larger than every bucket or its capture failed (the step
+        then runs eagerly)."""
         try:
-            return VerifyShape(pick_bucket(self.batch_buckets, batch), pick_bucket(self.node_buckets, nodes),
-                               pick_bucket(self.key_buckets, key_len))
+            shape = VerifyShape(pick_bucket(self.batch_buckets, batch), pick_bucket(self.node_buckets, nodes),
+                                pick_bucket(self.key_buckets, key_len))
         except ValueError:
             return None
+        return None if shape in self.eager_shapes else shape
+
+    def give_up(self, s: VerifyShape) -> None:
+        """Bucket s runs eagerly from now on (its capture failed): what its capture left is let go."""
+        self.eager_shapes.add(s)
+        self.forwards.graphs.pop(s, None)
+        for key in [k for k in self.commits.graphs if k[0] == s]:
+            del self.commits.graphs[key]
+        self._traces.pop(s, None)
+        self.model.pending_traces = None
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _reset_if_layers_changed(self, feature_layers: tuple[int, ...]) -> None:
         # Feature layers are baked into a captured forward; a new drafter with other layers needs new graphs.
@@ -218,12 +232,16 @@ class VerifyGraphs:
         in the scratch slot; returns the seconds spent capturing so far."""
         self._reset_if_layers_changed(feature_layers)
         for s in self.shapes() if shapes is None else shapes:
-            if s in self.forwards.graphs:
+            if s in self.forwards.graphs or s in self.eager_shapes:
                 continue
             packed_dev = self._example(s)
             batch = VerifyBatch(packed_dev, s, 0)
-            _, choices, features = self.forward(batch, packed_dev, feature_layers)
-            self.commit(batch, packed_dev, choices, features)
+            try:
+                _, choices, features = self.forward(batch, packed_dev, feature_layers)
+                self.commit(batch, packed_dev, choices, features)
+            except torch.OutOfMemoryError:
+                self.give_up(s)   # its steps run eagerly; the caller hears why
+                raise
         return self.forwards.capture_seconds + self.commits.capture_seconds
 
     def _example(self, s: VerifyShape) -> Tensor:

@@ -943,3 +943,29 @@ def test_kernel_warmup_passes_measure_the_device_memory_they_leave_and_end_lean(
     if passes[0].outside_growth_bytes is None:
         pytest.skip("nvidia-smi does not list this process (e.g. another PID namespace)")
     assert passes[-1].lean, passes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_bucket_whose_capture_runs_out_of_memory_runs_eagerly_with_the_same_tokens(checkpoints, monkeypatch):
+    """Every verify commit capture raises OutOfMemoryError (after its forward graph replayed): each step runs again
+    eagerly and its bucket stays eager; the tokens equal an eager runner's."""
+    from ddtree_serve.plumbing.cuda_graphs import GraphCache
+
+    real_get = GraphCache.get
+
+    def get(self, key, fn, example_inputs):
+        if self.name == "target verify commit" and key not in self.graphs:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (test)")
+        return real_get(self, key, fn, example_inputs)
+
+    monkeypatch.setattr(GraphCache, "get", get)
+    target, drafter = checkpoints("qwen3")
+    prompt = prompts_for(target, [30], seed=8)[0]
+    runners = []
+    got, accepted_g = speculative_greedy(target, drafter, prompt, 40, torch.float32, runners=runners)
+    want, accepted_e = speculative_greedy(target, drafter, prompt, 40, torch.float32, enforce_eager=True,
+                                          prefill_verify_chunks=PREFILL_VERIFY_CHUNKS)
+    assert got == want and accepted_g == accepted_e
+    graphs = runners[0].graphs
+    assert graphs.eager_shapes and not graphs.commits.graphs
+    assert not (set(graphs.forwards.graphs) & graphs.eager_shapes)   # a given-up bucket's forward graph is let go

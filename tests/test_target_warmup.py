@@ -9,7 +9,7 @@ from target_svc.server import warmup_failure
 def test_a_warmup_out_of_memory_names_the_bucket_and_the_flags_that_make_room():
     exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 130.00 MiB.\nmore detail")
     line = warmup_failure(exc, 57, 80)
-    assert line.startswith("verify graph warm-up failed at bucket 57 of 80 (the rest capture on first use)")
+    assert line.startswith("verify graph warm-up failed at bucket 57 of 80 (its steps run eagerly)")
     assert "Tried to allocate 130.00 MiB." in line and "more detail" not in line
     for flag in ("--max-batch", "--max-seq-len", "--gpu-memory-utilization", "--enforce-eager"):
         assert flag in line
@@ -17,5 +17,23 @@ def test_a_warmup_out_of_memory_names_the_bucket_and_the_flags_that_make_room():
 
 def test_another_warmup_failure_is_reported_without_memory_advice():
     line = warmup_failure(RuntimeError("CUDA error: operation not permitted when stream is capturing"), 3, 80)
+    assert "(the rest capture on first use)" in line
     assert "RuntimeError: CUDA error: operation not permitted" in line
     assert "--gpu-memory-utilization" not in line
+
+
+def test_a_bucket_given_up_is_no_longer_picked_and_its_neighbours_still_are(checkpoints):
+    """A bucket whose capture ran out of memory runs eagerly (shape_for says None); other buckets are unaffected."""
+    from target_svc.runner import TargetConfig, TargetRunner
+    from target_svc.verify import VerifyGraphs
+
+    target_dir, _ = checkpoints("qwen3")
+    runner = TargetRunner(TargetConfig(str(target_dir), max_batch=4, max_seq_len=1024, max_tree_nodes=65))
+    graphs = VerifyGraphs(runner.model, 4, 65, runner.model.cache.spec.capacity)   # bookkeeping only on CPU
+    small, large = graphs.key_buckets[0], graphs.key_buckets[-1]
+    shape = graphs.shape_for(3, 10, small - 20)
+    assert shape is not None and (shape.batch, shape.nodes, shape.key_len) == (4, 17, small)
+    graphs.give_up(shape)
+    assert graphs.shape_for(3, 10, small - 20) is None and graphs.shape_for(4, 17, small) is None
+    assert graphs.shape_for(3, 10, large) is not None and graphs.shape_for(1, 10, small - 20) is not None
+    assert shape in graphs.eager_shapes
