@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -279,28 +280,14 @@ class TargetRunner:
                                  shape, self.model.cache.spec.scratch_slot)
         packed_dev = batch.packed.to(self.device, non_blocking=True)  # the one host->device copy of the step
         seqs = [tr.seq for tr in trees]
-        width = max(tr.max_depth for tr in trees) + 1   # accepted paths are at most this long
-        result = None
-        if graphed:
-            try:
-                logits, choices, features = self.graphs.forward(batch, packed_dev, self.feature_layers)
-                if not all(seq.sampling.greedy for seq in seqs):
-                    choices = self._sample_rows(logits, choices, seqs, sizes)
-                result, rows = self.graphs.commit(batch, packed_dev, choices, features)
-            except torch.OutOfMemoryError as exc:
-                # Nothing is committed before the commit runs (the forward only wrote the tree's K/V past the
-                # context): the step runs again eagerly, and so do this bucket's later steps.
-                log.warning("verify bucket %s could not be captured (%s): its steps run eagerly; %s", shape,
-                            str(exc).splitlines()[0][:200] if str(exc) else "out of memory", self.memory_summary())
-                self.graphs.give_up(shape)
-                graphed = False
-        if result is None:
-            logits, choices, features = verify_forward(self.model, packed_dev, shape.nodes, shape.key_len,
-                                                       self.feature_layers)
-            if not all(seq.sampling.greedy for seq in seqs):
-                choices = self._sample_rows(logits, choices, seqs, sizes)
-            # Narrowing to the deepest path keeps the GDN replay short.
-            result, rows = verify_commit(self.model, packed_dev, shape.nodes, choices, features, width)
+        greedy = all(seq.sampling.greedy for seq in seqs)
+
+        def choose(logits: Tensor, choices: Tensor) -> Tensor:
+            return choices if greedy else self._sample_rows(logits, choices, seqs, sizes)
+
+        # Eagerly, accepted paths are at most the deepest tree's depth + 1: narrowing keeps the GDN replay short.
+        _, result, rows, graphed = self._forward_commit(batch, packed_dev, graphed, choose, self.feature_layers,
+                                                        max(tr.max_depth for tr in trees) + 1)
         if graphed and rows is not None:
             rows = rows.clone()  # the graph's buffer is overwritten by the next step; the pushes may be later
         (packed_host,) = to_host(result)  # the one device->host copy of the step, waited for without the GIL
@@ -417,19 +404,13 @@ class TargetRunner:
             batch = VerifyBatch.pack(chains, ctx, [seqs[b].slot for b in active], shape,
                                      self.model.cache.spec.scratch_slot)
             packed_dev = batch.packed.to(self.device, non_blocking=True)
-            # The graphs bake the drafter's feature layers in: always ask for them (a change would recapture all).
-            if graphed:
-                logits, _, features = self.graphs.forward(batch, packed_dev, self.feature_layers)
-            else:
-                logits, _, features = verify_forward(self.model, packed_dev, shape.nodes, shape.key_len,
-                                                     self.feature_layers if want_features else ())
             # "The target chose each next prompt token": the acceptance walk then takes the whole chain, and the
             # commit stores its K/V and linear-attention states exactly as for an accepted draft.
             choices = torch.roll(batch.packed[:, : shape.nodes], -1, dims=1).to(self.device, non_blocking=True)
-            if graphed:
-                result, rows = self.graphs.commit(batch, packed_dev, choices, features)
-            else:
-                result, rows = verify_commit(self.model, packed_dev, shape.nodes, choices, features, shape.nodes)
+            # The graphs bake the drafter's feature layers in: they always ask for them (a change would recapture all).
+            logits, result, rows, graphed = self._forward_commit(
+                batch, packed_dev, graphed, lambda _logits, _choices: choices,
+                self.feature_layers if want_features else (), shape.nodes)
             accepted.append(result[: len(active), 0].clone())   # a graph's output: the next replay overwrites it
             expected += sizes
             last = torch.tensor(sizes, device=self.device) - 1
@@ -444,6 +425,27 @@ class TargetRunner:
         if got.tolist() != expected:   # cannot happen for chains; a cache that silently missed rows must not serve
             raise RuntimeError(f"prefill chains were not fully committed: {got.tolist()} of {expected} tokens")
         return last_logits, feature_parts
+
+    def _forward_commit(self, batch: VerifyBatch, packed_dev: Tensor, graphed: bool,
+                        choose: Callable[[Tensor, Tensor], Tensor], eager_feature_layers: tuple[int, ...],
+                        eager_width: int) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+        """Forward, choices, then walk + commit of a packed block: through its bucket's graphs where graphed, else
+        eagerly -> (logits, packed result, accepted feature rows, graphed). A bucket whose capture runs out of memory
+        is given up and the block runs again eagerly: nothing is committed before its commit runs (the forward only
+        wrote the block's K/V past the context)."""
+        s = batch.shape
+        if graphed:
+            try:
+                logits, choices, features = self.graphs.forward(batch, packed_dev, self.feature_layers)
+                result, rows = self.graphs.commit(batch, packed_dev, choose(logits, choices), features)
+                return logits, result, rows, True
+            except torch.OutOfMemoryError as exc:
+                log.warning("verify bucket %s could not be captured (%s): its steps run eagerly; %s", s,
+                            str(exc).splitlines()[0][:200] if str(exc) else "out of memory", self.memory_summary())
+                self.graphs.give_up(s)
+        logits, choices, features = verify_forward(self.model, packed_dev, s.nodes, s.key_len, eager_feature_layers)
+        result, rows = verify_commit(self.model, packed_dev, s.nodes, choose(logits, choices), features, eager_width)
+        return logits, result, rows, False
 
     def _choose(self, logits: Tensor, seqs: list[_Sequence], sizes: list[int]) -> Tensor:
         """LongTensor[B, Tmax]: the target's choice per node; greedy rows in one argmax, sampled rows per sequence."""
