@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--work-dir", default=None, help="where the checkpoint is built (default: a temporary dir)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per variant")
+    p.add_argument("--trace", action="store_true",
+                   help="also write the profiled chunk's Chrome trace with Python stacks (device-memory-trace.json "
+                        "in --out-dir, tens of MB): which lines launch the prefill's kernels")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)   # internal: run one variant, print JSON
     return p.parse_args(argv)
@@ -142,7 +145,8 @@ def run_variant(args: argparse.Namespace, target_dir: str, variant: str) -> dict
             t0 = time.perf_counter()
             if variant == "default" and c0 == starts[-1] and len(starts) > 1:
                 # The last chunk (the longest context) profiled: the earlier ones ran every kernel it needs.
-                profile = kernel_profile(lambda: runner.prefill(items), device, warmup=False)
+                trace = str(Path(args.out_dir) / "device-memory-trace.json") if args.trace else None
+                profile = kernel_profile(lambda: runner.prefill(items), device, warmup=False, trace_path=trace)
             else:
                 runner.prefill(items)
             torch.cuda.synchronize(device)
@@ -229,7 +233,7 @@ def main(argv=None) -> None:
             "prompt_tokens": args.prompt_tokens, "chunk": args.chunk, "variants": []}
     stem = f"device-memory-{args.shape}-{common.hardware_tag(hw)}"
     passthrough = [f"--shape={args.shape}", f"--batch={args.batch}", f"--prompt-tokens={args.prompt_tokens}",
-                   f"--chunk={args.chunk}"]
+                   f"--chunk={args.chunk}", f"--out-dir={args.out_dir}", *(["--trace"] if args.trace else [])]
     for variant in variants:
         cmd = [sys.executable, "-m", "bench.device_memory", *passthrough, f"--child={variant}:{target_dir}"]
         try:

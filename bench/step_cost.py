@@ -212,19 +212,23 @@ def profile_forward(runner: TargetRunner, ids: list[str], nodes: int, gen: torch
     return out
 
 
-def kernel_profile(fn, device: torch.device, top: int = 25, warmup: bool = True) -> dict:
+def kernel_profile(fn, device: torch.device, top: int = 25, warmup: bool = True,
+                   trace_path: str | None = None) -> dict:
     """The kernels of one eager call of fn (device time per kernel name, summed, with call counts): where a step's
     device time goes. Eager, so every kernel is attributed; a graph replays the same kernels minus launch gaps.
-    warmup=False when fn cannot run twice (its kernels must then have run before)."""
+    warmup=False when fn cannot run twice (its kernels must then have run before). trace_path: also a Chrome
+    trace of the call with Python stacks (which line launched each kernel; chrome://tracing or perfetto)."""
     from torch.profiler import ProfilerActivity, profile
 
     if warmup:
         fn()   # lazy inits and autotuning outside the profile
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=trace_path is not None) as prof:
         fn()
         sync(device)
+    if trace_path is not None:
+        prof.export_chrome_trace(trace_path)
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
         if device.type == "cuda" and ev.device_type.name != "CUDA":
