@@ -366,11 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "plan takes the cap as the card (--gpu-memory-utilization x cap - what the process holds). "
                         "Emulates a smaller card on a larger one, or shares a card; refused on CPU and above the "
                         "card's size")
-    p.add_argument("--kernel-warmup-passes", type=_int_in(0), default=3,
+    p.add_argument("--kernel-warmup-passes", type=_int_in(0), default=None,
                    help="CUDA only: before the model loads, autotune and compile its kernels in up to this many "
                         "throwaway processes (each loads the first layers, prefills and verifies one batch), until one "
                         "finds them all cached; the server then loads the tuned kernels only, without the device "
-                        "memory that autotuning leaves behind (0: autotune in the server)")
+                        "memory that autotuning leaves behind (default: 3 for hybrid models, whose Gated DeltaNet "
+                        "kernels autotune, 0 for dense ones; 0: autotune in the server)")
     p.add_argument("--lease-s", type=float, default=60.0,
                    help="a sequence whose gateway has not been heard from for this long is freed")
     p.set_defaults(func=cmd_target)

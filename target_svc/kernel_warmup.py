@@ -12,7 +12,8 @@ A pass loads the checkpoint's first few layers (the real widths, one layer of ea
 the server's chunk size and verifies a tree and a single token, at the full batch and at batch 1 (each verify
 shape captured as the server captures it, so the graph path's compiled functions are built too), then reports its time and the device
 memory it grew outside the allocator. The server runs passes until one is lean (on the H200 the first two
-processes after an empty cache still autotuned; the third did not), at most `passes` of them.
+processes after an empty cache still autotuned; the third did not), at most `passes` of them: by default 3 for a
+hybrid model and none for a dense one.
 
     python -m target_svc.kernel_warmup --model DIR --device cuda --dtype bfloat16 --quantize int8
 """
@@ -33,6 +34,9 @@ import torch
 log = logging.getLogger("ddtree.target.kernel_warmup")
 
 RESULT_PREFIX = "KERNEL_WARMUP "
+# Passes when the server is not told: hybrid models' fla kernels autotune (the 2.7 GiB above); a dense model's
+# kernels do not (its glue compiles, which the on-disk caches keep anyway), so it starts without a pass.
+DEFAULT_HYBRID_PASSES = 3
 # A pass that grew less than this outside the allocator found its kernels cached (no autotuning, no spills).
 LEAN_GROWTH_BYTES = 256 * 2**20
 PASS_TIMEOUT_S = 600.0
@@ -68,6 +72,20 @@ class WarmupPass:
         return not self.error and self.outside_growth_bytes is not None and self.outside_growth_bytes < LEAN_GROWTH_BYTES
 
 
+def _layer_types(model_dir: str) -> list[str]:
+    """The checkpoint's per-layer types (full attention for a config that names none)."""
+    from transformers import AutoConfig
+
+    top = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    text = getattr(top, "text_config", top)
+    return list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+
+
+def default_passes(model_dir: str) -> int:
+    """DEFAULT_HYBRID_PASSES for a model with linear-attention (Gated DeltaNet) layers, else 0."""
+    return DEFAULT_HYBRID_PASSES if "linear_attention" in _layer_types(model_dir) else 0
+
+
 def prefix_layers(layer_types: list[str] | tuple[str, ...]) -> int:
     """The fewest leading layers that hold one layer of every type the model has."""
     wanted = set(layer_types)
@@ -100,15 +118,10 @@ def _chain(runner, seq_id: str, nodes: int, gen: torch.Generator):
 def run_pass(spec: WarmupSpec) -> WarmupPass:
     """One pass in this process: load the layer prefix; prefill two chunks and verify a tree and a single token,
     for a full batch and for one sequence."""
-    from transformers import AutoConfig
-
     from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
 
     t0 = time.perf_counter()
-    top = AutoConfig.from_pretrained(spec.model_dir, local_files_only=True)
-    text = getattr(top, "text_config", top)
-    types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
-    layers = prefix_layers(types)
+    layers = prefix_layers(_layer_types(spec.model_dir))
     device = torch.device(spec.device)
     runner = TargetRunner(TargetConfig(
         spec.model_dir, device=spec.device, dtype=getattr(torch, spec.dtype), max_batch=spec.batch,

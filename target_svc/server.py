@@ -19,7 +19,7 @@ from ddtree_serve.plumbing.step_stream import answer_each
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
 from ddtree_serve.transport.nccl_protocol import NcclSetupError, device_uuid, missing_nccl_package, nccl_refusal
-from target_svc.kernel_warmup import WarmupSpec, run_passes
+from target_svc.kernel_warmup import WarmupSpec, default_passes, run_passes
 from target_svc.memory_plan import GIB, MemoryPlan
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 
@@ -43,7 +43,7 @@ class TargetServerConfig(ModelServiceConfig):
     gpu_memory_utilization: float | None = None   # CUDA: fraction of the card (None: 0.9)
     kv_cache_memory_gb: float | None = None       # GiB for the cache, given directly
     gpu_memory_cap_gb: float | None = None        # CUDA: GiB this process's allocator may hold, taken as the card
-    kernel_warmup_passes: int = 3                 # CUDA: kernel_warmup.py passes before the model loads (0: none)
+    kernel_warmup_passes: int | None = None       # CUDA: kernel_warmup.py passes before loading (None: by model)
 
 
 WARMUP_LOG_S = 15.0   # a long warm-up (the 27B's ~120 buckets take minutes) logs its progress this often
@@ -90,11 +90,14 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                   else int(self.cfg.kv_cache_memory_gb * GIB),
                                   gpu_memory_cap_bytes=None if self.cfg.gpu_memory_cap_gb is None
                                   else int(self.cfg.gpu_memory_cap_gb * GIB))
-        if torch.device(self.cfg.device).type == "cuda" and self.cfg.kernel_warmup_passes > 0:
+        passes = self.cfg.kernel_warmup_passes
+        if torch.device(self.cfg.device).type == "cuda" and passes != 0:
             # Autotuning in throwaway processes: this one then loads only the chosen kernels (kernel_warmup.py).
-            await run_passes(WarmupSpec(self.cfg.model_dir, self.cfg.device, self.cfg.dtype, self.cfg.quantize,
-                                        self.cfg.max_batch, self.cfg.prefill_chunk or 512,
-                                        min(self.cfg.max_tree_nodes, 65)), self.cfg.kernel_warmup_passes)
+            passes = default_passes(self.cfg.model_dir) if passes is None else passes
+            if passes:
+                await run_passes(WarmupSpec(self.cfg.model_dir, self.cfg.device, self.cfg.dtype, self.cfg.quantize,
+                                            self.cfg.max_batch, self.cfg.prefill_chunk or 512,
+                                            min(self.cfg.max_tree_nodes, 65)), passes)
         await self.load_runner(TargetRunner, runner_cfg, self.cfg.device, f"target model {self.cfg.model_dir}")
         if self.metrics is not None:
             self.metrics.set_memory_plan(self.runner.memory)

@@ -58,3 +58,11 @@ def test_passes_run_in_their_own_processes_and_stop_when_nothing_is_measured(che
 def test_a_failed_pass_is_reported_not_raised(tmp_path):
     passes = asyncio.run(run_passes(WarmupSpec(str(tmp_path / "missing"), device="cpu", dtype="float32"), passes=3))
     assert len(passes) == 1 and passes[0].error and not passes[0].lean
+
+
+def test_by_default_only_hybrid_models_get_passes(checkpoints):
+    from target_svc.kernel_warmup import DEFAULT_HYBRID_PASSES, default_passes
+
+    assert default_passes(str(checkpoints("qwen3_5")[0])) == DEFAULT_HYBRID_PASSES
+    assert default_passes(str(checkpoints("qwen3")[0])) == 0
+    assert default_passes(str(checkpoints("llama")[0])) == 0
