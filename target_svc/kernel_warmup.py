@@ -8,10 +8,10 @@ ones that spill, which the driver keeps). Both caches persist on disk (fla autot
 cache_results; inductor caches its kernels and their configs), so a process that starts after them loads only
 the chosen kernels: 0.07 GiB outside the allocator instead of 2.7, and ~6 s instead of ~70.
 
-A pass loads the checkpoint's first few layers (the real widths, one layer of each type), prefills two chunks at
-the server's chunk size and verifies a tree and a single token, at the full batch and at batch 1 (each verify
-shape captured as the server captures it, so the graph path's compiled functions are built too), then reports its time and the device
-memory it grew outside the allocator. The server runs passes until one is lean (on the H200 the first two
+A pass loads the checkpoint's first few layers (the real widths, one layer of each type), prefills two chunks at the
+server's chunk size and verifies a tree and a single token, at the full batch and at batch 1 (each verify shape
+captured as the server captures it, so the graph path's compiled functions are built too), then reports its time and
+the device memory it grew outside the allocator. The server runs passes until one is lean (on the H200 the first two
 processes after an empty cache still autotuned; the third did not), at most `passes` of them: by default 3 for a
 hybrid model and none for a dense one.
 
@@ -69,7 +69,8 @@ class WarmupPass:
     @property
     def lean(self) -> bool:
         """Nothing was autotuned or spilled: the kernels came from the caches."""
-        return not self.error and self.outside_growth_bytes is not None and self.outside_growth_bytes < LEAN_GROWTH_BYTES
+        growth = self.outside_growth_bytes
+        return not self.error and growth is not None and growth < LEAN_GROWTH_BYTES
 
 
 def _layer_types(model_dir: str) -> list[str]:
