@@ -4,7 +4,9 @@ The services make three unary calls per engine step (Draft, Verify, PushFeatures
 is one of the ways to cut the hop (docs/ENGINE.md). This measures the transport alone, with none of the services'
 code: a server process with two echo methods (unary, and stream-stream answering each message as it arrives),
 and a client timing round trips of a `--payload`-byte message both ways, in alternating rounds (ratios within one
-run). Both over TCP loopback and, with --unix, over a Unix domain socket.
+run). Both over TCP loopback and, with --unix, over a Unix domain socket, where the server process also echoes
+length-prefixed frames on a bare asyncio Unix socket: what a hop costs without gRPC (the event loops' wake-ups on
+both sides remain).
 
     python -m bench.grpc_stream_hop [--calls 2000] [--payload 2048] [--rounds 3] [--unix]
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -42,8 +45,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def raw_path(address: str) -> str | None:
+    """The bare socket's path beside a unix: gRPC address (None over TCP)."""
+    return address[len("unix:"):] + ".raw" if address.startswith("unix:") else None
+
+
+async def echo_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers every length-prefixed frame with itself until the client leaves."""
+    try:
+        while True:
+            header = await reader.readexactly(4)
+            writer.write(header + await reader.readexactly(struct.unpack(">I", header)[0]))
+    except asyncio.IncompleteReadError:
+        writer.close()
+
+
 async def serve(address: str) -> None:
-    """Echo server: Unary answers its request; Stream answers every message it reads."""
+    """Echo server: Unary answers its request; Stream answers every message it reads; over a Unix socket, the bare
+    socket beside it echoes frames."""
 
     async def unary(request: bytes, context) -> bytes:
         return request
@@ -58,8 +77,24 @@ async def serve(address: str) -> None:
         "Stream": grpc.stream_stream_rpc_method_handler(stream)})])
     port = server.add_insecure_port(address)
     await server.start()
+    if raw_path(address):
+        await asyncio.start_unix_server(echo_frames, raw_path(address))
     print(f"ready {port}", flush=True)
     await server.wait_for_termination()
+
+
+async def time_raw(path: str, payload: bytes, calls: int, warmup: int) -> list[float]:
+    """Round-trip times in µs of `calls` frames on the bare socket (after `warmup` untimed ones)."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    frame, out = struct.pack(">I", len(payload)) + payload, []
+    for i in range(warmup + calls):
+        t0 = time.perf_counter_ns()
+        writer.write(frame)
+        await reader.readexactly(len(frame))
+        if i >= warmup:
+            out.append((time.perf_counter_ns() - t0) / 1e3)
+    writer.close()
+    return out
 
 
 async def time_kind(channel: grpc.aio.Channel, kind: str, payload: bytes, calls: int, warmup: int) -> list[float]:
@@ -87,11 +122,15 @@ async def time_kind(channel: grpc.aio.Channel, kind: str, payload: bytes, calls:
 async def measure(address: str, args) -> dict[str, list[float]]:
     """Per kind, the round trips of every round (kinds alternate within a round)."""
     payload = bytes(args.payload)
-    times: dict[str, list[float]] = {"unary": [], "stream": []}
+    kinds = ["unary", "stream", *(["raw"] if raw_path(address) else [])]
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     async with grpc.aio.insecure_channel(address) as channel:
         for r in range(args.rounds):
-            for kind in (("unary", "stream") if r % 2 == 0 else ("stream", "unary")):
-                times[kind] += await time_kind(channel, kind, payload, args.calls, args.warmup)
+            for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:   # the order turns every round
+                if kind == "raw":
+                    times[kind] += await time_raw(raw_path(address), payload, args.calls, args.warmup)
+                else:
+                    times[kind] += await time_kind(channel, kind, payload, args.calls, args.warmup)
     return times
 
 
@@ -134,8 +173,13 @@ def main(argv=None) -> None:
         unary, stream = summary(times["unary"]), summary(times["stream"])
         ratio = round(stream["median_us"] / unary["median_us"], 3)
         results[name] = {"unary": unary, "stream": stream, "stream_over_unary": ratio}
+        raw_cell = "–"
+        if "raw" in times:
+            raw = results[name]["raw_socket"] = summary(times["raw"])
+            results[name]["raw_over_stream"] = round(raw["median_us"] / stream["median_us"], 3)
+            raw_cell = f"{raw['median_us']} / {raw['p90_us']} ({results[name]['raw_over_stream']} x stream)"
         rows.append([name, f"{unary['median_us']} / {unary['p90_us']}", f"{stream['median_us']} / {stream['p90_us']}",
-                     ratio])
+                     ratio, raw_cell])
     tmp.cleanup()
     hw = common.hardware("cpu", "-", None)
     data = {"bench": "grpc_stream_hop", "command": common.command_line("bench.grpc_stream_hop"),
@@ -147,7 +191,8 @@ def main(argv=None) -> None:
              f"Python {hw['python']}",
              f"- Work: {args.payload} bytes each way; per round and kind {args.warmup} untimed then {args.calls} "
              f"timed round trips, {args.rounds} rounds, kinds alternating", "- Cells: median / p90 round trip (µs)", "",
-             common.md_table(["transport", "unary call", "stream message", "stream / unary"], rows)]
+             common.md_table(["transport", "unary call", "stream message", "stream / unary",
+                             "bare asyncio socket (unix only)"], rows)]
     print("\n".join(lines))
     common.write_outputs(args.out_dir, f"grpc-stream-hop-{common.hardware_tag(hw)}", data, "\n".join(lines))
 

@@ -15,3 +15,4 @@ def test_the_bench_times_unary_calls_and_stream_messages_over_tcp_and_a_unix_soc
     for row in results.values():
         assert row["unary"]["median_us"] > 0 and row["stream"]["median_us"] > 0
         assert row["stream_over_unary"] == round(row["stream"]["median_us"] / row["unary"]["median_us"], 3)
+    assert results["unix"]["raw_socket"]["median_us"] > 0 and "raw_socket" not in results["tcp"]
