@@ -156,7 +156,8 @@ def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: to
                         name = "model." + key[len(_WRAPPER_TEXT_PREFIX) :]
                 elif key.startswith("mtp."):
                     continue  # multi-token-prediction head shipped with Qwen3.5 checkpoints: unused
-                if num_layers is not None and (_layer_index(name) or 0) >= num_layers:
+                layer = _layer_index(name)
+                if num_layers is not None and layer is not None and layer >= num_layers:
                     continue
                 module_name, _, leaf = name.rpartition(".")
                 if leaf == "weight" and module_name in quantized:

@@ -91,13 +91,13 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                   gpu_memory_cap_bytes=None if self.cfg.gpu_memory_cap_gb is None
                                   else int(self.cfg.gpu_memory_cap_gb * GIB))
         passes = self.cfg.kernel_warmup_passes
-        if torch.device(self.cfg.device).type == "cuda" and passes != 0:
+        if passes is None and torch.device(self.cfg.device).type == "cuda":
+            passes = default_passes(self.cfg.model_dir)
+        if passes and torch.device(self.cfg.device).type == "cuda":
             # Autotuning in throwaway processes: this one then loads only the chosen kernels (kernel_warmup.py).
-            passes = default_passes(self.cfg.model_dir) if passes is None else passes
-            if passes:
-                await run_passes(WarmupSpec(self.cfg.model_dir, self.cfg.device, self.cfg.dtype, self.cfg.quantize,
-                                            self.cfg.max_batch, self.cfg.prefill_chunk or 512,
-                                            min(self.cfg.max_tree_nodes, 65)), passes)
+            await run_passes(WarmupSpec(self.cfg.model_dir, self.cfg.device, self.cfg.dtype, self.cfg.quantize,
+                                        self.cfg.max_batch, self.cfg.prefill_chunk or 512,
+                                        min(self.cfg.max_tree_nodes, 65)), passes)
         await self.load_runner(TargetRunner, runner_cfg, self.cfg.device, f"target model {self.cfg.model_dir}")
         if self.metrics is not None:
             self.metrics.set_memory_plan(self.runner.memory)
