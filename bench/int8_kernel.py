@@ -9,9 +9,11 @@ output is from the dequantized reference F.linear(x, q * s) (max |diff| / max |r
     python -m bench.int8_kernel                       # Qwen3-8B shapes + the 27B MLP, M in 1, 8, 65, 520
     python -m bench.int8_kernel --ms 1,16,65,130,520 --bits 8
     python -m bench.int8_kernel --gemv-sweep          # int8 GEMV (M <= 4): every tiling of the grid, M in 1, 4
+    python -m bench.int8_kernel --gemv-sweep --weights bf16   # the same kernel on bf16 weights against cuBLAS
 
 --gemv-sweep prints one line per (shape, M, tiling): ms per call (timed as above), the error against the
-reference, and the dot kernel's and the default GEMV tiles' times for comparison; then the best tiling of each
+reference, and the dot kernel's (int8) or cuBLAS's F.linear (bf16) and the default GEMV tiles' times for
+comparison; then the best tiling of each
 (shape, M). It writes no files.
 
 Writes bench/results/int8-kernel-<hardware>.{md,json} (or --out-dir). Needs CUDA and Triton.
@@ -43,6 +45,8 @@ SHAPES = [
     ("8b down_proj", 4096, 12288),
     ("27b gate / up", 17408, 5120),
 ]
+# The GEMV sweep also times the LM head (one decode step reads it once per token).
+SWEEP_SHAPES = SHAPES + [("8b lm_head", 151936, 4096)]
 L2_DEFEAT_BYTES = 256 * 2**20
 
 
@@ -61,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--splits", default="1,2,4,8", help="GEMV sweep: K splits (those past the K steps skipped)")
     p.add_argument("--warps", default="4,8", help="GEMV sweep: warps per program")
     p.add_argument("--stages", default="2", help="GEMV sweep: num_stages (e.g. 1,2,3)")
+    p.add_argument("--weights", default="int8", help="GEMV sweep: weight formats (int8, bf16 or both)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -142,47 +147,57 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def gemv_sweep(args, device: torch.device) -> None:
-    """One line per (shape, M, GEMV tiling): ms per call and error; then the best tiling of each (shape, M)."""
+    """One line per (weights, shape, M, GEMV tiling): ms per call and error; then the best tiling of each."""
     from target_svc.int8_matmul import GemvConfig
 
     ms = _ints(args.ms or "1,4")
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     grid = list(itertools.product(_ints(args.block_n), _ints(args.block_k), _ints(args.splits), _ints(args.warps),
                                   _ints(args.stages)))
-    print("shape | N | K | M | tiling (BLOCK_N, BLOCK_K, split, warps, stages) | ms/call | err", flush=True)
+    print("weights | shape | N | K | M | tiling (BLOCK_N, BLOCK_K, split, warps, stages) | ms/call | GB/s | err",
+          flush=True)
     best = []
-    for name, n, k in SHAPES:
-        gen = torch.Generator(device=device).manual_seed(0)
-        ws = [quantize_weight(torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02, 8)
-              for _ in range(copies_for(n * k))]
-        for m in ms:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
-            ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
-            default = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms, gemv=True)
-            dot = int8_matmul.choose_config(m, n, k, 8, 0, num_sms)
-            cases = [("dot kernel", dot), ("default GEMV", default)]
-            cases += [("", GemvConfig(*t)) for t in grid if t[2] <= -(-k // t[1]) and m <= int8_matmul.GEMV_MAX_ROWS]
-            results = []
-            for label, cfg in cases:
-                tiling = (f"{label} " if label else "") + str(tuple(cfg.__dict__.values()))
-                try:
-                    err = _rel_err(int8_matmul.matmul(x, ws[0].qweight, ws[0].scales, None, 8, cfg), ref)
-                    t = graph_ms([lambda w=w: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg) for w in ws],
-                                 args.calls, args.replays)
-                    if not label:
-                        results.append((t, tiling, err))
-                    line = f"{t:.4f} | {err:.1e}"
-                except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit: the sweep goes on
-                    line = f"FAILED | {type(exc).__name__}: {str(exc)[:80]}"
-                    torch.cuda.synchronize()
-                print(f"{name} | {n} | {k} | {m} | {tiling} | {line}", flush=True)
-            if results:
-                best.append((name, n, k, m, *min(results)))
-        del ws
-        torch.cuda.empty_cache()
-    print("\nbest GEMV tiling per shape and M:")
-    for name, n, k, m, t, tiling, err in best:
-        print(f"{name} | {n} | {k} | {m} | {tiling} | {t:.4f} | {err:.1e}")
+    for fmt in args.weights.split(","):
+        for name, n, k in SWEEP_SHAPES:
+            gen = torch.Generator(device=device).manual_seed(0)
+            nbytes = n * k * (1 if fmt == "int8" else 2)
+            dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+                     for _ in range(copies_for(nbytes))]
+            ws = [quantize_weight(w, 8) for w in dense] if fmt == "int8" else dense
+            for m in ms:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+                if fmt == "int8":
+                    ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
+                    call = lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg)  # noqa: E731
+                    baseline = ("dot kernel", int8_matmul.choose_config(m, n, k, 8, 0, num_sms))
+                else:
+                    ref = F.linear(x.float(), ws[0].float())
+                    call = lambda w, cfg: (F.linear(x, w) if cfg is None  # noqa: E731
+                                           else int8_matmul.dense_gemv(x, w, None, cfg))
+                    baseline = ("cuBLAS F.linear", None)
+                cases = [baseline, ("default GEMV", int8_matmul.choose_gemv_config(m, n, k, num_sms))]
+                cases += [("", GemvConfig(*t)) for t in grid
+                          if t[2] <= -(-k // t[1]) and m <= int8_matmul.GEMV_MAX_ROWS]
+                results = []
+                for label, cfg in cases:
+                    tiling = (f"{label} " if label else "") + ("" if cfg is None else str(tuple(cfg.__dict__.values())))
+                    try:
+                        err = _rel_err(call(ws[0], cfg), ref)
+                        t = graph_ms([lambda w=w: call(w, cfg) for w in ws], args.calls, args.replays)
+                        if not label:
+                            results.append((t, tiling, err))
+                        line = f"{t:.4f} | {nbytes / t / 1e6:.0f} | {err:.1e}"
+                    except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit: the sweep goes on
+                        line = f"FAILED | | {type(exc).__name__}: {str(exc)[:80]}"
+                        torch.cuda.synchronize()
+                    print(f"{fmt} | {name} | {n} | {k} | {m} | {tiling} | {line}", flush=True)
+                if results:
+                    best.append((fmt, name, n, k, m, *min(results)))
+            del ws, dense
+            torch.cuda.empty_cache()
+    print("\nbest GEMV tiling per weights, shape and M:")
+    for fmt, name, n, k, m, t, tiling, err in best:
+        print(f"{fmt} | {name} | {n} | {k} | {m} | {tiling} | {t:.4f} | {err:.1e}")
 
 
 def _fmt(v: float | None, spec: str) -> str:

@@ -156,6 +156,9 @@ def target_costs(runner: TargetRunner, batches: list[int], nodes_list: list[int]
                 try:
                     profiles.append({"batch": batch, "nodes": nodes,
                                      **profile_forward(runner, ids, nodes, gen, device)})
+                    if graphs is not None:   # the whole captured step: both graphs' kernels and those around them
+                        profiles.append({"batch": batch, "nodes": nodes, "what": "one captured verify call",
+                                         **kernel_profile(step, device)})
                 except Exception as exc:  # noqa: BLE001 - a profiler failure must not cost the timings
                     print(f"profile of {nodes} nodes failed: {type(exc).__name__}: {exc}", flush=True)
             if agree:
@@ -199,7 +202,7 @@ def forward_costs(runner: TargetRunner, ids: list[str], nodes: int, gen: torch.G
 
 
 def profile_forward(runner: TargetRunner, ids: list[str], nodes: int, gen: torch.Generator, device: torch.device,
-                    top: int = 25) -> dict:
+                    top: int = 40) -> dict:
     """The kernels of one eager verify forward (see kernel_profile)."""
     model, scratch = runner.model, runner.model.cache.spec.scratch_slot
     trees = [random_tree(nodes, runner.seqs[s].pending_token, runner.vocab_size, gen) for s in ids]
@@ -356,7 +359,8 @@ def main(argv=None) -> None:
                            for a in agreement])]
     for prof in profiles or []:
         what = f"{prof['nodes']} nodes" if "nodes" in prof else f"the drafter's {prof['drafter']}"
-        md += ["", f"## Kernels of one eager forward, batch {prof['batch']}, {what}: "
+        call = prof.get("what", "one eager forward")
+        md += ["", f"## Kernels of {call}, batch {prof['batch']}, {what}: "
                    f"{prof['kernel_launches']} kernels, {prof['kernel_ms_total']} ms of device time", "",
                common.md_table(["kernel", "ms", "calls"], [[k["kernel"], k["ms"], k["calls"]] for k in prof["top"]])]
     stem = f"step-cost-{args.shape}-{common.hardware_tag(hw)}"

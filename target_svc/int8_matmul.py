@@ -210,9 +210,31 @@ def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = Non
     return out.view(*x.shape[:-1], n)
 
 
+def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: GemvConfig | None = None) -> Tensor:
+    """F.linear(x, weight, bias) for at most GEMV_MAX_ROWS rows of x through the GEMV kernel (BITS=16: the 16-bit
+    weight read as it is, summed in float32), in x's dtype."""
+    kernels = importlib.import_module("target_svc.weight_only_kernels")
+    k, n = x.shape[-1], weight.shape[0]
+    x2d = x.reshape(-1, k)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    m = x2d.shape[0]
+    if m > GEMV_MAX_ROWS or weight.dtype != x.dtype or weight.shape[1] != k:
+        raise ValueError(f"dense_gemv takes at most {GEMV_MAX_ROWS} rows and a weight of x's dtype and width: "
+                         f"{m} rows, weight {tuple(weight.shape)} {weight.dtype}, x {x.dtype}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        weight = weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        cfg = config or choose_gemv_config(m, n, k, _num_sms(x.device))
+        _gemv(kernels, x2d, weight, weight, bias, out, cfg, bits=16)   # the weight stands in for the unread scales
+    return out.view(*x.shape[:-1], n)
+
+
 def _gemv(kernels, x2d: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, out: Tensor,
-          cfg: GemvConfig) -> None:
-    """Launches the int8 GEMV (and its split-K reduction) writing out [M, N]."""
+          cfg: GemvConfig, bits: int = 8) -> None:
+    """Launches the GEMV (and its split-K reduction) writing out [M, N]: int8 weights with row scales (bits 8) or
+    16-bit weights (bits 16)."""
     (m, k), n = x2d.shape, qweight.shape[0]
     if max(m * k, n * k, cfg.split_k * m * n) > _MAX_ELEMENTS:
         raise ValueError(f"weight-only matmul of [{m}, {k}] x [{n}, {k}] exceeds int32 offsets")
@@ -226,10 +248,10 @@ def _gemv(kernels, x2d: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | 
         x2d, qweight, scales, bias_arg, dst,
         n, k, k_per_split, x2d.stride(0), qweight.stride(0), dst.stride(-2),
         ROWS=m, HAS_BIAS=has_bias, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BITS=bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
         kernels.splitk_reduce_kernel[(m, -(-n // _REDUCE_BLOCK_N))](
             dst, scales, bias_arg, out, m, n, out.stride(0),
-            BITS=8, HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
+            BITS=bits, HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
         )

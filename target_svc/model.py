@@ -7,14 +7,15 @@ handling are ours, so that decode/verify can be captured (static shapes, no Pyth
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ddtree_serve.decoding.acceptance import compaction_indices_batch
-from ddtree_serve.decoding.tree_mask import depths_from_parents_batch, tree_attention_mask
-from target_svc import gdn_kernels
+from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, depths_from_parents_batch, tree_attention_mask
+from target_svc import gdn_kernels, tree_attention
 from target_svc.gated_deltanet import (
     GdnTreeTrace,
     LinearAttnStateShape,
@@ -43,6 +44,7 @@ from target_svc.hybrid_layers import (
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
 from target_svc.quantization import int8_matmul_backend, linear
+from target_svc.tree_attention import TreeKeys
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class TargetModel:
         if self.tree_gdn not in ("wy", "depthwise"):
             raise ValueError(f"tree_gdn must be 'wy' or 'depthwise', got {self.tree_gdn!r}")
         self.gdn_kernels_on = self._choose_gdn_kernels(gdn_kernels_on)
+        self.tree_attention_on = self._choose_tree_attention()
         self.int8_backend = int8_matmul_backend(self.device)
         self.dense: list[DenseLayerWeights] | None = None
         self.kernels: DenseKernels | None = None
@@ -110,6 +113,15 @@ class TargetModel:
             raise RuntimeError(f"Gated DeltaNet kernels requested but unavailable on {self.device} (they need CUDA "
                                f"and fla-core: pip install 'ddtree-serve[gpu]'; {gdn_kernels.ENV_VAR} not off)")
         log.info("Gated DeltaNet prefill/decode: %s", "fla kernels" if ok else "PyTorch reference")
+        return ok
+
+    def _choose_tree_attention(self) -> bool:
+        """Whether softmax-attention layers attend through the Triton kernel over the slot cache
+        (target_svc/tree_attention.py): where it runs, unless DDTREE_TREE_ATTENTION is off."""
+        if not self.full_index or os.environ.get(tree_attention.ENV_VAR, "").strip().lower() in ("off", "0", "false"):
+            return False
+        ok = tree_attention.available(self.device, self.target.head_dim, self.dtype)
+        log.info("attention: %s", "Triton tree attention over the slot cache" if ok else "SDPA over gathered rows")
         return ok
 
     def _rope_tables(self, n_positions: int) -> tuple[Tensor, Tensor]:
@@ -164,11 +176,7 @@ class TargetModel:
         positions = ctx_lens[:, None] + depth
         cos, sin = self.cos[positions], self.sin[positions]  # [B, Tmax, rotary_dim]
         rows = ctx_lens[:, None] + torch.arange(tmax, device=self.device)
-        mask = tree_attention_mask(ctx_lens, parents, sizes, key_len)  # [B, Tmax, key_len]
-        # GQA without copying K/V per query head: the rep query heads of one KV head are stacked along the query
-        # axis ([B, n_kv, rep * Tmax, D] against [B, n_kv, key_len, D]), so the mask repeats per stacked head.
-        rep = t.num_heads // t.num_kv_heads
-        mask = mask[:, None, None].expand(bsz, 1, rep, tmax, key_len).reshape(bsz, 1, rep * tmax, key_len)
+        mask = self._attention_keys(ctx_lens, parents, sizes, key_len)
 
         wanted = set(feature_layers)
         feature_set: dict[int, Tensor] = {}
@@ -208,6 +216,19 @@ class TargetModel:
             features = torch.cat(parts, dim=-1) if features_out is None else torch.cat(parts, dim=-1, out=features_out)
         self.pending_traces = None if chain else traces
         return logits, features
+
+    def _attention_keys(self, ctx_lens: Tensor, parents: Tensor, sizes: Tensor, key_len: int) -> Tensor | TreeKeys:
+        """What the attention layers take to know which cache rows each node sees: the kernel's TreeKeys, or SDPA's
+        dense mask [B, 1, rep * Tmax, key_len]."""
+        t = self.target
+        bsz, tmax = parents.shape
+        if self.tree_attention_on and tmax <= tree_attention.MAX_BLOCK_NODES:
+            return TreeKeys(ctx_lens, ancestor_mask_batch(parents, sizes))
+        mask = tree_attention_mask(ctx_lens, parents, sizes, key_len)  # [B, Tmax, key_len]
+        # GQA without copying K/V per query head: the rep query heads of one KV head are stacked along the query
+        # axis ([B, n_kv, rep * Tmax, D] against [B, n_kv, key_len, D]), so the mask repeats per stacked head.
+        rep = t.num_heads // t.num_kv_heads
+        return mask[:, None, None].expand(bsz, 1, rep, tmax, key_len).reshape(bsz, 1, rep * tmax, key_len)
 
     def _dense_layers(self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, rows: Tensor,
                       key_len: int, wanted: set[int], feature_set: dict[int, Tensor]) -> Tensor:
@@ -281,13 +302,18 @@ class TargetModel:
         out = self._attend(attn, cache_layer, q, key, value.view(bsz, tmax, nkv, hd), mask, slots, rows, key_len)
         return attn.o_proj(k.sigmoid_gate(out, gate))
 
-    def _attend(self, attn: nn.Module, cache_layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+    def _attend(self, attn: nn.Module, cache_layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | TreeKeys,
                 slots: Tensor, rows: Tensor, key_len: int) -> Tensor:
-        """Writes the block's k/v [B, T, n_kv, D] to the cache, attends q [B, T, n_h, D] -> [B, T, n_h * D]."""
+        """Writes the block's k/v [B, T, n_kv, D] to the cache, attends q [B, T, n_h, D] -> [B, T, n_h * D] (mask:
+        _attention_keys' answer)."""
         t = self.target
         bsz, tmax = q.shape[:2]
         nh, nkv, hd = t.num_heads, t.num_kv_heads, t.head_dim
         self.cache.write_kv(cache_layer, slots, rows, k, v)
+        if isinstance(mask, TreeKeys):
+            out = tree_attention.tree_attention(q, self.cache.k[cache_layer], self.cache.v[cache_layer], slots, mask,
+                                                key_len, attn.scaling)
+            return out.view(bsz, tmax, nh * hd)
         keys, values = self.cache.read_kv(cache_layer, slots, key_len)
         rep = nh // nkv
         # GQA: query head h reads kv head h // rep, as HF's repeat_kv; heads kv*rep .. kv*rep + rep - 1 are stacked

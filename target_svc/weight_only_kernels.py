@@ -15,7 +15,8 @@ Weight formats (see target_svc/quantization.py):
 SPLIT_K > 1 splits the K loop over grid axis 1; each split writes its float32 partial sums to a workspace
 [SPLIT_K, M, N] and `splitk_reduce_kernel` adds them in a fixed order (deterministic, unlike atomics).
 
-`weight_only_gemv_kernel` is the int8 path for a few rows (decode, M <= 4): no tl.dot, whose 16-row minimum
+`weight_only_gemv_kernel` is the path for a few rows (decode, M <= 4), for int8 weights and (BITS=16) for plain
+bf16/fp16 weights, where it stands in for cuBLAS's GEMV: no tl.dot, whose 16-row minimum
 tile wastes most of its work on one row; each program widens its weight tile to float32 and reduces it against
 each row of x with tl.sum, so the weight is still read once per program. Its float32 sums are added in another
 order than the dot kernel's, so a decode step's rows round differently from the same rows inside a verify of a
@@ -169,11 +170,12 @@ def weight_only_gemv_kernel(
     x_ptr, q_ptr, s_ptr, bias_ptr, dst_ptr,
     N, K, k_per_split, stride_xm, stride_qn, stride_dm,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
 ):
-    """int8 y[r, n-block] for the ROWS (1 to 4) rows of x over one K split (grid axis 1, k_per_split columns, a
-    multiple of BLOCK_K). PARTIAL: the float32 sums into the workspace dst [SPLIT_K, ROWS, N]; else the finished
-    output (row scale, bias, x's dtype) into dst [ROWS, N]."""
+    """y[r, n-block] for the ROWS (1 to 4) rows of x over one K split (grid axis 1, k_per_split columns, a
+    multiple of BLOCK_K). BITS 8: int8 weights with row scales; 16: the weights as they are (s_ptr unread).
+    PARTIAL: the float32 sums into the workspace dst [SPLIT_K, ROWS, N]; else the finished output (row scale,
+    bias, x's dtype) into dst [ROWS, N]."""
     tl.static_assert(ROWS >= 1 and ROWS <= 4)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -193,7 +195,7 @@ def weight_only_gemv_kernel(
             q = tl.load(rows_q + offs_k[None, :])
         else:
             q = tl.load(rows_q + offs_k[None, :], mask=offs_k[None, :] < K, other=0)
-        w = q.to(tl.float32)  # exact: the row scale commutes with the sum and comes in the epilogue
+        w = q.to(tl.float32)  # exact (int8: the row scale commutes with the sum and comes in the epilogue)
         # One weight tile, every row of x: the unused accumulators are compiled away.
         acc0 = _gemv_row(acc0, w, x_ptr, 0, stride_xm, offs_k, K, EVEN_K)
         if ROWS > 1:
@@ -208,7 +210,10 @@ def weight_only_gemv_kernel(
         scale = acc0
         bias = acc0
     else:
-        scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)
+        if BITS == 8:
+            scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)
+        else:
+            scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
         bias = scale  # read only when HAS_BIAS
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0).to(tl.float32)

@@ -775,6 +775,58 @@ def _assert_close_to_reference(got: torch.Tensor, ref: torch.Tensor, what) -> No
     assert err <= 2e-2 * ref.float().abs().max().item(), (what, err)
 
 
+def _random_trees(bsz: int, nodes: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded random trees [bsz, nodes] (parents[i] < i) with sizes from 1 to nodes (the last row full)."""
+    parents = torch.full((bsz, nodes), -1, dtype=torch.long)
+    for i in range(1, nodes):
+        parents[:, i] = torch.randint(0, i, (bsz,), generator=gen)
+    sizes = torch.randint(1, nodes + 1, (bsz,), generator=gen)
+    sizes[-1] = nodes
+    return parents.cuda(), sizes.cuda()
+
+
+@needs_triton
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (24, 4, 256), (4, 4, 64)])
+@pytest.mark.parametrize("nodes", [1, 5, 17, 65, 128])
+def test_cuda_triton_tree_attention_equals_sdpa_over_the_gathered_masked_rows(heads, kv_heads, head_dim, nodes):
+    """The kernel reads each sequence's slot in place, with contexts of different lengths (one empty), padded trees,
+    key_len past every sequence (stale rows there must not be read), split over the keys or not, and in a graph;
+    SDPA over the gathered rows with tree_attention_mask is the reference (stated tolerance: 2e-2 of the largest
+    output; bf16 probabilities against SDPA's, seen <= 1e-2)."""
+    import torch.nn.functional as F
+
+    from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, tree_attention_mask
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc.tree_attention import SplitConfig, TreeKeys, choose_config, tree_attention
+
+    gen = torch.Generator().manual_seed(nodes + head_dim)
+    bsz, capacity, dtype = 4, 1300, torch.bfloat16
+    k_cache = torch.randn(bsz + 2, capacity, kv_heads, head_dim, generator=gen).to("cuda", dtype)
+    v_cache = torch.randn(bsz + 2, capacity, kv_heads, head_dim, generator=gen).to("cuda", dtype)
+    slots = torch.tensor([3, 0, 5, 1], device="cuda")
+    ctx = torch.tensor([700, 0, 33, 1000], device="cuda")
+    parents, sizes = _random_trees(bsz, nodes, gen)
+    q = torch.randn(bsz, nodes, heads, head_dim, generator=gen).to("cuda", dtype)
+    key_len = 1100 + nodes   # past every ctx + nodes
+    scale = head_dim ** -0.5
+
+    mask = tree_attention_mask(ctx, parents, sizes, key_len)   # [B, T, key_len]
+    keys, values = k_cache[slots, :key_len], v_cache[slots, :key_len]
+    rep = heads // kv_heads
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.repeat_interleave(rep, dim=2).transpose(1, 2),
+        values.repeat_interleave(rep, dim=2).transpose(1, 2), attn_mask=mask[:, None], scale=scale).transpose(1, 2)
+    tree_keys = TreeKeys(ctx, ancestor_mask_batch(parents, sizes))
+    chosen = choose_config(bsz, kv_heads, rep * nodes, key_len, head_dim)
+    unsplit = SplitConfig(chosen.block_m, chosen.block_n, 1, -(-key_len // chosen.block_n) * chosen.block_n)
+    for cfg in (None, unsplit):
+        got = tree_attention(q, k_cache, v_cache, slots, tree_keys, key_len, scale, cfg)
+        _assert_close_to_reference(got, ref, (cfg, "eager"))
+    captured = CapturedFunction.capture(lambda x: tree_attention(x, k_cache, v_cache, slots, tree_keys, key_len, scale),
+                                        [q], torch.cuda.graph_pool_handle())
+    assert torch.equal(captured(q), tree_attention(q, k_cache, v_cache, slots, tree_keys, key_len, scale))
+
+
 @needs_triton
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n, k", KERNEL_SHAPES)

@@ -1,0 +1,126 @@
+"""Tree attention over the slot cache through Triton (CUDA): what a verify or decode step's attention layers run
+instead of gathering each sequence's rows and calling SDPA with a dense mask.
+
+The kernels are in target_svc/tree_attention_kernels.py (see there for the split over keys and the merge); this
+module checks what they take, picks the split from the shape alone (no autotuning: a captured graph replays what
+its warm-up compiled), and launches them. The PyTorch path (model._attend with SDPA and
+ddtree_serve.decoding.tree_mask.tree_attention_mask) stays the CPU path and the reference of the GPU tests.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ENV_VAR = "DDTREE_TREE_ATTENTION"   # "off": SDPA over gathered rows even where the kernel runs
+HEAD_DIMS = (64, 128, 256)
+# Blocks up to this many nodes take the kernel (decode, verify trees, prompts as verify chains); longer prompt
+# chunks keep cuDNN's flash attention, whose tensor-core pipeline wins once the queries are many.
+MAX_BLOCK_NODES = 128
+DTYPES = (torch.bfloat16, torch.float16)
+# Programs in flight the split aims at, per SM: a decode step has one program per KV head without a split.
+_PROGRAMS_PER_SM = 2
+_MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TreeKeys:
+    """Which cache rows each block node sees, in the kernel's terms: the committed context [0, ctx_lens[b]) and,
+    past it, the node's ancestors-or-self (ancestors[b, t, j]: block node j is t or an ancestor of t)."""
+
+    ctx_lens: Tensor    # [B] int64
+    ancestors: Tensor   # [B, T, T] bool
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """One launch: BLOCK_M stacked query rows and BLOCK_N keys per tile; the keys split into `splits` slices of
+    split_len rows (a multiple of BLOCK_N)."""
+
+    block_m: int
+    block_n: int
+    splits: int
+    split_len: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def available(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
+    """True when the kernels can run: CUDA of compute capability >= 8.0, Triton installed, a head_dim and dtype
+    they take."""
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return head_dim in HEAD_DIMS and dtype in DTYPES and importlib.util.find_spec("triton") is not None
+
+
+def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: int, num_sms: int = 132
+                  ) -> SplitConfig:
+    """The tiling and split for `rows` stacked query rows per KV head over key_len keys: a pure function of the
+    shape. The keys are split (each slice whole tiles, at least one) while the grid stays under _PROGRAMS_PER_SM
+    programs per SM."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 or head_dim > 128 else 64
+    block_n = 64 if head_dim <= 128 else 32
+    base = batch * num_kv * -(-rows // block_m)
+    tiles = max(1, -(-key_len // block_n))
+    splits = 1
+    while splits * 2 <= min(tiles, _MAX_SPLITS) and base * splits * 2 <= _PROGRAMS_PER_SM * num_sms:
+        splits *= 2
+    per_split = -(-tiles // splits)
+    splits = -(-tiles // per_split)   # no slice that starts past the keys
+    split_len = per_split * block_n
+    num_warps = 8 if block_m * head_dim >= 64 * 128 else 4
+    return SplitConfig(block_m, block_n, splits, split_len, num_warps)
+
+
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, keys: TreeKeys, key_len: int,
+                   scale: float, config: SplitConfig | None = None) -> Tensor:
+    """q [B, T, n_heads, D] (the block's queries, RoPE applied) against rows [0, ctx_len + T) of each sequence's
+    slot in k_cache / v_cache [slots, capacity, n_kv, D] (the block's own K/V written there already) ->
+    [B, T, n_heads, D] in q's dtype. key_len >= every ctx_len + T (it sizes the split, so a captured graph keeps
+    its key bucket's)."""
+    kernels = importlib.import_module("target_svc.tree_attention_kernels")
+    bsz, tmax, n_heads, head_dim = q.shape
+    num_kv = k_cache.shape[2]
+    if n_heads % num_kv or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"tree_attention: q {tuple(q.shape)} against k {tuple(k_cache.shape)}, "
+                         f"v {tuple(v_cache.shape)}")
+    rep = n_heads // num_kv
+    rows = rep * tmax
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cfg = config or choose_config(bsz, num_kv, rows, key_len, head_dim, _num_sms(q.device))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    anc = keys.ancestors.contiguous().view(torch.uint8)
+    grid = (bsz * num_kv, -(-rows // cfg.block_m), cfg.splits)
+    if cfg.splits > 1:
+        acc = torch.empty(bsz, num_kv, cfg.splits, rows, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(bsz, num_kv, cfg.splits, rows, dtype=torch.float32, device=q.device)
+    else:
+        acc = lse = out   # not written: the single slice stores the output itself
+    kernels.tree_attention_split_kernel[grid](
+        q, k_cache, v_cache, slots, keys.ctx_lens, anc, acc, lse, out,
+        tmax, rows, cfg.split_len, scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        anc.stride(0), anc.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        REP=rep, NUM_KV=num_kv, NUM_SPLITS=cfg.splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.splits > 1:
+        kernels.tree_attention_merge_kernel[grid[:2]](
+            acc, lse, out, tmax, rows, out.stride(0), out.stride(1), out.stride(2),
+            REP=rep, NUM_KV=num_kv, NUM_SPLITS=cfg.splits, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
+            num_warps=cfg.num_warps,
+        )
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the Triton interpreter (tests on a CPU): any count will do
+    return torch.cuda.get_device_properties(device).multi_processor_count  # torch caches the properties

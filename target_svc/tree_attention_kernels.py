@@ -1,0 +1,126 @@
+"""Triton kernels of tree attention over the slot cache: a verify block's queries against its sequence's cached
+keys, split over the keys (flash-decoding), for the few query rows of a decode or verify step.
+
+Imported only where Triton is installed (target_svc/tree_attention.py imports it lazily and owns the launch
+logic). Why not SDPA: the reference path gathers each sequence's rows out of the cache (two copies per layer), and
+cuDNN's flash kernel gives a 1-token decode one program per KV head, which walks all keys alone (~27 us per layer at
+the 8B shape on the H200, against ~1 us of reading). Here each program takes one KV head, one block of stacked
+query rows and one slice of the keys, straight from the cache; a second kernel merges the slices' partial results
+by their log-sum-exp.
+
+Query rows of one KV head are stacked as row = g * T + t (g: the query head within the KV head's group, t: the
+block node), so the REP heads that share a KV head share every key tile. Key p of sequence b is visible to node t
+when p < ctx_len[b] (committed context) or when p - ctx_len[b] is t or an ancestor of t (anc[b, t, p - ctx_len]);
+keys from ctx_len + T on are never read.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Finite stand-in for -inf as the running maximum: exp(m_old - m_new) then never computes inf - inf.
+_NEG_BIG = -1.0e30
+
+
+@triton.jit
+def tree_attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, anc_ptr, acc_ptr, lse_ptr, out_ptr,
+    T, ROWS, split_len, scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_ks, stride_kr, stride_kh,
+    stride_vs, stride_vr, stride_vh,
+    stride_ab, stride_at,
+    stride_ob, stride_ot, stride_oh,
+    REP: tl.constexpr, NUM_KV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """One (sequence, KV head), one block of stacked query rows, one slice of split_len keys. NUM_SPLITS == 1: the
+    normalised output into out [B, T, n_heads, D]; else the slice's normalised output (float32) and log-sum-exp
+    into acc [B, NUM_KV, NUM_SPLITS, ROWS, D] and lse [B, NUM_KV, NUM_SPLITS, ROWS] (-inf: no visible key)."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // NUM_KV
+    kvh = pid_bh % NUM_KV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < ROWS
+    g = rows // T
+    t = rows % T
+    head = kvh * REP + g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    start = pid_s * split_len
+    stop = tl.minimum(start + split_len, ctx + T)
+    k_base = k_ptr + slot * stride_ks + kvh * stride_kh
+    v_base = v_ptr + slot * stride_vs + kvh * stride_vh
+    anc_base = anc_ptr + b * stride_ab + t[:, None] * stride_at
+
+    m_i = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < stop
+        k = tl.load(k_base + offs_n[:, None] * stride_kr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        j = offs_n - ctx   # position inside the block (negative: committed context)
+        in_block = j >= 0
+        anc = tl.load(anc_base + j[None, :], mask=row_ok[:, None] & in_block[None, :] & n_ok[None, :], other=0)
+        visible = n_ok[None, :] & ((j < 0)[None, :] | (anc != 0))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (b * NUM_KV + kvh) * NUM_SPLITS + pid_s
+        tl.store(acc_ptr + (part * ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def tree_attention_merge_kernel(
+    acc_ptr, lse_ptr, out_ptr, T, ROWS,
+    stride_ob, stride_ot, stride_oh,
+    REP: tl.constexpr, NUM_KV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """out rows of one (sequence, KV head) = the slices' outputs weighted by exp(lse - max lse), in a fixed order."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = pid_bh // NUM_KV
+    kvh = pid_bh % NUM_KV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < ROWS
+    offs_d = tl.arange(0, HEAD_DIM)
+    first = (b * NUM_KV + kvh) * NUM_SPLITS
+    top = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        top = tl.maximum(top, tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")))
+    num = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.exp(tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")) - top)
+        part = tl.load(acc_ptr + ((first + s) * ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :],
+                       mask=row_ok[:, None], other=0.0)
+        num += w[:, None] * part
+        den += w
+    g = rows // T
+    t = rows % T
+    head = kvh * REP + g
+    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -1,0 +1,67 @@
+"""How the tree-attention kernel splits its work (a pure function of the shape; the kernel itself runs in the GPU
+tests)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from target_svc.tree_attention import MAX_BLOCK_NODES, choose_config
+from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted
+
+
+@pytest.mark.parametrize("batch, num_kv, rep, nodes, key_len, head_dim", [
+    (1, 8, 4, 1, 512, 128), (1, 8, 4, 65, 1024, 128), (8, 8, 4, 65, 8257, 128), (32, 8, 4, 1, 4096, 128),
+    (1, 4, 6, 1, 600, 256), (1, 4, 6, 65, 16384, 256), (2, 2, 1, 1, 1, 64), (1, 8, 4, MAX_BLOCK_NODES, 40, 128)])
+def test_the_split_covers_every_key_in_whole_tiles_within_the_program_budget(batch, num_kv, rep, nodes, key_len,
+                                                                               head_dim):
+    cfg = choose_config(batch, num_kv, rep * nodes, key_len, head_dim, num_sms=132)
+    assert cfg.splits >= 1
+    assert cfg.split_len % cfg.block_n == 0 and cfg.splits * cfg.split_len >= key_len
+    assert (cfg.splits - 1) * cfg.split_len < key_len   # no slice starts past the keys
+    programs = batch * num_kv * -(-(rep * nodes) // cfg.block_m)
+    assert cfg.splits == 1 or programs * cfg.splits <= 2 * 132
+
+
+def test_a_one_token_decode_spreads_its_keys_over_the_sms_and_a_wide_batch_does_not_split():
+    decode = choose_config(1, 8, 4, 1024, 128, num_sms=132)   # 8 KV heads alone would leave 124 SMs idle
+    assert decode.block_m == 16 and decode.splits == 16
+    wide = choose_config(64, 8, 4 * 65, 2048, 128, num_sms=132)
+    assert wide.splits == 1
+
+
+INTERPRETED_ATTENTION = """
+import torch, torch.nn.functional as F
+from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, tree_attention_mask
+from target_svc.tree_attention import SplitConfig, TreeKeys, choose_config, tree_attention
+torch.manual_seed(0)
+for heads, kv_heads, head_dim, nodes in [(8, 2, 64, 1), (8, 2, 64, 5), (4, 4, 64, 17)]:
+    bsz, dtype = 3, torch.float16
+    k_cache = torch.randn(bsz + 1, 300, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(bsz + 1, 300, kv_heads, head_dim).to(dtype)
+    slots, ctx = torch.tensor([2, 0, 3]), torch.tensor([100, 0, 37])
+    parents = torch.full((bsz, nodes), -1, dtype=torch.long)
+    for i in range(1, nodes):
+        parents[:, i] = torch.randint(0, i, (bsz,))
+    sizes = torch.randint(1, nodes + 1, (bsz,))
+    sizes[-1] = nodes
+    q = torch.randn(bsz, nodes, heads, head_dim).to(dtype)
+    key_len, scale, rep = 150 + nodes, head_dim ** -0.5, heads // kv_heads
+    mask = tree_attention_mask(ctx, parents, sizes, key_len)
+    keys, values = k_cache[slots, :key_len].float(), v_cache[slots, :key_len].float()
+    ref = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2), keys.repeat_interleave(rep, 2).transpose(1, 2),
+        values.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=mask[:, None], scale=scale).transpose(1, 2)
+    tree_keys = TreeKeys(ctx, ancestor_mask_batch(parents, sizes))
+    for cfg in (None, SplitConfig(16, 64, 1, 192), SplitConfig(16, 32, 3, 64)):
+        got = tree_attention(q, k_cache, v_cache, slots, tree_keys, key_len, scale, cfg).float()
+        assert (got - ref).abs().max().item() < 2e-2, (heads, nodes, cfg)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+def test_the_kernel_under_tritons_interpreter_equals_sdpa_over_the_masked_rows():
+    """Decode and tree blocks, GQA and not, one slice, the chosen split and an uneven one (fp16: see
+    test_quantization_backend on the interpreter's bf16)."""
+    _run_interpreted(INTERPRETER_PATCH + INTERPRETED_ATTENTION)
