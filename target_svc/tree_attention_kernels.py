@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 # Finite stand-in for -inf as the running maximum: exp(m_old - m_new) then never computes inf - inf.
-_NEG_BIG = -1.0e30
+_NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
