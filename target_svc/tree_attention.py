@@ -102,7 +102,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
         acc = lse = out   # not written: the single slice stores the output itself
     kernels.tree_attention_split_kernel[grid](
         q, k_cache, v_cache, slots, keys.ctx_lens, anc, acc, lse, out,
-        tmax, rows, cfg.split_len, scale,
+        tmax, rows, cfg.split_len, scale, slots.stride(0), keys.ctx_lens.stride(0),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -25,7 +25,7 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 @triton.jit
 def tree_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, anc_ptr, acc_ptr, lse_ptr, out_ptr,
-    T, ROWS, split_len, scale,
+    T, ROWS, split_len, scale, stride_slot, stride_ctx,
     stride_qb, stride_qt, stride_qh,
     stride_ks, stride_kr, stride_kh,
     stride_vs, stride_vr, stride_vh,
@@ -50,8 +50,8 @@ def tree_attention_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    slot = tl.load(slots_ptr + b * stride_slot).to(tl.int64)   # slots and ctx_lens may be columns of a packed batch
+    ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
     start = pid_s * split_len
     stop = tl.minimum(start + split_len, ctx + T)
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh

@@ -803,8 +803,9 @@ def test_cuda_triton_tree_attention_equals_sdpa_over_the_gathered_masked_rows(he
     bsz, capacity, dtype = 4, 1300, torch.bfloat16
     k_cache = torch.randn(bsz + 2, capacity, kv_heads, head_dim, generator=gen).to("cuda", dtype)
     v_cache = torch.randn(bsz + 2, capacity, kv_heads, head_dim, generator=gen).to("cuda", dtype)
-    slots = torch.tensor([3, 0, 5, 1], device="cuda")
-    ctx = torch.tensor([700, 0, 33, 1000], device="cuda")
+    # Columns of one packed tensor, as the verify batch hands them over (strided, not contiguous).
+    packed = torch.tensor([[3, 700], [0, 0], [5, 33], [1, 1000]], device="cuda")
+    slots, ctx = packed[:, 0], packed[:, 1]
     parents, sizes = _random_trees(bsz, nodes, gen)
     q = torch.randn(bsz, nodes, heads, head_dim, generator=gen).to("cuda", dtype)
     key_len = 1100 + nodes   # past every ctx + nodes

@@ -39,7 +39,8 @@ for heads, kv_heads, head_dim, nodes in [(8, 2, 64, 1), (8, 2, 64, 5), (4, 4, 64
     bsz, dtype = 3, torch.float16
     k_cache = torch.randn(bsz + 1, 300, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(bsz + 1, 300, kv_heads, head_dim).to(dtype)
-    slots, ctx = torch.tensor([2, 0, 3]), torch.tensor([100, 0, 37])
+    packed = torch.tensor([[2, 100], [0, 0], [3, 37]])   # strided columns, as the verify batch hands them over
+    slots, ctx = packed[:, 0], packed[:, 1]
     parents = torch.full((bsz, nodes), -1, dtype=torch.long)
     for i in range(1, nodes):
         parents[:, i] = torch.randint(0, i, (bsz,))
