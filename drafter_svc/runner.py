@@ -101,6 +101,8 @@ class DrafterRunner:
         self._len: dict[str, int] = {}
         self._free = list(range(cfg.max_batch))
         self._lock = threading.Lock()
+        if self.device.type == "cuda":   # as the target's glue: compiled on CUDA, plain elsewhere
+            self.model.compile_glue()
         self.graphs: DraftGraphs | None = None
         if not cfg.enforce_eager and self.device.type == "cuda":
             self.graphs = DraftGraphs(cfg.max_batch, cfg.max_seq_len, self.block_size - 1, self.vocab_size,

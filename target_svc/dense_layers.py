@@ -8,9 +8,7 @@ where HF rounds: `emulate_precision_casts`); on the CPU they run as they are.
 """
 from __future__ import annotations
 
-import functools
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ddtree_serve.plumbing.compiled import compile_all
 from ddtree_serve.rope import rotate_half
 from target_svc.quantization import QuantizedLinear, QuantizedWeight
 
-log = logging.getLogger(__name__)
 
 # The norm and MLP classes whose forward the functions below reproduce exactly.
 FUSABLE_NORMS = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm")
@@ -69,46 +67,6 @@ class DenseKernels:
     def make(cls, compiled: bool) -> "DenseKernels":
         """compiled=True: each function through torch.compile (one Triton kernel each, shapes dynamic)."""
         return cls(*compile_all((rms_norm, add_rms_norm, qk_norm_rope, silu_mul), compiled))
-
-
-def compile_all(fns: tuple[Callable, ...], compiled: bool) -> tuple[Callable, ...]:
-    """fns as they are, or (compiled=True) each through torch.compile with the plain function as its fallback."""
-    if not compiled:
-        return fns
-    import torch._dynamo
-    import torch._inductor.config
-
-    # Round where the eager code rounds (bf16 casts), so compiled and eager agree to the last bit or two.
-    torch._inductor.config.emulate_precision_casts = True
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return tuple(_compiled(f) for f in fns)
-
-
-@functools.cache
-def _compiled(fn: Callable) -> "_CompiledOrPlain":
-    # One wrapper per function and process: dynamo keeps its compiled code on the function's code object, so a
-    # fresh torch.compile per model would re-trace it (seconds each) and pile up cache entries toward
-    # cache_size_limit; the functions are pure, so every model of the process can share one.
-    return _CompiledOrPlain(fn)
-
-
-class _CompiledOrPlain:
-    """torch.compile of fn; if compiling fails (no compiler for this device, an inductor bug), the plain fn."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.plain = fn
-        self.fn = torch.compile(fn, dynamic=True, fullgraph=True)
-
-    def __call__(self, *args):
-        try:
-            return self.fn(*args)
-        except Exception as exc:  # noqa: BLE001 - a slower path beats a dead service
-            if self.fn is self.plain:
-                raise
-            log.warning("compiling %s failed (%s: %s); using the plain PyTorch version", self.plain.__name__,
-                        type(exc).__name__, exc)
-            self.fn = self.plain
-            return self.fn(*args)
 
 
 @dataclass

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from ddtree_serve.rope import rotate_half
-from target_svc.dense_layers import compile_all, fuse_linears, silu_mul
+from ddtree_serve.plumbing.compiled import compile_all
+from target_svc.dense_layers import fuse_linears, silu_mul
 from target_svc.gated_deltanet import (
     LinearAttnStateShape,
     conv_heads,

@@ -383,3 +383,23 @@ def test_load_target_embeddings_layouts(target_dir, tmp_path):
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     embed, head = load_target_embeddings(sharded)
     assert torch.equal(embed, full["model.embed_tokens.weight"]) and torch.equal(head, full["lm_head.weight"])
+
+
+def test_compile_glue_routes_every_norm_rope_and_swiglu_through_one_compiled_wrapper_each():
+    """What the drafter runner does on CUDA (the compiled kernels themselves run in the GPU tests): every RMSNorm,
+    attention and MLP of the model calls the shared compiled function, and the plain ones stay the default."""
+    from ddtree_serve.plumbing.compiled import CompiledOrPlain
+    from drafter_svc.dflash_model import DFlashAttention, DFlashMLP, RMSNorm, norm_rope, rms_norm, silu_mul
+
+    cfg = DFlashConfig.from_dict({**QWEN3_8B_STYLE, **TINY, "vocab_size": 320, "num_hidden_layers": 2,
+                                  "layer_types": ["full_attention"] * 2})
+    model = DFlashDraftModel(cfg)
+    assert {m.fn for m in model.modules() if isinstance(m, RMSNorm)} == {rms_norm}
+    model.compile_glue()
+    norms = {m.fn for m in model.modules() if isinstance(m, RMSNorm)}
+    ropes = {m.norm_rope for m in model.modules() if isinstance(m, DFlashAttention)}
+    swiglus = {m.silu_mul for m in model.modules() if isinstance(m, DFlashMLP)}
+    assert [len(norms), len(ropes), len(swiglus)] == [1, 1, 1]
+    (norm,), (rope,), (swiglu,) = norms, ropes, swiglus
+    assert all(isinstance(f, CompiledOrPlain) for f in (norm, rope, swiglu))
+    assert (norm.plain, rope.plain, swiglu.plain) == (rms_norm, norm_rope, silu_mul)

@@ -225,13 +225,35 @@ def _mean_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().mean().item()
 
 
+@torch.no_grad()
+def test_cuda_drafter_compiled_glue_equals_the_plain_functions_in_float32(checkpoints):
+    """DFlashDraftModel.compile_glue (what the drafter runner does on CUDA): a block over context features and a
+    cached past, within 1e-4 of the largest hidden value of the plain forward (stated tolerance: Triton's
+    reductions sum in another order than ATen's), and no function fell back to its plain version."""
+    from drafter_svc.dflash_model import DFlashAttention, DFlashDraftModel, RMSNorm
+
+    _, drafter_dir = checkpoints("qwen3")
+    model = DFlashDraftModel.from_pretrained(drafter_dir, device="cuda", dtype=torch.float32)
+    cfg, gen = model.config, torch.Generator(device="cuda").manual_seed(0)
+    noise = torch.randn(2, cfg.block_size, cfg.hidden_size, device="cuda", generator=gen)
+    feats = torch.randn(2, 11, cfg.feature_dim, device="cuda", generator=gen)
+    positions = torch.arange(11 + cfg.block_size, device="cuda")
+    want = model(noise, feats, positions)
+    model.compile_glue()
+    got = model(noise, feats, positions)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    wrappers = [m.fn for m in model.modules() if isinstance(m, RMSNorm)][:1]
+    wrappers += [m.norm_rope for m in model.modules() if isinstance(m, DFlashAttention)][:1]
+    assert all(w.fn is not w.plain for w in wrappers), "torch.compile fell back to the plain functions"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_cuda_compiled_hybrid_glue_equals_the_plain_functions(checkpoints, dtype):
     """The hybrid layers' compiled glue (target_svc/hybrid_layers.py) against the same fused forward with the plain
     functions: prefill chains, a tree (one-pass WY) with its commit, then a decode step. (The compiled glue inside
     captured graphs: test_cuda_float32_runners_equal_transformers_greedy[qwen3_5], fused by default on CUDA.)"""
-    from target_svc.dense_layers import _CompiledOrPlain
+    from ddtree_serve.plumbing.compiled import CompiledOrPlain
 
     target_dir, _ = checkpoints("qwen3_5")
     compiled_model = _hybrid_model(target_dir, dtype, compiled=True)
@@ -256,7 +278,7 @@ def test_cuda_compiled_hybrid_glue_equals_the_plain_functions(checkpoints, dtype
                 assert agree[1] >= agree[0] - 0.05, what
     kernels = compiled_model.hybrid_kernels
     fell_back = [n for n in kernels.__dataclass_fields__ if getattr(kernels, n).fn is getattr(kernels, n).plain]
-    assert all(isinstance(getattr(kernels, n), _CompiledOrPlain) for n in kernels.__dataclass_fields__)
+    assert all(isinstance(getattr(kernels, n), CompiledOrPlain) for n in kernels.__dataclass_fields__)
     assert not fell_back, f"torch.compile failed for {fell_back}"
 
 
