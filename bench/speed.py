@@ -282,11 +282,12 @@ def main(argv=None) -> None:
                         msg += "\n    segments (mean ms): " + ", ".join(f"{n} {v}" for n, v in segments.items()
                                                                        if v is not None)
                 print(msg, flush=True)
+            # Written after each batch size and before the services stop: a run cut short by its time limit
+            # (stopping three services takes seconds) keeps the report of what it finished.
+            report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch,
+                   time.perf_counter() - t_run, _loadavg(), budgets, calibration=calib.info if calib else None)
     finally:
         stack.stop()
-    total_s = time.perf_counter() - t_run
-    report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch, total_s,
-           _loadavg(), budgets, calibration=calib.info if calib else None)
 
 
 def _loadavg():

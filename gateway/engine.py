@@ -15,7 +15,7 @@ from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.plumbing.background import BackgroundTask
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
-from gateway.scheduler import PairQueue, plan_prefill_chunks
+from gateway.scheduler import PairQueue, plan_prefill_chunks, step_budgets
 from gateway.sequence import Sequence, Status
 from gateway.step_timeline import GatewayStamps, PreviousVerify, step_segments
 from gateway.step_trees import build_step_trees
@@ -37,6 +37,9 @@ class EngineConfig:
     # Prompt tokens prefilled per step, over all sequences (0: no limit). A long prompt is prefilled in chunks
     # over several steps, so the running batch keeps decoding meanwhile (vLLM's chunked prefill).
     max_prefill_tokens: int = 2048
+    # Verify nodes per step over the whole batch (0: no cap): past it, DDTree budgets shrink for that step
+    # (gateway.scheduler.step_budgets), so that a wide batch's verify stays memory-bound.
+    max_verify_nodes: int = 0
     # Bench-only calibrated acceptance (gateway/calibrated_drafts.py DraftCalibrator): rewrites each draft's top-K
     # lists so that acceptance follows a measured profile. None in any real deployment.
     calibrator: DraftCalibrator | None = None
@@ -164,7 +167,7 @@ class PairEngine(BackgroundTask):
                 self.metrics.observe_prompt(len(s.prompt_ids))
                 self.metrics.observe_first_token(now - s.arrival)
 
-    async def _draft(self, seqs: list[Sequence], stamps: GatewayStamps
+    async def _draft(self, seqs: list[Sequence], budgets: dict[str, int], stamps: GatewayStamps
                      ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], common_pb2.Timings | None]:
         """One Draft RPC for the speculative sequences -> (drafts by seq id, the drafter's timings); a drafter failure
         turns them autoregressive, not failed."""
@@ -175,7 +178,7 @@ class PairEngine(BackgroundTask):
             for s in drafting:
                 s.drafting = False
             return {}, None
-        top_k = max((s.budget if s.mode == "ddtree" else 1) for s in drafting)
+        top_k = max((budgets[s.seq_id] if s.mode == "ddtree" else 1) for s in drafting)
         top_k = max(1, min(top_k, self.vocab_size, MAX_TOP_K))
         depth = max(self._max_depth(s) for s in drafting)
         request = drafter_pb2.DraftRequest(
@@ -217,12 +220,21 @@ class PairEngine(BackgroundTask):
         room = self.pair.target_info.max_seq_len - s.context_len - 1
         return max(0, min(self.block_size - 1, s.remaining - 1, room))
 
+    def _step_budgets(self, seqs: list[Sequence]) -> dict[str, int]:
+        """Each DDTree sequence's budget this step (EngineConfig.max_verify_nodes)."""
+        depths = {s.seq_id: self._max_depth(s) for s in seqs}
+        trees = [s for s in seqs if s.mode == "ddtree" and s.speculative and depths[s.seq_id] > 0]
+        chains = [s for s in seqs if s.mode == "dflash" and s.speculative]
+        other = sum(1 + depths[s.seq_id] for s in chains) + len(seqs) - len(trees) - len(chains)
+        return step_budgets({s.seq_id: s.budget for s in trees}, other, self.cfg.max_verify_nodes)
+
     async def _decode(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
         stamps = GatewayStamps()
-        drafts, draft_timings = await self._draft(seqs, stamps)
+        budgets = self._step_budgets(seqs)
+        drafts, draft_timings = await self._draft(seqs, budgets, stamps)
         t1 = time.perf_counter()
-        trees = build_step_trees(seqs, drafts, {s.seq_id: self._max_depth(s) for s in seqs})
+        trees = build_step_trees(seqs, drafts, {s.seq_id: self._max_depth(s) for s in seqs}, budgets)
         t2 = time.perf_counter()
         request = target_pb2.VerifyRequest(items=[
             target_pb2.TreeItem(seq_id=s.seq_id, tokens=trees[s.seq_id].tokens.tolist(),

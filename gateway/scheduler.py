@@ -54,6 +54,24 @@ class PairQueue:
         return admitted
 
 
+def step_budgets(requested: dict[str, int], other_nodes: int, max_verify_nodes: int) -> dict[str, int]:
+    """The DDTree budget of each sequence this step (seq id -> budget as requested): unchanged while the step's
+    trees fit max_verify_nodes (0: no cap) — each tree is its root plus its budget, and the step's other sequences
+    (chains, autoregressive ones) bring other_nodes — else one equal share each, rounded down to a power of four
+    (the target pads a tree to 4^k + 1 nodes, so 31 would cost as much as 63) and never below 1 nor above what was
+    asked. A verify of many rows turns compute-bound: at batch 8 on the H200 a 65-node tree per sequence cost 3.1x
+    a one-token step, at batch 1 1.23x (bench/results/h200-tree-attention/)."""
+    if not requested or max_verify_nodes <= 0:
+        return dict(requested)
+    if other_nodes + sum(1 + b for b in requested.values()) <= max_verify_nodes:
+        return dict(requested)
+    share = (max_verify_nodes - other_nodes) // len(requested) - 1   # budget nodes per tree, root excluded
+    capped = 1
+    while capped * 4 <= share:
+        capped *= 4
+    return {seq_id: max(1, min(budget, capped)) for seq_id, budget in requested.items()}
+
+
 def plan_prefill_chunks(prefilling: list[Sequence], max_tokens: int) -> list[tuple[Sequence, int]]:
     """The next prompt chunk of each sequence still prefilling, oldest first, at most max_tokens in all (0: whole
     prompts): (sequence, chunk length) pairs; the first sequence always gets a chunk."""

@@ -55,6 +55,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Validates requests into Sequences, hands them to the scheduler and streams their events back."""
 
     def __init__(self, cfg: GatewayConfig, metrics_factory=None, client_interceptors=()):
+        if cfg.engine.max_verify_nodes < 0:
+            raise ValueError(f"max_verify_nodes must be >= 0 (0: no cap), got {cfg.engine.max_verify_nodes}")
         if cfg.engine.max_prefill_tokens < 0:
             raise ValueError(f"max_prefill_tokens must be >= 0 (0: no limit), got {cfg.engine.max_prefill_tokens}")
         if cfg.mode not in MODES:

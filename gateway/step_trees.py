@@ -9,8 +9,10 @@ from gateway.sequence import Sequence
 
 
 def build_step_trees(seqs: list[Sequence], drafts: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                     max_depths: dict[str, int]) -> dict[str, DraftTree]:
-    """One tree per sequence; sequences without a draft this step (AR, drafter down, no room) get the root alone."""
+                     max_depths: dict[str, int], budgets: dict[str, int] | None = None) -> dict[str, DraftTree]:
+    """One tree per sequence; sequences without a draft this step (AR, drafter down, no room) get the root alone.
+    budgets: this step's DDTree budget per sequence (default: each sequence's own)."""
+    budgets = budgets or {}
     trees: dict[str, DraftTree] = {}
     for kind in ("ddtree", "dflash"):
         group = [s for s in seqs if s.mode == kind and s.seq_id in drafts]
@@ -21,7 +23,8 @@ def build_step_trees(seqs: list[Sequence], drafts: dict[str, tuple[torch.Tensor,
             # overhead dominates on tensors this small); identical trees (tests/test_ddtree.py, bench/tree_build.py).
             for s in group:
                 logprobs, ids = drafts[s.seq_id]
-                trees[s.seq_id] = (build_ddtree_host(logprobs, ids, s.budget, max_depths[s.seq_id], s.bonus)
+                trees[s.seq_id] = (build_ddtree_host(logprobs, ids, budgets.get(s.seq_id, s.budget),
+                                                     max_depths[s.seq_id], s.bonus)
                                    if kind == "ddtree" else
                                    build_chain_host(logprobs, ids, max_depths[s.seq_id], s.bonus))
             continue
@@ -30,7 +33,7 @@ def build_step_trees(seqs: list[Sequence], drafts: dict[str, tuple[torch.Tensor,
         roots = [s.bonus for s in group]
         depths = [max_depths[s.seq_id] for s in group]
         if kind == "ddtree":
-            batch = build_ddtree_batch(logprobs, ids, roots, [s.budget for s in group], depths)
+            batch = build_ddtree_batch(logprobs, ids, roots, [budgets.get(s.seq_id, s.budget) for s in group], depths)
         else:
             batch = build_chain(logprobs, ids, roots, depths)
         trees.update(zip((s.seq_id for s in group), batch.unbind()))

@@ -148,7 +148,8 @@ def cmd_gateway(args) -> None:
 
     _setup_logging("gateway", args.log_level)
     _security(args, public=True)
-    engine = EngineConfig(max_prefill_tokens=args.max_prefill_tokens, draft_timeout_s=args.draft_timeout_s)
+    engine = EngineConfig(max_prefill_tokens=args.max_prefill_tokens, draft_timeout_s=args.draft_timeout_s,
+                          max_verify_nodes=args.max_verify_nodes)
     if args.calibrated_acceptance:
         from gateway.calibrated_drafts import calibrator_from_args
 
@@ -397,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=_int_in(0), default=2048,
                    help="prompt tokens prefilled per step (0: no limit); longer prompts are prefilled in chunks over "
                         "several steps while the running batch keeps decoding")
+    p.add_argument("--max-verify-nodes", type=_int_in(0), default=0,
+                   help="verify nodes per step over the whole batch (0: no cap); past it every DDTree sequence's "
+                        "budget shrinks for that step to an equal share (a power of four), so a wide batch's verify "
+                        "stays memory-bound (e.g. 256: budget 64 up to batch 3, 16 at batch 8)")
     p.add_argument("--transport", default="inline", choices=TRANSPORTS,
                    help="how targets send context features to drafters: inline (in the RPC, anywhere), shm (shared "
                         "memory, same host), cuda-ipc (GPU memory, same GPU or peer-accessible GPUs), nccl (NCCL "

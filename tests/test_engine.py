@@ -146,7 +146,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
 class Rig:
     """One PairEngine over fake backends, with a queue to add sequences to."""
 
-    def __init__(self, tokenizer, right: bool = True, max_prefill_tokens: int = 2048) -> None:
+    def __init__(self, tokenizer, right: bool = True, max_prefill_tokens: int = 2048,
+                 max_verify_nodes: int = 0) -> None:
         self.tokenizer = tokenizer
         self.log: list[str] = []
         self.target, self.drafter = FakeTarget(self.log), FakeDrafter(self.log, right)
@@ -158,7 +159,8 @@ class Rig:
         pair.target_ok = pair.drafter_ok = True   # what a connected pair starts with (the watch flips them)
         self.pair = pair
         self.queue = PairQueue(AdmissionLimits(max_running=8, max_reserved_tokens=10_000))
-        self.engine = PairEngine(pair, self.queue, EngineConfig(max_prefill_tokens=max_prefill_tokens))
+        self.engine = PairEngine(pair, self.queue, EngineConfig(max_prefill_tokens=max_prefill_tokens,
+                                                                max_verify_nodes=max_verify_nodes))
 
     def add(self, prompt: list[int], max_tokens: int = 12, mode: str = "ddtree", budget: int = 8) -> Sequence:
         s = Sequence(request_id=f"r{len(self.queue.waiting)}", prompt_ids=prompt, max_tokens=max_tokens,
@@ -222,6 +224,24 @@ def test_an_ar_sequence_is_never_drafted(tokenizer) -> None:
     rig.run_to_end()
     assert "Draft" not in rig.log
     assert all(len(it.tokens) == 1 for req in rig.target.verified for it in req.items)
+
+
+def test_a_batch_past_the_verify_node_cap_verifies_smaller_trees_with_the_same_output(tokenizer) -> None:
+    rig = Rig(tokenizer, right=False, max_verify_nodes=24)   # 4 sequences x (root + 8) = 36 nodes > 24
+    seqs = [rig.add([5 + i], max_tokens=10, budget=8) for i in range(4)]
+    rig.run_to_end()
+    first = rig.target.verified[0]
+    assert [len(it.tokens) for it in first.items] == [5, 5, 5, 5]   # share 24 // 4 - 1 = 5 -> budget 4
+    assert rig.drafter.requests[0].top_k == 4
+    assert [s.output_ids for s in seqs] == [greedy(5 + i, 10) for i in range(4)]
+
+
+def test_a_batch_within_the_verify_node_cap_keeps_its_budgets(tokenizer) -> None:
+    rig = Rig(tokenizer, right=False, max_verify_nodes=36)
+    for i in range(4):
+        rig.add([5 + i], max_tokens=10, budget=8)
+    rig.step()
+    assert [len(it.tokens) for it in rig.target.verified[0].items] == [9, 9, 9, 9]
 
 
 def test_draft_depth_never_drafts_past_max_tokens(tokenizer) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ddtree_serve.decoding.config import SamplingParams
-from gateway.scheduler import AdmissionLimits, PairQueue, plan_prefill_chunks
+from gateway.scheduler import AdmissionLimits, PairQueue, plan_prefill_chunks, step_budgets
 from gateway.sequence import Sequence, Status
 
 
@@ -48,3 +48,20 @@ def test_admission_is_fcfs_within_slots_and_reserved_tokens() -> None:
                                                                  Status.WAITING]
     queue.running.remove(first)
     assert queue.admit() == [big]
+
+
+def test_budgets_stay_as_asked_while_the_steps_trees_fit_the_cap() -> None:
+    asked = {"a": 64, "b": 16}
+    assert step_budgets(asked, other_nodes=3, max_verify_nodes=3 + 65 + 17) == asked
+    assert step_budgets(asked, other_nodes=100, max_verify_nodes=0) == asked   # 0: no cap
+
+
+def test_past_the_cap_every_tree_gets_an_equal_share_rounded_down_to_a_power_of_four() -> None:
+    eight = {str(i): 64 for i in range(8)}
+    assert set(step_budgets(eight, 0, 256).values()) == {16}    # share 31 -> 16 (a 17-node bucket, not 65)
+    assert set(step_budgets(dict(list(eight.items())[:3]), 0, 256).values()) == {64}   # 195 nodes fit
+    assert step_budgets({"a": 64, "b": 2}, 0, 40) == {"a": 16, "b": 2}   # never above what was asked
+
+
+def test_the_share_never_drops_below_one_node_per_tree() -> None:
+    assert set(step_budgets({str(i): 64 for i in range(64)}, 10, 64).values()) == {1}
