@@ -66,3 +66,41 @@ def test_the_kernel_under_tritons_interpreter_equals_sdpa_over_the_masked_rows()
     """Decode and tree blocks, GQA and not, one slice, the chosen split and an uneven one (fp16: see
     test_quantization_backend on the interpreter's bf16)."""
     _run_interpreted(INTERPRETER_PATCH + INTERPRETED_ATTENTION)
+
+
+INTERPRETED_MODEL = """
+import sys, torch
+from target_svc.loader import load_target
+from target_svc.model import TargetModel
+from tests.fixtures import make_tiny_qwen3
+path = make_tiny_qwen3(sys.argv[1], seed=11)
+models = []
+for on in (False, True):
+    model = TargetModel(load_target(path), max_batch=2, max_seq_len=64, max_tree_nodes=8)
+    model.tree_attention_on = on   # the kernel, forced on where it would not be chosen (a CPU, float32)
+    models.append(model)
+gen = torch.Generator().manual_seed(0)
+out = []
+for model in models:
+    slots = torch.tensor([model.cache.add_sequence("a"), model.cache.add_sequence("b")])
+    prompt = torch.randint(4, 320, (2, 9), generator=torch.Generator().manual_seed(1))
+    parents = (torch.arange(9) - 1).expand(2, 9).contiguous()
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 7:] = False
+    logits, _ = model.forward_block(prompt, parents, valid, torch.zeros(2, dtype=torch.long), slots, chain=True)
+    tree = torch.tensor([[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 0, 0]])
+    ids = torch.randint(4, 320, (2, 6), generator=torch.Generator().manual_seed(2))
+    ctx = torch.tensor([9, 7])
+    tree_logits, _ = model.forward_block(ids, tree, torch.ones(2, 6, dtype=torch.bool), ctx, slots)
+    out.append((logits, tree_logits))
+for want, got in zip(out[0], out[1]):
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+def test_the_target_model_with_the_kernel_forced_on_gives_the_logits_of_sdpa(tmp_path):
+    """TargetModel's dispatch end to end under Triton's interpreter (float32): a padded prefill chain and a tree
+    block over two slots of different context lengths, the kernel against SDPA over the gathered masked rows."""
+    _run_interpreted(INTERPRETER_PATCH + INTERPRETED_MODEL.replace("sys.argv[1]", repr(str(tmp_path / "qwen3"))))
