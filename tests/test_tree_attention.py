@@ -1,5 +1,5 @@
-"""How the tree-attention kernel splits its work (a pure function of the shape; the kernel itself runs in the GPU
-tests)."""
+"""The tree-attention kernel: how it splits its work (a pure function of the shape), and what it computes under
+Triton's interpreter where the triton package is installed (on the GPU: tests/test_gpu.py)."""
 from __future__ import annotations
 
 import importlib.util
