@@ -10,6 +10,8 @@
 #              e.g. --no-hf-batch, SPEED8_S: its time limit)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27)
+#   attnab     step costs with SDPA attention (DDTREE_TREE_ATTENTION=off) on /tmp/w8 and /tmp/w27 where present:
+#              the tree-attention kernel's A/B against the 8b / hybrid sections of the same call
 #   rpchop     one gRPC hop between the services on this host's CPUs (bench.rpc_hop, tiny CPU models), and a
 #              unary call against a message on an open stream (bench.grpc_stream_hop)
 #   int8       bf16 / int8 / int4 step costs at the 8B shape (builds /tmp/w8 unless there), kernel microbench
@@ -66,6 +68,16 @@ for s in $SECTIONS; do
       grep "^|" "$R/step-cost-27b.log" | head -12
       timeout ${GDN_BENCH_S:-120} python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
       grep "^|" "$R/gdn-kernels.log" | head -12 ;;
+    attnab)   # the tree-attention kernel against SDPA (DDTREE_TREE_ATTENTION=off) on the checkpoints the 8b and
+              # hybrid sections left (whichever are there), step costs only
+      for w in w8:qwen3-8b w27:qwen3.6-27b; do
+        dir=/tmp/${w%%:*}; shape=${w##*:}
+        [ -d "$dir" ] || continue
+        layers=""; [ "$shape" = qwen3.6-27b ] && layers="--layers 16"
+        DDTREE_TREE_ATTENTION=off timeout ${ATTNAB_S:-150} python3 -m bench.step_cost --shape $shape $layers --batches 1,8 \
+          --nodes 1,65 --steps 10 --work-dir $dir --reuse-checkpoints --out-dir "$R/sdpa" > "$R/step-cost-$shape-sdpa.log" 2>&1
+        grep "^|" "$R/step-cost-$shape-sdpa.log" | head -8
+      done ;;
     speedhyb)   # the hybrid target starts with kernel warm-up passes (~20 s once the caches are warm, e.g. after
                 # `hybrid`; ~4 min on a cold machine)
       mkdir -p "$R/hybrid"
