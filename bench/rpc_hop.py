@@ -2,13 +2,14 @@
 
 Starts the three services (tiny random checkpoints by default: the model's work is not what is measured) and
 times, per call kind, health checks, Info, a one-node Verify, a one-row PushFeatures and a depth-1 top-1 Draft
-(bench/rpc_hop_client.py), over TCP and, where the services listen on one, over their Unix sockets. Verify and
+(bench/rpc_hop_client.py), over TCP and, where the services listen on one, over their Unix sockets; the step
+calls also as gRPC stream messages and as frames on the services' step sockets (--step-socket). Verify and
 Draft replies carry the server's own handler time, so their hop is the round trip less it.
 
 With --baseline NAME=DIR (another checkout of this project, e.g. `git worktree add /tmp/base main`; repeatable)
 a stack runs from each DIR, timed by DIR's own client code, in alternating rounds with this tree's: ratios within
 one run, so one run can attribute a series of commits (one checkout per commit) over TCP.
-    python -m bench.rpc_hop [--calls 300] [--rounds 3] [--baseline main=DIR ...] [--model DIR --drafter DIR]
+    python -m bench.rpc_hop [--calls 130] [--rounds 3] [--baseline main=DIR ...] [--model DIR --drafter DIR]
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline", action="append", default=[], metavar="NAME=DIR",
                    help="another checkout of ddtree-serve, its services and client timed alongside over TCP "
                         "(repeatable; the first is the reference of the ratios)")
-    p.add_argument("--calls", type=int, default=300, help="timed calls per call kind and round")
+    p.add_argument("--calls", type=int, default=130, help="timed calls per call kind and round")
     p.add_argument("--warmup", type=int, default=30, help="untimed calls before each kind")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each round times every variant once")
     p.add_argument("--device", default="cpu")
@@ -98,7 +99,7 @@ def start_stack(model: str, drafter: str, args, tree: Path | None):
                        PYTHONPATH=tree_pythonpath(tree)), check=True)
     model_args = ["--max-batch", "4", "--max-seq-len", "512"]
     stack = stack_class(model=model, drafter=drafter, mode="ddtree", budget=16, device=args.device, dtype=args.dtype,
-                        metrics=True, threads=args.threads, unix_sockets=tree is None,
+                        metrics=True, threads=args.threads, unix_sockets=tree is None, step_sockets=tree is None,
                         extra={"target": model_args, "drafter": model_args})
     stack.start(timeout_s=600)
     return stack
@@ -164,8 +165,9 @@ def summarize(samples: list[float]) -> dict:
 def main(argv=None) -> None:
     """Times every call kind on every variant; writes bench/results/rpc-hop-<hw>.{md,json}."""
     args = parse_args(argv)
-    if not args.model and args.calls + args.warmup > 480:
-        raise SystemExit("the tiny checkpoints hold 512 positions: keep --calls + --warmup <= 480")
+    if not args.model and 3 * (args.calls + args.warmup) > 480:
+        # One sequence per round takes a position per Verify, over TCP, a stream and the step socket.
+        raise SystemExit("the tiny checkpoints hold 512 positions: keep 3 x (--calls + --warmup) <= 480")
     hw = common.hardware(args.device, args.dtype, args.threads)
     date = common.now_utc()
     tmp = Path(tempfile.mkdtemp(prefix="rpc-hop-"))

@@ -38,6 +38,11 @@ try:   # the step calls as messages on long-lived streams, where the measured tr
 except ImportError:
     StreamedCalls = None
 
+try:   # the step calls on bare Unix sockets, where the measured tree has them
+    from ddtree_serve.plumbing.step_socket import SocketCalls
+except ImportError:
+    SocketCalls = None
+
 PROMPT = list(range(5, 21))   # 16 ordinary token ids of any vocabulary the bench uses
 CONTEXT_ROWS = 16             # drafter context rows a timed Draft sees
 STEP_DRAFT = (15, 64)         # depth x top-k of a budget-64 DDTree step's Draft (block 16), the 8B runs' shape
@@ -101,6 +106,8 @@ async def _target(out: Timings, spec: Spec) -> None:
             await stub.Info(target_pb2.InfoRequest(), timeout=spec.timeout_s)
 
         await out.time("target Info", spec, info)
+        sockets = _socket(await stub.Info(target_pb2.InfoRequest(), timeout=spec.timeout_s), "TargetService/Verify",
+                          target_pb2.VerifyResponse)
         seq_id = f"rpc-hop-verify-{time.time_ns()}"
         prefill = await stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
             seq_id=seq_id, prompt_ids=PROMPT, sampling=common_pb2.SamplingParams())]), timeout=spec.timeout_s)
@@ -120,10 +127,23 @@ async def _target(out: Timings, spec: Spec) -> None:
             if stream is not None:
                 await out.time("target Verify (1 node), stream message", spec,
                                verify_by(lambda r: stream(r, spec.timeout_s)))
+            if sockets is not None:
+                await out.time("target Verify (1 node), step socket", spec,
+                               verify_by(lambda r: sockets(r, spec.timeout_s)))
         finally:
-            if stream is not None:
-                stream.close()
+            for calls in (stream, sockets):
+                if calls is not None:
+                    calls.close()
             await stub.Release(target_pb2.ReleaseRequest(seq_ids=[seq_id]), timeout=spec.timeout_s)
+
+
+def _socket(info, method: str, response_type):
+    """SocketCalls to the step socket a service's Info names, None where it serves none (or the tree has none)."""
+    path = getattr(info, "step_socket", "")
+    if SocketCalls is None or not path:
+        return None
+    sec = auth.current()
+    return SocketCalls(path, method, response_type, sec.secret, sec.session)
 
 
 def _stream(stub, method: str, label: str):
@@ -143,6 +163,9 @@ async def _drafter(out: Timings, spec: Spec) -> None:
             await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=spec.timeout_s)
 
         await out.time("drafter Info", spec, info)
+        drafter_info = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=spec.timeout_s)
+        socket_pushes = _socket(drafter_info, "DrafterService/PushFeatures", drafter_pb2.PushFeaturesResponse)
+        socket_drafts = _socket(drafter_info, "DrafterService/Draft", drafter_pb2.DraftResponse)
         stamp = time.time_ns()
         push_id, draft_id = f"rpc-hop-push-{stamp}", f"rpc-hop-draft-{stamp}"
         held = {"rows": 0}
@@ -181,14 +204,20 @@ async def _drafter(out: Timings, spec: Spec) -> None:
             if pushes is not None:
                 await out.time("drafter PushFeatures (1 row), stream message", spec,
                                push_by(lambda r: pushes(r, spec.timeout_s)))
+            if socket_pushes is not None:
+                await out.time("drafter PushFeatures (1 row), step socket", spec,
+                               push_by(lambda r: socket_pushes(r, spec.timeout_s)))
             await out.time("drafter Draft (depth 1, top-1)", spec, draft)
             await out.time("drafter Draft (depth 15, top-64) + unpack", spec,
                            step_draft_by(lambda r: stub.Draft(r, timeout=spec.timeout_s)))
             if drafts is not None:
                 await out.time("drafter Draft (depth 15, top-64) + unpack, stream message", spec,
                                step_draft_by(lambda r: drafts(r, spec.timeout_s)))
+            if socket_drafts is not None:
+                await out.time("drafter Draft (depth 15, top-64) + unpack, step socket", spec,
+                               step_draft_by(lambda r: socket_drafts(r, spec.timeout_s)))
         finally:
-            for calls in (pushes, drafts):
+            for calls in (pushes, drafts, socket_pushes, socket_drafts):
                 if calls is not None:
                     calls.close()
             await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=[push_id, draft_id]), timeout=spec.timeout_s)

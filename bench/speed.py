@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--transport", default="inline", choices=["inline", "shm", "cuda-ipc"],
                    help="how the target sends context features to the drafter")
+    p.add_argument("--step-transport", default="grpc", choices=["grpc", "socket"],
+                   help="the step calls on gRPC streams or on the services' step sockets (bare Unix sockets)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     p.add_argument("--log-dir", default="", help="keep the services' logs here (default: a temporary folder)")
     p.add_argument("--calibrated", metavar="PROFILE.json",
@@ -236,6 +238,7 @@ def main(argv=None) -> None:
                                max_batch=max(8, batch), max_seq_len=args.max_seq_len,
                                drafter_device=args.drafter_device,
                                gateway_args=calib.gateway_args if calib else None, transport=args.transport,
+                               step_sockets=args.step_transport == "socket",
                                log_dir=args.log_dir)
     runs: list[dict] = []
     try:

@@ -16,6 +16,7 @@ from ddtree_serve.plumbing.host_copy import to_host
 from ddtree_serve.plumbing.metrics import DrafterMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
+from ddtree_serve.plumbing.step_socket import StepMethod
 from ddtree_serve.plumbing.step_stream import answer_each
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes, rows_view
@@ -86,6 +87,9 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                                    max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
                                    enforce_eager=self.cfg.enforce_eager, lazy_graphs=self.cfg.lazy_graphs)
         await self.load_runner(DrafterRunner, runner_cfg, self.cfg.device, f"drafter {self.cfg.drafter_dir}")
+        await self.start_step_socket(self.cfg.step_socket, [
+            StepMethod("DrafterService/Draft", drafter_pb2.DraftRequest, self.Draft),
+            StepMethod("DrafterService/PushFeatures", drafter_pb2.FeatureBatch, self.PushFeatures)])
         self.start_lease_reaper()
 
     async def release_lapsed(self, seq_ids: list[str]) -> int:
@@ -94,6 +98,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
     async def close(self) -> None:
         """Stops the lease reaper and the model thread, and unmaps the target's staging buffers."""
+        await self.close_step_socket()
         self.stop_lease_reaper()
         self.model_thread.shutdown()
         self.opened_buffers.close()

@@ -10,6 +10,7 @@ from ddtree_serve.plumbing import auth
 from ddtree_serve.proto import drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.plumbing.metrics.interceptors import message_recorder
 from ddtree_serve.plumbing.rpc import CHANNEL_OPTIONS, wait_until_serving
+from ddtree_serve.plumbing.step_socket import SocketCalls
 from ddtree_serve.plumbing.step_stream import StreamedCalls
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ class BackendPair:
     target_ok: bool = False    # the target answers as the instance we attached (see gateway/watch.py)
     drafter_ok: bool = False   # the drafter answers in time: speculation is worth trying
     step_streams: bool = True  # Draft and Verify as messages on long-lived streams (False: unary calls)
-    _verify_calls: StreamedCalls | None = field(default=None, repr=False)   # made by connect()
-    _draft_calls: StreamedCalls | None = field(default=None, repr=False)
+    step_sockets: bool = False  # the per-step calls on the services' step sockets (plumbing/step_socket.py)
+    _verify_calls: StreamedCalls | SocketCalls | None = field(default=None, repr=False)   # made by attach()
+    _draft_calls: StreamedCalls | SocketCalls | None = field(default=None, repr=False)
 
     async def connect(self, timeout_s: float = 900.0, transport: str = "inline") -> None:
         """Waits for both services to be ready, reads their info and attaches the drafter to the target."""
@@ -60,10 +62,6 @@ class BackendPair:
                                                       interceptors=self.client_interceptors)
         self.target = target_pb2_grpc.TargetServiceStub(self._target_channel)
         self.drafter = drafter_pb2_grpc.DrafterServiceStub(self._drafter_channel)
-        if self.step_streams:
-            record = message_recorder(self.client_interceptors)
-            self._verify_calls = StreamedCalls(self.target.VerifyStream, "TargetService/Verify", record)
-            self._draft_calls = StreamedCalls(self.drafter.DraftStream, "DrafterService/Draft", record)
         self.transport = transport
         try:
             await self.attach()
@@ -81,14 +79,39 @@ class BackendPair:
         if self.drafter_info.hidden_size != self.target_info.hidden_size:
             raise RuntimeError(f"drafter hidden size {self.drafter_info.hidden_size} != target's "
                                f"{self.target_info.hidden_size}: not a drafter for this target")
+        sockets = self.step_sockets and bool(self.target_info.step_socket and self.drafter_info.step_socket)
+        if self.step_sockets and not sockets:
+            log.warning("pair %d: --step-transport socket, but the target (%r) or the drafter (%r) serves no step "
+                        "socket (start them with --step-socket): the step calls stay on gRPC streams", self.index,
+                        self.target_info.step_socket, self.drafter_info.step_socket)
+        self._make_step_calls(sockets)
         # The target asks the drafter for its feature layers itself; sending them too guards against a mix-up.
         await self.target.AttachDrafter(target_pb2.AttachDrafterRequest(
             drafter_address=self.address.drafter_for_target or self.address.drafter,
-            target_layer_ids=list(self.drafter_info.target_layer_ids), transport=self.transport), timeout=30)
+            target_layer_ids=list(self.drafter_info.target_layer_ids), transport=self.transport,
+            drafter_step_socket=self.drafter_info.step_socket if sockets else ""), timeout=30)
         self.target_ok = self.drafter_ok = True
         log.info("pair %d ready: target %s (%s), drafter %s (block %d, layers %s)", self.index, self.address.target,
                  self.target_info.model_name, self.address.drafter, self.drafter_info.block_size,
                  list(self.drafter_info.target_layer_ids))
+
+    def _make_step_calls(self, sockets: bool) -> None:
+        """Draft and Verify as step-socket calls, stream messages or (neither) unary calls; made anew on every
+        (re)attach, since a restarted service may serve elsewhere."""
+        for calls in (self._verify_calls, self._draft_calls):
+            if calls is not None:
+                calls.close()
+        self._verify_calls = self._draft_calls = None
+        record = message_recorder(self.client_interceptors)
+        if sockets:
+            sec = auth.current()
+            self._verify_calls = SocketCalls(self.target_info.step_socket, "TargetService/Verify",
+                                             target_pb2.VerifyResponse, sec.secret, sec.session, record)
+            self._draft_calls = SocketCalls(self.drafter_info.step_socket, "DrafterService/Draft",
+                                            drafter_pb2.DraftResponse, sec.secret, sec.session, record)
+        elif self.step_streams:
+            self._verify_calls = StreamedCalls(self.target.VerifyStream, "TargetService/Verify", record)
+            self._draft_calls = StreamedCalls(self.drafter.DraftStream, "DrafterService/Draft", record)
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout: float) -> target_pb2.VerifyResponse:
         """A step's Verify: a message on the target's VerifyStream (a unary call with step_streams off)."""

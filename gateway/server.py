@@ -48,6 +48,7 @@ class GatewayConfig:
     drain_s: float = 20.0             # SIGTERM: how long running requests get to finish
     watch_interval_s: float = 1.0     # pair health checks (also renew this gateway's sequence leases)
     step_streams: bool = True         # Draft and Verify as messages on long-lived streams (False: unary calls)
+    step_sockets: bool = False        # the step calls on the services' step sockets (--step-transport socket)
     backend_wait_s: float = 900.0     # start-up: how long each target and drafter may take to serve
 
 
@@ -80,7 +81,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def connect(self) -> None:
         """Connects every pair, loads the tokenizer, starts one engine per pair."""
         self.pairs = [BackendPair(addr, index=i, client_interceptors=self.client_interceptors,
-                                  step_streams=self.cfg.step_streams) for i, addr in enumerate(self.cfg.pairs)]
+                                  step_streams=self.cfg.step_streams, step_sockets=self.cfg.step_sockets) for i, addr in enumerate(self.cfg.pairs)]
         await asyncio.gather(*(p.connect(self.cfg.backend_wait_s, transport=self.cfg.transport) for p in self.pairs))
         first = self.pairs[0]
         for p in self.pairs[1:]:

@@ -68,6 +68,10 @@ def _security(args, public: bool = False) -> None:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step-socket", metavar="PATH", default=None,
+                   help="also serve the per-step calls (Verify; Draft and the feature push) on this Unix socket, "
+                        "length-prefixed protobuf frames without gRPC, for a gateway (--step-transport socket) and "
+                        "target on this host; same secret, created 0600")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--max-batch", type=_int_in(1), default=8, help="sequences held at once (cache slots)")
@@ -91,7 +95,7 @@ def target_config(args):
                               allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s,
                               quantize=args.quantize, gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_cap_gb=args.gpu_memory_cap,
-                              kernel_warmup_passes=args.kernel_warmup_passes)
+                              kernel_warmup_passes=args.kernel_warmup_passes, step_socket=args.step_socket)
 
 
 def cmd_target(args) -> None:
@@ -117,7 +121,8 @@ def cmd_drafter(args) -> None:
     _set_threads(args.threads)
     cfg = DrafterServerConfig(drafter_dir=args.drafter, target_model_dir=args.target_model, device=args.device,
                               dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-                              enforce_eager=args.enforce_eager, lazy_graphs=args.lazy_graphs, lease_s=args.lease_s)
+                              enforce_eager=args.enforce_eager, lazy_graphs=args.lazy_graphs, lease_s=args.lease_s,
+                              step_socket=args.step_socket)
     asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection,
                       unix_socket=args.unix_socket))
 
@@ -156,7 +161,8 @@ def cmd_gateway(args) -> None:
         engine.calibrator = calibrator_from_args(args.calibrated_acceptance, args.calibration_references)
     cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
                         transport=args.transport, drain_s=args.drain_s, engine=engine,
-                        step_streams=not args.unary_steps, backend_wait_s=args.backend_wait_s)
+                        step_streams=not args.unary_steps, step_sockets=args.step_transport == "socket",
+                        backend_wait_s=args.backend_wait_s)
     from gateway.backends import AttachRefused
 
     try:
@@ -209,7 +215,8 @@ def cmd_up(args) -> None:
                                ("http", args.http_port)) if v}
     stack = LocalStack(model=model, drafter=drafter, mode=args.mode, budget=args.budget or 0, transport=args.transport,
                        device=args.device, drafter_device=args.drafter_device or "", dtype=args.dtype, metrics=args.metrics, threads=1 if small_cpu else None,
-                       log_dir=args.log_dir or "", ports=ports, http=not args.no_http, api_key=args.api_key)
+                       log_dir=args.log_dir or "", ports=ports, http=not args.no_http, api_key=args.api_key,
+                       step_sockets=args.step_transport == "socket")
     print(f"target  {stack.address('target')}\ndrafter {stack.address('drafter')}\ngateway {stack.gateway}")
     if stack.http:
         print(f"http    {stack.http_url}  (OpenAI-compatible)")
@@ -408,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "send/recv between two GPUs, target and drafter on different GPUs; needs cupy: the gpu extra)")
     p.add_argument("--http-port", type=_int_in(0, 65535), default=None,
                    help="serve the OpenAI-compatible HTTP API (/v1/..., /health, /metrics) on this port")
+    p.add_argument("--step-transport", default="grpc", choices=["grpc", "socket"],
+                   help="how each step's Draft, Verify and feature push travel: messages on gRPC streams, or frames on "
+                        "the services' --step-socket Unix sockets (same host; about half a gRPC message's cost)")
     p.add_argument("--unary-steps", action="store_true",
                    help="send each step's Draft and Verify as unary calls instead of messages on one long-lived "
                         "stream per service (about twice the per-call cost; for comparison)")
@@ -447,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DDTree node budget (0: by device, 16 on CPU, 64 on GPU)")
     p.add_argument("--transport", default="inline", choices=TRANSPORTS,
                    help="context-feature transport (nccl: give the drafter its own GPU with --drafter-device)")
+    p.add_argument("--step-transport", default="grpc", choices=["grpc", "socket"],
+                   help="each step's Draft, Verify and feature push: messages on gRPC streams, or frames on step "
+                        "sockets beside the services' Unix sockets (see `gateway --step-transport`)")
     p.add_argument("--device", default="cpu", help="torch device of the target and drafter (cpu, cuda, cuda:1)")
     p.add_argument("--drafter-device", default=None, help="the drafter's device when not --device (e.g. cuda:1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")

@@ -67,6 +67,7 @@ class LocalStack:
     http: bool = False                  # the gateway's OpenAI-compatible HTTP front (ports["http"])
     unix_sockets: bool = True           # links between the services over Unix sockets (falls back to TCP if none)
     socket_dir: str = ""                # where the sockets live (default: a fresh private temporary directory)
+    step_sockets: bool = False          # the per-step calls on step sockets there too (--step-transport socket)
     api_key: str | None = None          # handed to the gateway in its environment, not its argv (ps shows argv)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     # Internal shared secret of the three (the caller's $DDTREE_INTERNAL_SECRET, else a fresh random one).
@@ -132,7 +133,10 @@ class LocalStack:
             return ["--metrics-port", str(self.metrics_ports[name])] if name in self.metrics_ports else []
 
         def sock(name):
-            return ["--unix-socket", self.socket_path(name)] if self.unix_sockets and name in LINKED else []
+            if not (self.unix_sockets and name in LINKED):
+                return []
+            step = ["--step-socket", self.socket_path(f"{name}-steps")] if self.step_sockets else []
+            return ["--unix-socket", self.socket_path(name), *step]
 
         # The target sends features to the drafter's link address; its TCP address stays allowed for tools.
         allowed = dict.fromkeys([self.link_address("drafter"), self.address("drafter")])
@@ -151,6 +155,7 @@ class LocalStack:
                         "--drafter", self.link_address("drafter"),
                         "--host", "127.0.0.1", "--port", str(self.ports["gateway"]), "--mode", self.mode,
                         "--budget", str(self.budget), "--transport", self.transport, *m("gateway"),
+                        *(["--step-transport", "socket"] if self.step_sockets and self.unix_sockets else []),
                         *(["--http-port", str(self.ports["http"])] if self.http else []),
                         *self.extra.get("gateway", [])],
         }

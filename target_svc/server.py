@@ -15,6 +15,7 @@ from ddtree_serve.plumbing.messages import sampling_from_proto
 from ddtree_serve.plumbing.metrics import TargetMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
+from ddtree_serve.plumbing.step_socket import StepMethod
 from ddtree_serve.plumbing.step_stream import answer_each
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
@@ -107,6 +108,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         if self.runner.max_seq_len < self.cfg.max_seq_len:
             log.warning("--max-seq-len %d exceeds the model's context (%d positions): serving %d", self.cfg.max_seq_len,
                         self.runner.max_seq_len, self.runner.max_seq_len)
+        await self.start_step_socket(self.cfg.step_socket,
+                                     [StepMethod("TargetService/Verify", target_pb2.VerifyRequest, self.Verify)])
         self.start_lease_reaper()
 
     async def release_lapsed(self, seq_ids: list[str]) -> int:
@@ -153,6 +156,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         """Delivers queued features and stops the model thread."""
         if self._warmup_task is not None:
             self._warmup_task.cancel()
+        await self.close_step_socket()
         self.stop_lease_reaper()
         if self.sender is not None:
             await self.sender.close()
@@ -206,6 +210,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             raise ValueError(f"target_layer_ids {ids} out of range for {self.runner.num_layers} layers")
         if transport == "nccl":
             self._refuse_nccl(None, info.device, info.device_uuid)
+        step_socket = request.drafter_step_socket
+        if step_socket and step_socket != info.step_socket:   # the drafter's own word, not the caller's
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the drafter at {request.drafter_address} serves no step socket at {step_socket!r}")
         await self.model_thread.run(self.runner.set_feature_layers, ids)
         if not self.cfg.lazy_graphs:
             # Captured graphs bake the feature layers in, so they are captured now that the layers are known.
@@ -213,14 +221,14 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         # An nccl link is formed anew on every attach: the gateway re-attaches after a restart, when the old
         # communicator is dead on at least one side.
         if (self.sender is None or self.sender_address != request.drafter_address or self.sender.name != transport
-                or transport == "nccl"):
+                or self.sender.step_socket != step_socket or transport == "nccl"):
             if self.sender is not None:
                 await self.sender.close()
                 self.sender = None
             on_sent = None
             if self.metrics is not None:
                 on_sent = lambda nbytes, seconds, t=transport: self.metrics.observe_transport(t, nbytes, seconds)  # noqa: E731
-            sender = make_sender(transport, request.drafter_address, self.client_interceptors, on_sent)
+            sender = make_sender(transport, request.drafter_address, self.client_interceptors, on_sent, step_socket)
             if transport == "nccl":
                 try:
                     await sender.establish(self.cfg.device)
@@ -230,7 +238,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                     raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"transport nccl: {exc}") from None
             self.sender = sender
             self.sender_address = request.drafter_address
-        log.info("drafter attached at %s over %s, feature layers %s", request.drafter_address, transport, ids)
+        log.info("drafter attached at %s over %s%s, feature layers %s", request.drafter_address, transport,
+                 f" (pushes on the step socket {step_socket})" if step_socket else "", ids)
         return target_pb2.AttachDrafterResponse(transport=transport, feature_dim=len(ids) * self.runner.hidden_size)
 
     def _refuse_nccl(self, missing_package: str | None, drafter_device: str, drafter_uuid: str) -> None:

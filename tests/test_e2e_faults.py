@@ -165,6 +165,23 @@ def test_a_transport_the_target_cannot_use_is_refused_at_attach(stack, transport
     assert transport in info.value.details()
 
 
+def test_a_step_socket_the_drafter_does_not_serve_is_refused_at_attach(stack, tmp_path):
+    """The target pushes features to the step socket the drafter itself names in its Info, never to a path taken
+    on the caller's word (this stack's drafter serves none)."""
+    s, _ = stack
+
+    async def call():
+        async with s.internal_channel("target") as channel:
+            await target_pb2_grpc.TargetServiceStub(channel).AttachDrafter(target_pb2.AttachDrafterRequest(
+                drafter_address=s.link_address("drafter"), transport="inline",
+                drafter_step_socket=str(tmp_path / "elsewhere.sock")), timeout=30)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(call())
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "serves no step socket" in info.value.details()
+
+
 def test_nccl_on_a_cpu_target_is_refused_with_every_reason_and_the_package_to_install(stack):
     s, _ = stack
 
@@ -311,9 +328,10 @@ def test_cancelled_stream_frees_its_cache_and_others_finish_unchanged(stack):
     assert mi.pairs[0].drafter_cache.running_sequences == 0
 
 
-def test_drafter_dying_mid_stream_falls_back_to_autoregressive_losslessly(checkpoints):
+@pytest.mark.parametrize("step_sockets", [False, True], ids=["streams", "step-sockets"])
+def test_drafter_dying_mid_stream_falls_back_to_autoregressive_losslessly(checkpoints, step_sockets):
     target, drafter = checkpoints("llama")
-    s = start_stack(target, drafter)
+    s = start_stack(target, drafter, step_sockets=step_sockets)
     try:
         prompt = prompts_for(target, [7], seed=13)[0]
 
@@ -344,9 +362,10 @@ def test_drafter_dying_mid_stream_falls_back_to_autoregressive_losslessly(checkp
         s.stop()
 
 
-def test_target_dying_mid_stream_gives_unavailable_not_a_hang(checkpoints):
+@pytest.mark.parametrize("step_sockets", [False, True], ids=["streams", "step-sockets"])
+def test_target_dying_mid_stream_gives_unavailable_not_a_hang(checkpoints, step_sockets):
     target, drafter = checkpoints("qwen3")
-    s = start_stack(target, drafter)
+    s = start_stack(target, drafter, step_sockets=step_sockets)
     try:
         prompt = prompts_for(target, [7], seed=17)[0]
 

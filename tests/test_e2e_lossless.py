@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -101,22 +102,29 @@ def _rpc_calls(metrics_port: int, side: str) -> dict[str, float]:
     return calls
 
 
-@pytest.mark.parametrize("unary_steps", [False, True], ids=["step-streams", "unary-steps"])
-def test_step_calls_over_streams_or_unary_are_lossless_and_observed_under_the_unary_methods(checkpoints, unary_steps):
-    """Draft, Verify and the feature pushes travel as stream messages by default (--unary-steps: unary calls);
-    either way the output is transformers' and the metrics count each step call under Verify / Draft."""
+@pytest.mark.parametrize("steps_over", ["streams", "unary", "sockets"])
+def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed_under_the_unary_methods(
+        checkpoints, steps_over):
+    """Draft, Verify and the feature pushes travel as stream messages by default (--unary-steps: unary calls;
+    --step-transport socket: frames on the services' step sockets); every way the output is transformers' and
+    the metrics count each step call under Verify / Draft / PushFeatures."""
     target, drafter = checkpoints("qwen3")
     batch = MIXED_BATCH[:4]
     prompts = prompts_for(target, [n for n, *_ in batch], seed=13)
-    stack = start_stack(target, drafter, metrics=True,
-                        extra={"gateway": ["--unary-steps"]} if unary_steps else {})
+    stack = start_stack(target, drafter, metrics=True, step_sockets=steps_over == "sockets",
+                        extra={"gateway": ["--unary-steps"]} if steps_over == "unary" else {})
     try:
         results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, batch)])
         served = _rpc_calls(stack.metrics_ports["target"], "server")
         drafted = _rpc_calls(stack.metrics_ports["drafter"], "server")
         segments = _segment_counts(stack.metrics_ports["gateway"])
+        sockets = [p for p in Path(stack.socket_dir).iterdir() if p.name.endswith("-steps.sock")]
+        target_log, gateway_log = ((Path(stack.log_dir) / f"{n}.log").read_text() for n in ("target", "gateway"))
     finally:
         stack.stop()
+    assert len(sockets) == (2 if steps_over == "sockets" else 0)
+    assert ("pushes on the step socket" in target_log) == (steps_over == "sockets")
+    assert "serves no step socket" not in gateway_log   # Draft and Verify went over them too
     for prompt, (_, max_tokens, mode, _), result in zip(prompts, batch, results):
         assert result["token_ids"] == reference_greedy(target, prompt, max_tokens), f"mode={mode}"
     steps = max(r["stats"].steps for r in results)

@@ -15,6 +15,7 @@ from ddtree_serve.plumbing.leases import LeaseTable
 from ddtree_serve.plumbing.messages import cache_usage_proto
 from ddtree_serve.plumbing.model_thread import ModelThread
 from ddtree_serve.plumbing.rpc import metrics_hooks, run_service
+from ddtree_serve.plumbing.step_socket import StepMethod, StepSocketServer
 from ddtree_serve.proto import common_pb2
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class ModelServiceConfig:
     enforce_eager: bool = False   # no CUDA-graph capture (debugging, or to compare against eager)
     lazy_graphs: bool = False     # capture each graph on first use instead of all buckets up front
     lease_s: float = 60.0          # a sequence nobody touched for this long is freed (its gateway went silent)
+    step_socket: str | None = None  # also serve the per-step calls on this Unix socket (plumbing/step_socket.py)
 
 
 class ModelServicer:
@@ -45,6 +47,7 @@ class ModelServicer:
         self.leases = LeaseTable(lease_s)
         self._reaper: asyncio.Task | None = None
         self.instance_id = uuid.uuid4().hex   # a restarted service is a new instance: its sequences are gone
+        self.step_server: StepSocketServer | None = None
         # Messages of the step streams are observed under the unary methods they stand for (plumbing/step_stream.py).
         self.record_message = None
         if metrics is not None:
@@ -63,6 +66,21 @@ class ModelServicer:
             self.metrics.track_gpu_memory(device)
         log.info("%s loaded in %.1f s", what, time.perf_counter() - t0)
         self.ready.set()
+
+    async def start_step_socket(self, path: str | None, methods: list[StepMethod]) -> None:
+        """Serves `methods` on the Unix socket at path too (None: not at all), with the internal secret."""
+        if path:
+            from ddtree_serve.plumbing import auth
+
+            self.step_server = StepSocketServer(path, methods, auth.current().secret, auth.SESSION_HEADER,
+                                                self.record_message)
+            await self.step_server.start()
+
+    async def close_step_socket(self) -> None:
+        """Stops the step socket, if one is served."""
+        if self.step_server is not None:
+            await self.step_server.close()
+            self.step_server = None
 
     def start_lease_reaper(self) -> None:
         """Frees, every quarter lease, the sequences whose lease lapsed (crashed gateway, squatted slots)."""
@@ -87,11 +105,12 @@ class ModelServicer:
 
     def common_info(self, model_dir: str, cfg: ModelServiceConfig, max_seq_len: int | None = None) -> dict[str, Any]:
         """The Info fields both model services report: name, sizes, limits (max_seq_len when the runner serves
-        less than configured), cache usage, device, dtype and instance id."""
+        less than configured), cache usage, device, dtype, instance id and the step socket's path."""
         r = self.runner
         return dict(model_name=Path(model_dir).name, vocab_size=r.vocab_size, hidden_size=r.hidden_size,
                     max_seq_len=cfg.max_seq_len if max_seq_len is None else max_seq_len, max_batch=cfg.max_batch,
-                    cache=self.observe_cache(), device=cfg.device, dtype=cfg.dtype, instance_id=self.instance_id)
+                    cache=self.observe_cache(), device=cfg.device, dtype=cfg.dtype, instance_id=self.instance_id,
+                    step_socket=self.step_server.path if self.step_server is not None else "")
 
     def observe_cache(self) -> common_pb2.CacheUsage:
         """The runner's cache usage as a message, exported to the cache gauges on the way."""

@@ -25,20 +25,22 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_sender(kind: str, drafter_address: str, interceptors=(), on_sent=None):
-    """Builds the sender for a transport name chosen at start-up (client interceptors, delivery callback)."""
+def make_sender(kind: str, drafter_address: str, interceptors=(), on_sent=None, step_socket: str = ""):
+    """Builds the sender for a transport name chosen at start-up (client interceptors, delivery callback, the
+    drafter's step socket when the pushes go there)."""
+    common = dict(interceptors=list(interceptors), on_sent=on_sent, step_socket=step_socket)
     if kind == "inline":
         from ddtree_serve.transport.inline import InlineFeatureSender
 
-        return InlineFeatureSender(drafter_address, interceptors=list(interceptors), on_sent=on_sent)
+        return InlineFeatureSender(drafter_address, **common)
     if kind in SHARED_BUFFER_TRANSPORTS:
         from ddtree_serve.transport.shared import SharedBufferFeatureSender
 
-        return SharedBufferFeatureSender(drafter_address, interceptors=list(interceptors), on_sent=on_sent, name=kind)
+        return SharedBufferFeatureSender(drafter_address, **common, name=kind)
     if kind == "nccl":   # not usable until `await sender.establish(device)` has formed the communicator
         from ddtree_serve.transport.nccl import NcclFeatureSender
 
-        return NcclFeatureSender(drafter_address, interceptors=list(interceptors), on_sent=on_sent)
+        return NcclFeatureSender(drafter_address, **common)
     raise ValueError(f"unknown transport {kind!r}; available: {', '.join(TRANSPORTS)}")
 
 

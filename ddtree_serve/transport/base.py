@@ -79,6 +79,7 @@ class FeatureSender(abc.ABC):
     """Target side of a transport. `submit` never blocks the verify path; rows of one sequence stay in order."""
 
     name: str
+    step_socket: str = ""   # the drafter's step socket the pushes go to ("": its gRPC stream)
 
     @abc.abstractmethod
     def submit(self, rows: list[FeatureRows]) -> None:

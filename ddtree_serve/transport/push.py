@@ -12,6 +12,7 @@ import grpc
 
 from ddtree_serve.plumbing.metrics.interceptors import message_recorder
 from ddtree_serve.plumbing.rpc import CHANNEL_OPTIONS
+from ddtree_serve.plumbing.step_socket import SocketCalls
 from ddtree_serve.plumbing.step_stream import StreamedCalls
 from ddtree_serve.proto import drafter_pb2, drafter_pb2_grpc
 from ddtree_serve.transport.base import FeatureRows, FeatureSender
@@ -40,6 +41,7 @@ class PushSender(FeatureSender):
     stats: TransportStats = field(default_factory=TransportStats)
     interceptors: list = field(default_factory=list)
     on_sent: Callable[[int, float], None] | None = None   # (bytes, seconds) of each delivered push
+    step_socket: str = ""   # the drafter's step socket: pushes go there instead of its gRPC stream
 
     def __post_init__(self) -> None:
         self._channel: grpc.aio.Channel | None = None
@@ -54,9 +56,15 @@ class PushSender(FeatureSender):
             self._channel = auth.internal_channel(self.drafter_address, options=CHANNEL_OPTIONS,
                                                   interceptors=self.interceptors)
             self._stub = drafter_pb2_grpc.DrafterServiceStub(self._channel)
-            # One message per push on a long-lived stream (plumbing/step_stream.py): a push is on every step's path.
-            self._pushes = StreamedCalls(self._stub.PushFeaturesStream, "DrafterService/PushFeatures",
-                                         message_recorder(self.interceptors))
+            # One message per push on a long-lived stream (plumbing/step_stream.py), or on the drafter's step socket
+            # (plumbing/step_socket.py): a push is on every step's path.
+            record = message_recorder(self.interceptors)
+            if self.step_socket:
+                sec = auth.current()
+                self._pushes = SocketCalls(self.step_socket, "DrafterService/PushFeatures",
+                                           drafter_pb2.PushFeaturesResponse, sec.secret, sec.session, record)
+            else:
+                self._pushes = StreamedCalls(self._stub.PushFeaturesStream, "DrafterService/PushFeatures", record)
             self._queue = asyncio.Queue()
             self._task = asyncio.create_task(self._run())
 
