@@ -125,8 +125,8 @@ def test_a_malformed_request_is_invalid_argument_and_an_oversized_frame_drops_on
     async def raw(payload: bytes) -> bytes:
         reader, writer = await asyncio.open_unix_connection(str(tmp_path / "s"))
         writer.write(frame(0, b'{"secret": "", "session": "x"}') + payload)
-        await writer.drain()
-        data = await reader.read(1 << 16)
+        writer.write_eof()   # the server answers what it got, then sees the end and closes
+        data = await asyncio.wait_for(reader.read(), 5)
         writer.close()
         return data
 
@@ -184,3 +184,27 @@ def test_an_idle_connection_broken_by_a_restart_is_replaced_without_failing_the_
             await server.close()
 
     assert [r.seq_id for r in run(go()).results] == ["gw1/b"]
+
+
+def test_closing_the_server_ends_an_open_client_connection_and_a_silent_one_is_dropped(tmp_path, monkeypatch):
+    """A gateway holds its connection open for good: closing the server must not wait for it (Python 3.12's
+    wait_closed waits for every connection), and a peer that never says hello is not held."""
+    from ddtree_serve.plumbing import step_socket
+
+    monkeypatch.setattr(step_socket, "HELLO_TIMEOUT_S", 0.2)
+
+    async def go():
+        server = await serve(tmp_path / "s", Handler())
+        client = calls(tmp_path / "s")
+        await client(request("a"), timeout=5)
+        silent_reader, silent_writer = await asyncio.open_unix_connection(str(tmp_path / "s"))
+        dropped = await asyncio.wait_for(silent_reader.read(), 5)   # EOF once the hello times out
+        await asyncio.wait_for(server.close(), 3)
+        with pytest.raises(grpc.aio.AioRpcError) as after:
+            await client(request("b"), timeout=5)
+        silent_writer.close()
+        return dropped, after.value
+
+    dropped, after = run(go())
+    assert dropped == b""
+    assert after.code() == grpc.StatusCode.UNAVAILABLE

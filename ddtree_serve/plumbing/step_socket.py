@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 STEP_METHODS = ("TargetService/Verify", "DrafterService/Draft", "DrafterService/PushFeatures")
 HELLO = 0
+HELLO_TIMEOUT_S = 10.0   # a connection that says nothing is dropped, not held
 _HEADER = struct.Struct(">IB")
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -108,6 +109,7 @@ class StepSocketServer:
         self.session_header = session_header
         self.record = record
         self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> None:
         """Listens (a stale socket file from a killed process is replaced); the file is made 0600."""
@@ -118,24 +120,32 @@ class StepSocketServer:
         log.info("step socket listening on %s (%s)", self.path, ", ".join(m.name for m in self.methods.values()))
 
     async def close(self) -> None:
-        """Stops listening and removes the socket file."""
+        """Stops listening, ends the open connections (a gateway keeps one open for good; since Python 3.12
+        wait_closed waits for them) and removes the socket file."""
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
+            for writer in list(self._writers):
+                writer.close()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+            except asyncio.TimeoutError:
+                log.warning("step socket %s: connections still open after 5 s at shutdown", self.path)
             self._server = None
         if os.path.exists(self.path):
             os.unlink(self.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
-            context = await self._hello(reader, writer)
+            context = await asyncio.wait_for(self._hello(reader, writer), HELLO_TIMEOUT_S)
             if context is not None:
                 await self._answer_each(reader, writer, context)
-        except (FrameError, ConnectionError) as exc:
-            log.warning("step socket %s: dropping a connection: %s", self.path, exc)
+        except (FrameError, ConnectionError, asyncio.TimeoutError) as exc:
+            log.warning("step socket %s: dropping a connection: %s", self.path, exc or type(exc).__name__)
         except asyncio.CancelledError:
             pass   # the server is stopping
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> SocketContext | None:
