@@ -50,6 +50,7 @@ class BackendPair:
     step_sockets: bool = False  # the per-step calls on the services' step sockets (plumbing/step_socket.py)
     _verify_calls: StreamedCalls | SocketCalls | None = field(default=None, repr=False)   # made by attach()
     _draft_calls: StreamedCalls | SocketCalls | None = field(default=None, repr=False)
+    _step_way: tuple = field(default=(), repr=False)   # how the calls above go (see _make_step_calls)
 
     async def connect(self, timeout_s: float = 900.0, transport: str = "inline") -> None:
         """Waits for both services to be ready, reads their info and attaches the drafter to the target."""
@@ -96,12 +97,18 @@ class BackendPair:
                  list(self.drafter_info.target_layer_ids))
 
     def _make_step_calls(self, sockets: bool) -> None:
-        """Draft and Verify as step-socket calls, stream messages or (neither) unary calls; made anew on every
-        (re)attach, since a restarted service may serve elsewhere."""
+        """Draft and Verify as step-socket calls, stream messages or (neither) unary calls. A re-attach keeps the
+        calls it already has when they go the same way (closing them would cancel a step in flight; both kinds
+        reconnect by themselves after a peer restarts)."""
+        way = ("sockets", self.target_info.step_socket, self.drafter_info.step_socket) if sockets else \
+            ("streams",) if self.step_streams else ("unary",)
+        if way == self._step_way:
+            return
         for calls in (self._verify_calls, self._draft_calls):
             if calls is not None:
                 calls.close()
         self._verify_calls = self._draft_calls = None
+        self._step_way = way
         record = message_recorder(self.client_interceptors)
         if sockets:
             sec = auth.current()

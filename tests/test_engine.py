@@ -382,3 +382,32 @@ def test_a_draft_reply_unpacks_into_exactly_its_numbers_as_float32_logprobs_and_
     assert torch.equal(lp, logprobs) and torch.equal(tok, ids.long())
     empty = draft_tensors(drafter_pb2.DraftResult(seq_id="s", depth=0, k=8))
     assert empty[0].shape == (0, 8) and empty[1].shape == (0, 8)
+
+
+def test_a_re_attach_keeps_the_step_calls_that_go_the_same_way_and_replaces_the_others() -> None:
+    """Closing a pair's step calls would cancel a step in flight: a re-attach (a drafter restarted) keeps them
+    unless they must now go elsewhere (step sockets appeared, or moved)."""
+    from ddtree_serve.plumbing.step_socket import SocketCalls
+    from ddtree_serve.plumbing.step_stream import StreamedCalls
+
+    class Stub:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    pair = BackendPair(PairAddress("target", "drafter"))
+    pair.target, pair.drafter = Stub(), Stub()
+    pair.target_info = target_pb2.TargetInfo(step_socket="/run/t.sock")
+    pair.drafter_info = drafter_pb2.DrafterInfo(step_socket="/run/d.sock")
+    pair._make_step_calls(sockets=False)
+    streams = (pair._verify_calls, pair._draft_calls)
+    assert all(isinstance(c, StreamedCalls) for c in streams)
+    pair._make_step_calls(sockets=False)
+    assert (pair._verify_calls, pair._draft_calls) == streams
+    pair._make_step_calls(sockets=True)
+    sockets = (pair._verify_calls, pair._draft_calls)
+    assert all(isinstance(c, SocketCalls) for c in sockets) and sockets[0].path == "/run/t.sock"
+    pair._make_step_calls(sockets=True)
+    assert (pair._verify_calls, pair._draft_calls) == sockets
+    pair.drafter_info = drafter_pb2.DrafterInfo(step_socket="/run/d2.sock")   # a restarted drafter elsewhere
+    pair._make_step_calls(sockets=True)
+    assert pair._draft_calls is not sockets[1] and pair._draft_calls.path == "/run/d2.sock"
