@@ -29,7 +29,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ddtree_serve.plumbing.rpc import MAX_MESSAGE_BYTES
-from ddtree_serve.plumbing.step_stream import Recorder, stream_error
+from ddtree_serve.plumbing.step_stream import Recorder, StepCalls, stream_error
 
 log = logging.getLogger(__name__)
 
@@ -197,43 +197,24 @@ class StepSocketServer:
         await writer.drain()
 
 
-class SocketCalls:
+class SocketCalls(StepCalls):
     """StreamedCalls' interface over a step socket: `await calls(request, timeout)` -> the response, or the
-    AioRpcError a unary call would raise. One connection, opened on first use and dropped after any failure."""
+    AioRpcError a unary call would raise. One connection, opened on first use; a handler's error status leaves it
+    open, a broken or refused one is dropped."""
 
     def __init__(self, path: str, method: str, response_type: type, secret: str | None, session: str,
                  record: Recorder | None = None) -> None:
-        self.path, self.method, self.response_type = path, method, response_type
+        super().__init__(method, record)
+        self.path, self.response_type = path, response_type
         self.kind = STEP_METHODS.index(method) + 1
         self._hello = json.dumps({"secret": secret or "", "session": session}).encode()
-        self.record = record
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._lock = asyncio.Lock()
 
-    async def __call__(self, request: Any, timeout: float) -> Any:
-        async with self._lock:
-            start, code = time.perf_counter(), "OK"
-            try:
-                return await asyncio.wait_for(self._round_trip(request.SerializeToString()), timeout)
-            except asyncio.TimeoutError:
-                code = grpc.StatusCode.DEADLINE_EXCEEDED.name
-                self.close()
-                raise stream_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"{self.method}: no answer within {timeout:.1f} s") from None
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code().name
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
-                    self.close()
-                raise
-            except BaseException:
-                code = "CANCELLED"
-                self.close()
-                raise
-            finally:
-                if self.record is not None:
-                    self.record(self.method, code, time.perf_counter() - start)
+    def _drops_after(self, code: grpc.StatusCode) -> bool:
+        return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
 
-    async def _round_trip(self, payload: bytes) -> Any:
+    async def _round_trip(self, request: Any) -> Any:
+        payload = request.SerializeToString()
         reused = self._conn is not None
         try:
             reader, writer = self._conn or await self._connect()

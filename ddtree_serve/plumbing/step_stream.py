@@ -24,15 +24,13 @@ def stream_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-class StreamedCalls:
-    """Calls a stream-stream method like a unary one: one write, one read, in order; the stream opens on first
-    use and is dropped after any failure (the next call opens a fresh one). Calls are serialised."""
+class StepCalls:
+    """A per-step call kind used like a unary stub method: serialised, timed into `record`, a timeout per call, and
+    failures raised as the AioRpcError a unary call would raise. Subclasses carry the messages (`_round_trip`)."""
 
-    def __init__(self, open_stream: Callable[[], Any], method: str, record: Recorder | None = None) -> None:
-        self.open_stream = open_stream   # e.g. stub.VerifyStream (called with no arguments)
-        self.method = method             # the unary method a message stands for: metrics labels, error text
+    def __init__(self, method: str, record: Recorder | None = None) -> None:
+        self.method = method   # the unary method a message stands for: metrics labels, error text
         self.record = record
-        self._call = None
         self._lock = asyncio.Lock()
 
     async def __call__(self, request: Any, timeout: float) -> Any:
@@ -48,15 +46,37 @@ class StreamedCalls:
                                    f"{self.method}: no answer within {timeout:.1f} s") from None
             except grpc.aio.AioRpcError as exc:
                 code = exc.code().name
-                self.close()
+                if self._drops_after(exc.code()):
+                    self.close()
                 raise
-            except BaseException:   # cancelled by the caller, or the stream broke in another way
+            except BaseException:   # cancelled by the caller, or the channel broke in another way
                 code = "CANCELLED"
                 self.close()
                 raise
             finally:
                 if self.record is not None:
                     self.record(self.method, code, time.perf_counter() - start)
+
+    def _drops_after(self, code: grpc.StatusCode) -> bool:
+        """Whether a call that failed with `code` leaves the channel unusable (the next call opens a fresh one)."""
+        return True
+
+    async def _round_trip(self, request: Any) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drops the open stream or connection, if any."""
+        raise NotImplementedError
+
+
+class StreamedCalls(StepCalls):
+    """Calls a stream-stream method like a unary one: one write, one read, in order; the stream opens on first
+    use and is dropped after any failure (a failed message ends a gRPC stream; the next call opens a fresh one)."""
+
+    def __init__(self, open_stream: Callable[[], Any], method: str, record: Recorder | None = None) -> None:
+        super().__init__(method, record)
+        self.open_stream = open_stream   # e.g. stub.VerifyStream (called with no arguments)
+        self._call = None
 
     async def _round_trip(self, request: Any) -> Any:
         reused = self._call is not None
