@@ -220,9 +220,10 @@ class PairEngine(BackgroundTask):
         room = self.pair.target_info.max_seq_len - s.context_len - 1
         return max(0, min(self.block_size - 1, s.remaining - 1, room))
 
-    def _step_budgets(self, seqs: list[Sequence]) -> dict[str, int]:
-        """Each DDTree sequence's budget this step (EngineConfig.max_verify_nodes)."""
-        depths = {s.seq_id: self._max_depth(s) for s in seqs}
+    def _step_budgets(self, seqs: list[Sequence], depths: dict[str, int]) -> dict[str, int]:
+        """Each sequence's DDTree budget this step (EngineConfig.max_verify_nodes), given its draft depth."""
+        if not self.cfg.max_verify_nodes:
+            return {s.seq_id: s.budget for s in seqs}
         trees = [s for s in seqs if s.mode == "ddtree" and s.speculative and depths[s.seq_id] > 0]
         chains = [s for s in seqs if s.mode == "dflash" and s.speculative]
         other = sum(1 + depths[s.seq_id] for s in chains) + len(seqs) - len(trees) - len(chains)
@@ -231,10 +232,11 @@ class PairEngine(BackgroundTask):
     async def _decode(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
         stamps = GatewayStamps()
-        budgets = self._step_budgets(seqs)
+        depths = {s.seq_id: self._max_depth(s) for s in seqs}
+        budgets = self._step_budgets(seqs, depths)
         drafts, draft_timings = await self._draft(seqs, budgets, stamps)
         t1 = time.perf_counter()
-        trees = build_step_trees(seqs, drafts, {s.seq_id: self._max_depth(s) for s in seqs}, budgets)
+        trees = build_step_trees(seqs, drafts, depths, budgets)
         t2 = time.perf_counter()
         request = target_pb2.VerifyRequest(items=[
             target_pb2.TreeItem(seq_id=s.seq_id, tokens=trees[s.seq_id].tokens.tolist(),
