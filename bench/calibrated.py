@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import common
-from gateway.calibrated_drafts import LABEL, CalibrationProfile, ReferenceStore, simulated_tree_tau
+from gateway.calibrated_drafts import LABEL, CalibrationProfile, ReferenceStore, load_profile, simulated_tree_tau
 
 
 @dataclass
@@ -35,14 +35,20 @@ def prepare(profile_path: str, chain_tau: float | None, budgets: list[int], max_
             trials: int = 20000) -> CalibrationSetup:
     """Loads (and rescales) the profile into a work directory; records the taus it implies."""
     src = Path(profile_path)
-    profile = CalibrationProfile.load(src)
+    profile = load_profile(src)
     measured = dict(profile.meta)
     if chain_tau:
         profile = profile.rescaled_to_chain_tau(chain_tau)
     work = Path(tempfile.mkdtemp(prefix="ddtree-calibrated-"))
-    used = work / "profile.json"
+    replay = not isinstance(profile, CalibrationProfile)
+    used = work / ("profile.steps.npz" if replay else "profile.json")
     profile.save(used)
     depth = min(max_depth, profile.depths)
+    if replay:
+        implied_tree = {b: round(profile.simulated_tree_tau(b, trials=max(1, trials // 5000), depth=depth), 3)
+                        for b in budgets}
+    else:
+        implied_tree = {b: round(simulated_tree_tau(profile, b, trials=trials, depth=depth), 3) for b in budgets}
     info = {
         "label": LABEL,
         "profile": common._display_path(src),
@@ -51,14 +57,17 @@ def prepare(profile_path: str, chain_tau: float | None, budgets: list[int], max_
                                                              "measured_chain_tau")
                                 if k in measured},
         "calibrate_chain_tau": chain_tau,
+        "kind": "step replay" if replay else "rank tables",
         "odds_factor": profile.meta.get("odds_factor"),
+        "temperature": profile.temperature if replay else None,
         "profile_top_k": profile.top_k,
         "p_top1_per_depth": [round(p, 4) for p in profile.p_top1()],
         "implied_chain_tau": round(profile.chain_tau(depth), 3),
-        "implied_ddtree_tau": {b: round(simulated_tree_tau(profile, b, trials=trials, depth=depth), 3)
-                               for b in budgets},
+        "implied_ddtree_tau": implied_tree,
         "note": "drafts rewritten by the gateway: reference (ar) tokens placed at ranks drawn from the profile, "
-                "log-probs the profile's; drafter forward, trees and verify sizes are real, acceptance is synthetic",
+                "log-probs the profile's; drafter forward, trees and verify sizes are real, acceptance is synthetic"
+                + ("; step replay: each draft replays one measured step's rows (sharpened at the temperature), the "
+                   "ranks drawn from those rows" if replay else ""),
     }
     return CalibrationSetup(used, work / "references.json", info)
 
@@ -78,10 +87,16 @@ def collect_references(setup: CalibrationSetup, gateway: str, indexed: list[tupl
 def markdown(info: dict) -> str:
     """The block every calibrated speed report starts with."""
     implied = ", ".join(f"b{b} {t}" for b, t in info["implied_ddtree_tau"].items())
-    scaled = (f"rescaled to chain tau {info['calibrate_chain_tau']} (P(rank 0) odds x {info['odds_factor']:.3f} at "
-              f"every depth)" if info.get("calibrate_chain_tau") else "as measured")
-    logprobs = ("those of a calibrated drafter with these rank frequencies (log P_d(rank r))"
-                if info.get("calibrate_chain_tau") else "the profile's measured mean log-probs")
+    if info.get("kind") == "step replay":
+        scaled = (f"each draft replaying one measured step's log-prob rows, sharpened at temperature "
+                  f"{info['temperature']:.3f} (rescaled to chain tau {info['calibrate_chain_tau']})"
+                  if info.get("calibrate_chain_tau") else "each draft replaying one measured step's log-prob rows")
+        logprobs = "those rows, and the true token's rank is drawn from them (a calibrated drafter)"
+    else:
+        scaled = (f"rescaled to chain tau {info['calibrate_chain_tau']} (P(rank 0) odds x {info['odds_factor']:.3f} "
+                  f"at every depth)" if info.get("calibrate_chain_tau") else "as measured")
+        logprobs = ("those of a calibrated drafter with these rank frequencies (log P_d(rank r))"
+                    if info.get("calibrate_chain_tau") else "the profile's measured mean log-probs")
     return f"""> **{LABEL.upper()}.** Draft top-K lists were rewritten by the gateway: the target's own greedy tokens
 > (from a reference `ar` run of the same prompts) were put at ranks drawn per depth from the profile
 > `{info['profile']}` (sha256 {info['profile_sha256']}…), {scaled}; log-probs are {logprobs}. The drafter

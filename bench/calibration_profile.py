@@ -26,6 +26,7 @@ from pathlib import Path
 from bench import common
 
 LABEL = "calibration profile (bench-only: for calibrated-acceptance benchmarks)"
+PAPER_CHAIN_TAU = 7.79  # DFlash's Qwen3-8B MATH-500 chain (the DDTree paper: DDTree tau 10.73 at its best budget)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch threads (default: 1 on a CPU with <= 2 cores, where more threads only contend)")
     p.add_argument("--sim-trials", type=int, default=20000, help="Monte Carlo trials for the implied DDTree tau")
     p.add_argument("--out", default=str(common.RESULTS_DIR / "calibration-profile-smollm2.json"),
-                   help="profile JSON path (a .md beside it)")
+                   help="profile JSON path (a .md beside it, and the measured steps as a .steps.npz beside it)")
     return p.parse_args(argv)
 
 
@@ -95,6 +96,7 @@ def main(argv=None) -> None:
     import transformers
 
     from gateway.calibrated_drafts import CalibrationProfile, simulated_tree_tau
+    from gateway.replay_profile import NO_REFERENCE, ReplayProfile
     from drafter_svc.runner import DrafterConfig, DrafterRunner
     from target_svc.runner import TargetConfig, TargetRunner
 
@@ -124,6 +126,7 @@ def main(argv=None) -> None:
     miss_counts = [[0] * (K + 1) for _ in range(D)]
     lp_sums = [torch.zeros(K, dtype=torch.float64) for _ in range(D)]
     chain_acc, tree_acc, n_steps, n_tokens = 0, 0, 0, 0
+    step_ranks, step_logprobs = [], []  # every measured step whole: what step replay draws from
     t_run = time.perf_counter()
     for i, p in enumerate(prompts):
         tokens, steps = run_prompt(target, drafter, f"p{i}", common.chat_ids(tokenizer, p["text"]), args, eos)
@@ -134,6 +137,8 @@ def main(argv=None) -> None:
             used += 1
             tree_acc += accepted
             ids_rows, lead, prev = ids.tolist(), True, None
+            step_ranks.append([NO_REFERENCE] * D)
+            step_logprobs.append(lp[:D].to(torch.float16))
             for d in range(D):
                 pos = start + d  # index in `tokens` of the depth-(d+1) token (the bonus is tokens[start - 1])
                 if pos >= len(tokens):
@@ -141,6 +146,7 @@ def main(argv=None) -> None:
                 row = ids_rows[d]
                 rank = row.index(tokens[pos]) if tokens[pos] in row else K
                 rank_counts[d][rank] += 1
+                step_ranks[-1][d] = rank
                 if prev is not None:
                     (hit_counts if prev == 0 else miss_counts)[d][rank] += 1
                 prev = rank
@@ -191,6 +197,13 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
+    replay = ReplayProfile(torch.stack(step_logprobs).float(), torch.tensor(step_ranks), 1.0,
+                           {k: v for k, v in meta.items() if not k.startswith(("implied", "independent"))})
+    replay_path = out.with_suffix(".steps.npz")
+    replay.save(replay_path)
+    replay_chain, replay_tree = replay.chain_tau(), replay.simulated_tree_tau(args.budget, trials=8)
+    paper = replay.rescaled_to_chain_tau(PAPER_CHAIN_TAU)
+    paper_trees = {b: round(paper.simulated_tree_tau(b, trials=2), 2) for b in (16, 64, 256, 512)}
     top1 = ", ".join(f"{x:.2f}" for x in profile.p_top1())
     chain1 = ", ".join(f"{x:.2f}" for x in profile.chain_p_top1())
     in_k = ", ".join(f"{1 - r[-1]:.2f}" for r in rank_probs)
@@ -209,8 +222,15 @@ def main(argv=None) -> None:
 | measured on these steps | {measured_chain:.3f} | {measured_tree:.3f} |
 | implied by the profile (ranks given the previous depth's hit/miss; what a calibrated run gets) | {implied_chain:.3f} | {implied_tree:.3f} |
 | implied by the per-depth marginals alone (depths independent) | {indep_chain:.3f} | {indep_tree:.3f} |
+| implied by step replay (`{replay_path.name}`: every measured step's rows, ranks drawn from them) | {replay_chain:.3f} | {replay_tree:.3f} |
 
-Implied DDTree tau at other budgets: {meta['implied_ddtree_tau_other_budgets']}
+Step replay (gateway/replay_profile.py) is what calibrated benchmarks use: the rank tables above give every draft
+the same log-probs, hence the same tree, and lose what a tree exploits (a drafter that knows when it is unsure).
+Rescaled to chain tau {PAPER_CHAIN_TAU} (every row sharpened at temperature {paper.temperature:.3f}), it implies DDTree tau
+{paper_trees} by budget; the DDTree paper reports tau 10.73 for that pair at its best budget, so at large budgets
+this model is the more optimistic of the two.
+
+Rank tables: implied DDTree tau at other budgets: {meta['implied_ddtree_tau_other_budgets']}
 
 P(rank 0) per depth 1..{D}: {top1}
 
@@ -218,9 +238,9 @@ P(rank 0 | depth d - 1 at rank 0) per depth 1..{D} (the chain's factors): {chain
 
 P(in top-{K}) per depth 1..{D}: {in_k}
 
-Use: `python -m bench.speed --calibrated {common._display_path(out)} [--calibrate-chain-tau 7.79]` (the gateway rewrites drafts so that the
-reference tokens sit at ranks drawn from this profile; outputs stay the target's, acceptance is synthetic:
-bench-only). Marginals alone underestimate tau: a drafter right at depth d tends to be right at d + 1, so the
+Use: `python -m bench.speed --calibrated {common._display_path(replay_path)} [--calibrate-chain-tau 7.79]` (step
+replay; or the rank tables, `{out.name}`): the gateway rewrites drafts so that the reference tokens sit at drawn
+ranks; outputs stay the target's, acceptance is synthetic: bench-only. Rank tables: Marginals alone underestimate tau: a drafter right at depth d tends to be right at d + 1, so the
 profile also holds each depth's rank distribution given the previous depth's hit or miss (first order); what
 remains between measured and implied is the longer-range correlation.
 """

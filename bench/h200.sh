@@ -35,7 +35,7 @@ SECTIONS=${*:-tests 8b speed8b report}
 R=$OUT/r
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1
-PROFILE=bench/results/calibration-profile-smollm2.json
+PROFILE=${CALIB_PROFILE:-bench/results/calibration-profile-smollm2.steps.npz}   # step replay (gateway/replay_profile.py)
 CALIB=(--no-assisted --calibrated "$PROFILE" --calibrate-chain-tau 7.79 --transport cuda-ipc)
 for s in $SECTIONS; do
   echo "== $s $(date -u +%T)"

@@ -16,7 +16,7 @@ Draft RPCs (the difference is the gRPC hop), the target's and drafter's forward 
     python -m bench.speed                                   # CPU defaults: 4 prompts x 64 tokens, batch 4
     python -m bench.speed --device cuda --dtype bfloat16    # GPU defaults: 16 prompts x 256 tokens, batch 8
 
-    python -m bench.speed --calibrated bench/results/calibration-profile-smollm2.json --calibrate-chain-tau 7.79
+    python -m bench.speed --calibrated bench/results/calibration-profile-smollm2.steps.npz --calibrate-chain-tau 7.79
         # BENCH-ONLY calibrated acceptance (bench/calibrated.py): random-weight checkpoints at real shapes
 
 Writes bench/results/speed-<hardware>.{md,json} (or --out-dir); calibrated runs speed-calibrated-<hardware>.*
@@ -64,9 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the step calls on gRPC streams or on the services' step sockets (bare Unix sockets)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     p.add_argument("--log-dir", default="", help="keep the services' logs here (default: a temporary folder)")
-    p.add_argument("--calibrated", metavar="PROFILE.json",
+    p.add_argument("--calibrated", metavar="PROFILE",
                    help="BENCH-ONLY calibrated acceptance: the gateway rewrites drafts so that acceptance follows this "
-                        "profile (bench/calibration_profile.py); an ar reference run of the prompts comes first")
+                        "profile (bench/calibration_profile.py: a step-replay .steps.npz or a rank-table .json); an ar "
+                        "reference run of the prompts comes first")
     p.add_argument("--calibrate-chain-tau", type=float, default=None,
                    help="with --calibrated: rescale the profile so that its chain tau is this (e.g. 7.79, the DFlash "
                         "paper's Qwen3-8B MATH-500 chain)")

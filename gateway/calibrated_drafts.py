@@ -20,9 +20,13 @@ import random
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from gateway.replay_profile import ReplayProfile
 
 log = logging.getLogger(__name__)
 
@@ -112,15 +116,15 @@ class CalibrationProfile:
             out.append(self.sample_rank(d, rng, out[-1] if out else None))
         return out
 
+    def draw(self, n: int, k: int, rng: random.Random) -> tuple[np.ndarray, torch.Tensor]:
+        """One draft's calibration for n depths and top-k lists: the true token's rank per depth (>= k: absent)
+        and the float32 [n, k] log-probs the lists carry."""
+        return np.asarray(self.sample_ranks(n, rng)), self.logprob_table(n, k)
+
     def logprobs_for(self, depth_index: int, k: int) -> list[float]:
         """The profile's sorted log-probs at one depth for k ranks: truncated, or extended past the profile's K by
         continuing its tail slope (so the list stays non-increasing)."""
-        row = self.mean_logprobs[min(depth_index, self.depths - 1)]
-        if k <= len(row):
-            return list(row[:k])
-        tail = row[-min(9, len(row)):]
-        step = max(1e-3, (tail[0] - tail[-1]) / max(1, len(tail) - 1))
-        return list(row) + [max(-1000.0, row[-1] - step * (i + 1)) for i in range(k - len(row))]
+        return extend_sorted(self.mean_logprobs[min(depth_index, self.depths - 1)], k)
 
     def logprob_table(self, depth: int, k: int) -> torch.Tensor:
         """float32 [depth, k]: logprobs_for(d, k) for d < depth, made once per shape (a rewrite per draft reads it)."""
@@ -184,6 +188,16 @@ class CalibrationProfile:
     def load(cls, path: str | Path) -> CalibrationProfile:
         """Reads a profile written by save()."""
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def extend_sorted(row: list[float], k: int) -> list[float]:
+    """A sorted log-prob row at k ranks: truncated, or extended past its end by continuing its tail slope (so the
+    list stays non-increasing), floored at -1000."""
+    if k <= len(row):
+        return list(row[:k])
+    tail = row[-min(9, len(row)):]
+    step = max(1e-3, (tail[0] - tail[-1]) / max(1, len(tail) - 1))
+    return list(row) + [max(-1000.0, row[-1] - step * (i + 1)) for i in range(k - len(row))]
 
 
 def calibrated_logprobs(rank_probs: list[float]) -> list[float]:
@@ -261,9 +275,9 @@ def simulated_tree_tau(profile: CalibrationProfile, budget: int, trials: int = 2
 
 
 # ---- the rewrite ----------------------------------------------------------------------------------------------
-def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int], profile: CalibrationProfile,
+def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int], profile: CalibrationProfile | ReplayProfile,
             rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-K lists [D, K] with the true token of each depth that has one (future_tokens[d]) at a rank sampled from
+    """Top-K lists [D, K] with the true token of each depth that has one (future_tokens[d]) at a rank drawn from
     the profile (or removed, for 'absent'), other ids distinct and not the true token, log-probs the profile's.
     Depths without a known future token keep the drafter's own lists."""
     depth, k = ids.shape
@@ -271,8 +285,9 @@ def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int],
     if n == 0:
         return logprobs, ids
     out_lp, out_ids = logprobs.clone(), ids.clone()
-    # One draw per depth, against the profile's own K: the same draws whatever K the gateway asked for.
-    ranks = np.asarray(profile.sample_ranks(n, rng))[:, None]
+    # The draws are made against the profile's own K: the same whatever K the gateway asked for.
+    ranks, table = profile.draw(n, k, rng)
+    ranks = ranks[:, None]
     rows = ids[:n].cpu().numpy()
     true = np.asarray(future_tokens[:n], dtype=rows.dtype)[:, None]
     is_true = rows == true
@@ -291,7 +306,7 @@ def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int],
         new[d, k - 1] = filler
     # One tensor per draft, not two per depth: this runs for every sequence of every step, on the gateway's loop.
     out_ids[:n] = torch.from_numpy(new).to(ids.dtype)
-    out_lp[:n] = profile.logprob_table(n, k).to(logprobs.dtype)
+    out_lp[:n] = table.to(logprobs.dtype)
     return out_lp, out_ids
 
 
@@ -369,7 +384,7 @@ class DraftCalibrator:
     """Rewrites each sequence's draft with its future reference tokens; seeded per (prompt, position), so a given
     position gets the same rank draws in every mode and batch."""
 
-    def __init__(self, profile: CalibrationProfile, references: WatchedReferences | ReferenceStore,
+    def __init__(self, profile: CalibrationProfile | ReplayProfile, references: WatchedReferences | ReferenceStore,
                  seed: int = 0) -> None:
         self.profile = profile
         self.references = references
@@ -406,10 +421,19 @@ class DraftCalibrator:
     def from_files(cls, profile_path: str | Path, references_path: str | Path, chain_tau: float | None = None,
                    seed: int = 0) -> DraftCalibrator:
         """The gateway's calibrator from its flags (profile optionally rescaled to a chain tau)."""
-        profile = CalibrationProfile.load(profile_path)
+        profile = load_profile(profile_path)
         if chain_tau:
             profile = profile.rescaled_to_chain_tau(chain_tau)
         return cls(profile, WatchedReferences(references_path), seed)
+
+
+def load_profile(path: str | Path) -> CalibrationProfile | ReplayProfile:
+    """Either kind of profile: a step-replay .npz (gateway/replay_profile.py) or a rank-table JSON."""
+    if str(path).endswith(".npz"):
+        from gateway.replay_profile import ReplayProfile  # it builds on this module
+
+        return ReplayProfile.load(path)
+    return CalibrationProfile.load(path)
 
 
 def calibrator_from_args(profile_path: str, references_path: str | None) -> DraftCalibrator:

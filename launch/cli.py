@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "stream per service (about twice the per-call cost; for comparison)")
     p.add_argument("--api-key", default=os.environ.get("DDTREE_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DDTREE_API_KEY; none: open)")
-    p.add_argument("--calibrated-acceptance", metavar="PROFILE.json",
+    p.add_argument("--calibrated-acceptance", metavar="PROFILE",
                    help="BENCH-ONLY: rewrite drafts so acceptance follows this profile (bench/calibration_profile.py); "
                         "needs --calibration-references. Outputs stay the target's own, acceptance is synthetic")
     p.add_argument("--calibration-references", metavar="REFS.json",
