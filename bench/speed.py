@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="how the target sends context features to the drafter")
     p.add_argument("--step-transport", default="grpc", choices=["grpc", "socket"],
                    help="the step calls on gRPC streams or on the services' step sockets (bare Unix sockets)")
+    p.add_argument("--kernel-warmup-passes", type=int, default=None,
+                   help="the target's kernel warm-up passes before it loads (default: the target's own; 0 skips them: "
+                        "they bound device memory outside the allocator, which a speed run does not need)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     p.add_argument("--log-dir", default="", help="keep the services' logs here (default: a temporary folder)")
     p.add_argument("--calibrated", metavar="PROFILE",
@@ -239,8 +242,9 @@ def main(argv=None) -> None:
                                max_batch=max(8, batch), max_seq_len=args.max_seq_len,
                                drafter_device=args.drafter_device,
                                gateway_args=calib.gateway_args if calib else None, transport=args.transport,
-                               step_sockets=args.step_transport == "socket",
-                               log_dir=args.log_dir)
+                               step_sockets=args.step_transport == "socket", log_dir=args.log_dir,
+                               target_args=None if args.kernel_warmup_passes is None
+                               else ["--kernel-warmup-passes", str(args.kernel_warmup_passes)])
     runs: list[dict] = []
     try:
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
