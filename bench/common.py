@@ -253,6 +253,28 @@ def scrape(port: int) -> Samples:
     return out
 
 
+def wait_for_graphs(stack, timeout_s: float = 900.0, poll_s: float = 1.0) -> float:
+    """Waits until the target's verify graph warm-up has no bucket pending (it captures in the background, and a
+    step meanwhile waits behind one capture: a timed run would include captures); returns the seconds waited."""
+    t0 = last = time.perf_counter()
+    port = stack.metrics_ports["target"]
+    while True:
+        samples = scrape(port)
+        pending = total(samples, "ddtree_target_graph_buckets", state="pending")
+        if not pending:
+            waited = time.perf_counter() - t0
+            if waited >= poll_s:
+                print(f"verify graphs ready after {waited:.0f} s ({total(samples, 'ddtree_target_graph_buckets', state='captured'):.0f} "
+                      f"captured, {total(samples, 'ddtree_target_graph_buckets', state='eager'):.0f} eager)", flush=True)
+            return waited
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"the target still has {pending:.0f} verify graph buckets to capture after {timeout_s:.0f} s")
+        if time.perf_counter() - last >= 30:
+            last = time.perf_counter()
+            print(f"waiting for the target's verify graphs: {pending:.0f} buckets pending", flush=True)
+        time.sleep(poll_s)
+
+
 def scrape_all(stack) -> dict[str, Samples]:
     return {name: scrape(port) for name, port in stack.metrics_ports.items()}
 

@@ -247,6 +247,7 @@ def main(argv=None) -> None:
                                else ["--kernel-warmup-passes", str(args.kernel_warmup_passes)])
     runs: list[dict] = []
     try:
+        common.wait_for_graphs(stack)   # nothing timed, the reference run included, while graphs capture
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
         indexed = list(enumerate(prompt_ids))
         if calib:  # the references must exist before any speculative request, warm-ups included

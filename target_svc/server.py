@@ -123,6 +123,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     def _start_warmup(self) -> None:
         if self._warmup_task is not None:
             self._warmup_task.cancel()   # a re-attach: the new feature layers need graphs of their own
+        self._observe_buckets(len(self.runner.warmup_shapes()), 0, 0)   # pending from the attach's answer on
         self._warmup_task = asyncio.create_task(self._warm_up())
 
     async def _warm_up(self) -> None:
@@ -133,6 +134,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         shapes = self.runner.warmup_shapes()
         done = 0
         seconds, eager = 0.0, 0
+        self._observe_buckets(len(shapes), 0, 0)
         for done, shape in enumerate(shapes, start=1):
             try:
                 seconds = await self.model_thread.run(self.runner.warmup, [shape])
@@ -141,16 +143,23 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             except torch.OutOfMemoryError as exc:   # that bucket runs eagerly; the others may still fit
                 eager += 1
                 log.error("%s; %s", warmup_failure(exc, done, len(shapes)), self.runner.memory_summary())
+                self._observe_buckets(len(shapes) - done, done - eager, eager)
                 continue
             except Exception as exc:  # noqa: BLE001 - the service still works: graphs capture on first use instead
                 log.error("%s; %s", warmup_failure(exc, done, len(shapes)), self.runner.memory_summary())
+                self._observe_buckets(0, done - 1 - eager, eager)
                 return
+            self._observe_buckets(len(shapes) - done, done - eager, eager)
             if time.perf_counter() - last_log >= WARMUP_LOG_S and done < len(shapes):
                 last_log = time.perf_counter()
                 log.info("verify graph warm-up: %d of %d buckets in %.0f s", done, len(shapes), last_log - t0)
         if shapes:
             log.info("verify graphs ready: %d buckets captured, %d eager (%.1f s of capture) in %.1f s; %s",
                      len(shapes) - eager, eager, seconds, time.perf_counter() - t0, self.runner.memory_summary())
+
+    def _observe_buckets(self, pending: int, captured: int, eager: int) -> None:
+        if self.metrics is not None:
+            self.metrics.set_graph_buckets(pending, captured, eager)
 
     async def close(self) -> None:
         """Delivers queued features and stops the model thread."""

@@ -23,6 +23,7 @@ import grpc
 import pytest
 import yaml
 
+from bench import common
 from launch.local_stack import LocalStack, free_port, free_ports
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc
 from tests.conftest import make_request, prompts_for, reference_greedy, run_streams
@@ -198,6 +199,9 @@ def test_promql_mean_acceptance_length_equals_client_stats(checkpoints) -> None:
                    ' - sum(ddtree_transport_bytes_total{direction="recv"})')
             assert prom.wait_for(gap, lambda v: v == 0) == 0, gap
             assert prom.scalar('sum(ddtree_transport_bytes_total{direction="send"})') > 0
+            # An eager (CPU) target has no verify graphs to capture: nothing pending, so a benchmark starts at once.
+            assert prom.scalar('sum(ddtree_target_graph_buckets{state="pending"})') == 0
+            assert common.wait_for_graphs(stack, timeout_s=5) < 1
     finally:
         stack.stop()
 

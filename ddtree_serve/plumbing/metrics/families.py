@@ -326,6 +326,17 @@ class TargetMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
         self.memory_plan_sequences = Gauge("ddtree_target_memory_plan_sequences",
                                            "Sequences of max_seq_len in the memory plan, by kind (held, fit, "
                                            "requested).", ["model_name", "kind"], registry=r)
+        # The verify graphs' background capture (target_svc/server.py _warm_up): requests meanwhile wait behind
+        # one capture each, so a benchmark waits for pending 0 before it times anything.
+        self.graph_buckets = Gauge("ddtree_target_graph_buckets",
+                                   "Verify graph buckets of the warm-up, by state (pending, captured, eager).",
+                                   ["model_name", "state"], registry=r)
+        self.set_graph_buckets(0, 0, 0)
+
+    def set_graph_buckets(self, pending: int, captured: int, eager: int) -> None:
+        """The warm-up's progress: buckets still to capture, captured, and left eager (capture ran out of memory)."""
+        for state, value in (("pending", pending), ("captured", captured), ("eager", eager)):
+            self.graph_buckets.labels(self.model_name, state).set(value)
 
     def set_memory_plan(self, plan: Any) -> None:
         """Exports a target_svc.memory_plan.MemoryPlan (budget 0 when not enforced)."""
