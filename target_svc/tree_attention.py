@@ -102,19 +102,19 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
         acc = lse = out   # not written: the single slice stores the output itself
     kernels.tree_attention_split_kernel[grid](
         q, k_cache, v_cache, slots, keys.ctx_lens, anc, acc, lse, out,
-        tmax, rows, cfg.split_len, scale, slots.stride(0), keys.ctx_lens.stride(0),
+        tmax, rows, cfg.splits, cfg.split_len, scale, slots.stride(0), keys.ctx_lens.stride(0),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         anc.stride(0), anc.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        REP=rep, NUM_KV=num_kv, NUM_SPLITS=cfg.splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        REP=rep, NUM_KV=num_kv, SPLIT=cfg.splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.splits > 1:
         kernels.tree_attention_merge_kernel[grid[:2]](
-            acc, lse, out, tmax, rows, out.stride(0), out.stride(1), out.stride(2),
-            REP=rep, NUM_KV=num_kv, NUM_SPLITS=cfg.splits, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
+            acc, lse, out, tmax, rows, cfg.splits, out.stride(0), out.stride(1), out.stride(2),
+            REP=rep, NUM_KV=num_kv, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
             num_warps=cfg.num_warps,
         )
     return out

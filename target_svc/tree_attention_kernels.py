@@ -25,18 +25,20 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 @triton.jit
 def tree_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, anc_ptr, acc_ptr, lse_ptr, out_ptr,
-    T, ROWS, split_len, scale, stride_slot, stride_ctx,
+    T, ROWS, num_splits, split_len, scale, stride_slot, stride_ctx,
     stride_qb, stride_qt, stride_qh,
     stride_ks, stride_kr, stride_kh,
     stride_vs, stride_vr, stride_vh,
     stride_ab, stride_at,
     stride_ob, stride_ot, stride_oh,
-    REP: tl.constexpr, NUM_KV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    REP: tl.constexpr, NUM_KV: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """One (sequence, KV head), one block of stacked query rows, one slice of split_len keys. NUM_SPLITS == 1: the
-    normalised output into out [B, T, n_heads, D]; else the slice's normalised output (float32) and log-sum-exp
-    into acc [B, NUM_KV, NUM_SPLITS, ROWS, D] and lse [B, NUM_KV, NUM_SPLITS, ROWS] (-inf: no visible key)."""
+    """One (sequence, KV head), one block of stacked query rows, one slice of split_len keys. Not SPLIT (one
+    slice): the normalised output into out [B, T, n_heads, D]; else the slice's normalised output (float32) and
+    log-sum-exp into acc [B, NUM_KV, num_splits, ROWS, D] and lse [B, NUM_KV, num_splits, ROWS] (-inf: no visible
+    key). The slice count is a runtime argument, not a constant: every key length then shares one compiled kernel
+    (as a constant, each count compiled its own pair, and a cold start spent minutes compiling them)."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -81,11 +83,11 @@ def tree_attention_split_kernel(
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        part = (b * NUM_KV + kvh) * NUM_SPLITS + pid_s
+        part = (b * NUM_KV + kvh) * num_splits + pid_s
         tl.store(acc_ptr + (part * ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
@@ -93,9 +95,9 @@ def tree_attention_split_kernel(
 
 @triton.jit
 def tree_attention_merge_kernel(
-    acc_ptr, lse_ptr, out_ptr, T, ROWS,
+    acc_ptr, lse_ptr, out_ptr, T, ROWS, num_splits,
     stride_ob, stride_ot, stride_oh,
-    REP: tl.constexpr, NUM_KV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    REP: tl.constexpr, NUM_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """out rows of one (sequence, KV head) = the slices' outputs weighted by exp(lse - max lse), in a fixed order."""
@@ -106,13 +108,13 @@ def tree_attention_merge_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < ROWS
     offs_d = tl.arange(0, HEAD_DIM)
-    first = (b * NUM_KV + kvh) * NUM_SPLITS
+    first = (b * NUM_KV + kvh) * num_splits
     top = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(num_splits):
         top = tl.maximum(top, tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")))
     num = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(num_splits):
         w = tl.exp(tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")) - top)
         part = tl.load(acc_ptr + ((first + s) * ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :],
                        mask=row_ok[:, None], other=0.0)
