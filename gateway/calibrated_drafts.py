@@ -143,16 +143,8 @@ class CalibrationProfile:
         lo_tau, hi_tau = chain_tau([_scale_odds(p, 1e-12) for p in top]), chain_tau([_scale_odds(p, 1e12) for p in top])
         if not lo_tau - tol <= tau <= hi_tau + tol:
             raise ValueError(f"chain tau {tau} is out of reach of this profile ([{lo_tau:.3f}, {hi_tau:.3f}])")
-        lo, hi = -28.0, 28.0  # log odds factor
-        for _ in range(200):
-            mid = (lo + hi) / 2
-            if chain_tau([_scale_odds(p, math.exp(mid)) for p in top]) < tau:
-                lo = mid
-            else:
-                hi = mid
-            if hi - lo < 1e-12:
-                break
-        factor = math.exp((lo + hi) / 2)
+        factor = math.exp(solve_increasing(lambda x: chain_tau([_scale_odds(p, math.exp(x)) for p in top]), tau,
+                                           -28.0, 28.0))  # over the log odds factor
         meta = dict(self.meta, rescaled_to_chain_tau=tau, odds_factor=factor,
                     chain_tau_before_rescaling=self.chain_tau(),
                     logprobs="log of the rescaled rank frequencies per depth (a calibrated drafter)")
@@ -207,6 +199,19 @@ def calibrated_logprobs(rank_probs: list[float]) -> list[float]:
         lp = math.log(p) if p > 0 else -1000.0
         out.append(max(-1000.0, min(lp, out[-1]) if out else lp))
     return out
+
+
+def solve_increasing(f, target: float, lo: float, hi: float, tol: float = 1e-12) -> float:
+    """The x in [lo, hi] where the increasing function f reaches target (bisection)."""
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if f(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < tol:
+            break
+    return (lo + hi) / 2
 
 
 def chain_tau(p_top1: list[float]) -> float:

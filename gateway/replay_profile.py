@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gateway.calibrated_drafts import extend_sorted
+from gateway.calibrated_drafts import extend_sorted, solve_increasing
 
 NO_REFERENCE = -1  # a measured depth past the reference's end (EOS came first): no rank
 
@@ -75,22 +75,13 @@ class ReplayProfile:
 
     def rescaled_to_chain_tau(self, tau: float, tol: float = 1e-6) -> ReplayProfile:
         """The same steps at the temperature whose chain tau is `tau` (bisection on log T)."""
-        lo, hi = math.log(1e-3), math.log(1e3)  # log T: a lower T is a sharper, stronger drafter
+        def at(x: float) -> float:   # x = -log T: increasing, since a lower T is a sharper, stronger drafter
+            return ReplayProfile(self.logprobs, None, math.exp(-x)).chain_tau()
 
-        def at(log_t: float) -> float:
-            return ReplayProfile(self.logprobs, None, math.exp(log_t)).chain_tau()
-
-        if not at(hi) - tol <= tau <= at(lo) + tol:
-            raise ValueError(f"chain tau {tau} is out of reach of this profile ([{at(hi):.3f}, {at(lo):.3f}])")
-        for _ in range(100):
-            mid = (lo + hi) / 2
-            if at(mid) < tau:
-                hi = mid
-            else:
-                lo = mid
-            if hi - lo < 1e-9:
-                break
-        t = math.exp((lo + hi) / 2)
+        lo, hi = -math.log(1e3), -math.log(1e-3)
+        if not at(lo) - tol <= tau <= at(hi) + tol:
+            raise ValueError(f"chain tau {tau} is out of reach of this profile ([{at(lo):.3f}, {at(hi):.3f}])")
+        t = math.exp(-solve_increasing(at, tau, lo, hi, tol=1e-9))
         meta = dict(self.meta, rescaled_to_chain_tau=tau, temperature=t, chain_tau_before_rescaling=self.chain_tau())
         return ReplayProfile(self.logprobs, self.ranks, t, meta)
 
