@@ -20,13 +20,12 @@ import random
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from gateway.replay_profile import ReplayProfile
+from gateway.profile_math import extend_sorted, solve_increasing
+from gateway.replay_profile import ReplayProfile
 
 log = logging.getLogger(__name__)
 
@@ -182,16 +181,6 @@ class CalibrationProfile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def extend_sorted(row: list[float], k: int) -> list[float]:
-    """A sorted log-prob row at k ranks: truncated, or extended past its end by continuing its tail slope (so the
-    list stays non-increasing), floored at -1000."""
-    if k <= len(row):
-        return list(row[:k])
-    tail = row[-min(9, len(row)):]
-    step = max(1e-3, (tail[0] - tail[-1]) / max(1, len(tail) - 1))
-    return list(row) + [max(-1000.0, row[-1] - step * (i + 1)) for i in range(k - len(row))]
-
-
 def calibrated_logprobs(rank_probs: list[float]) -> list[float]:
     """log P(rank r), made non-increasing along the ranks (a sorted top-K list) and floored at -1000."""
     out: list[float] = []
@@ -199,19 +188,6 @@ def calibrated_logprobs(rank_probs: list[float]) -> list[float]:
         lp = math.log(p) if p > 0 else -1000.0
         out.append(max(-1000.0, min(lp, out[-1]) if out else lp))
     return out
-
-
-def solve_increasing(f, target: float, lo: float, hi: float, tol: float = 1e-12) -> float:
-    """The x in [lo, hi] where the increasing function f reaches target (bisection)."""
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if f(mid) < target:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < tol:
-            break
-    return (lo + hi) / 2
 
 
 def chain_tau(p_top1: list[float]) -> float:
@@ -435,8 +411,6 @@ class DraftCalibrator:
 def load_profile(path: str | Path) -> CalibrationProfile | ReplayProfile:
     """Either kind of profile: a step-replay .npz (gateway/replay_profile.py) or a rank-table JSON."""
     if str(path).endswith(".npz"):
-        from gateway.replay_profile import ReplayProfile  # it builds on this module
-
         return ReplayProfile.load(path)
     return CalibrationProfile.load(path)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gateway.calibrated_drafts import extend_sorted, solve_increasing
+from gateway.profile_math import extend_sorted, solve_increasing
 
 NO_REFERENCE = -1  # a measured depth past the reference's end (EOS came first): no rank
 
