@@ -44,11 +44,9 @@ def prepare(profile_path: str, chain_tau: float | None, budgets: list[int], max_
     used = work / ("profile.steps.npz" if replay else "profile.json")
     profile.save(used)
     depth = min(max_depth, profile.depths)
-    if replay:
-        implied_tree = {b: round(profile.simulated_tree_tau(b, trials=max(1, trials // 5000), depth=depth), 3)
-                        for b in budgets}
-    else:
-        implied_tree = {b: round(simulated_tree_tau(profile, b, trials=trials, depth=depth), 3) for b in budgets}
+    # Step replay simulates every measured step (a few draws each); the rank tables draw `trials` whole steps.
+    implied_tree = {b: round(profile.simulated_tree_tau(b, depth=depth) if replay
+                             else simulated_tree_tau(profile, b, trials=trials, depth=depth), 3) for b in budgets}
     info = {
         "label": LABEL,
         "profile": common._display_path(src),

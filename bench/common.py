@@ -260,15 +260,17 @@ def wait_for_graphs(stack, timeout_s: float = 900.0, poll_s: float = 1.0) -> flo
     port = stack.metrics_ports["target"]
     while True:
         samples = scrape(port)
-        pending = total(samples, "ddtree_target_graph_buckets", state="pending")
+        pending, captured, eager = (total(samples, "ddtree_target_graph_buckets", state=state)
+                                    for state in ("pending", "captured", "eager"))
         if not pending:
             waited = time.perf_counter() - t0
             if waited >= poll_s:
-                print(f"verify graphs ready after {waited:.0f} s ({total(samples, 'ddtree_target_graph_buckets', state='captured'):.0f} "
-                      f"captured, {total(samples, 'ddtree_target_graph_buckets', state='eager'):.0f} eager)", flush=True)
+                print(f"verify graphs ready after {waited:.0f} s ({captured:.0f} captured, {eager:.0f} eager)",
+                      flush=True)
             return waited
         if time.perf_counter() - t0 > timeout_s:
-            raise TimeoutError(f"the target still has {pending:.0f} verify graph buckets to capture after {timeout_s:.0f} s")
+            raise TimeoutError(f"the target still has {pending:.0f} verify graph buckets to capture after "
+                               f"{timeout_s:.0f} s")
         if time.perf_counter() - last >= 30:
             last = time.perf_counter()
             print(f"waiting for the target's verify graphs: {pending:.0f} buckets pending", flush=True)

@@ -134,7 +134,6 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         shapes = self.runner.warmup_shapes()
         done = 0
         seconds, eager = 0.0, 0
-        self._observe_buckets(len(shapes), 0, 0)
         for done, shape in enumerate(shapes, start=1):
             try:
                 seconds = await self.model_thread.run(self.runner.warmup, [shape])
