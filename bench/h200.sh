@@ -27,6 +27,8 @@
 #              a service that runs out of memory leaves an allocator snapshot, summarised by bench.memory_snapshot
 #   devmem     device memory outside torch's allocator during a long prefill, one suspect off per variant, and the
 #              prefill's kernels (bench.device_memory at the 27B layout cut to DEVMEM_LAYERS=8 layers; ~2 GB disk)
+# PYSPY_S=N (with speed8b / speedhyb): py-spy samples each service's threads for N s once the services are up
+#   (carry the py-spy wheel in .whl; writes $R/pyspy-<service>.txt, folded stacks: bench.pyspy_summary reads them)
 # Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
 set -uo pipefail
 OUT=${1:?output directory}
@@ -37,6 +39,15 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PROFILE=${CALIB_PROFILE:-bench/results/calibration-profile-smollm2.steps.npz}   # step replay (gateway/replay_profile.py)
 CALIB=(--no-assisted --calibrated "$PROFILE" --calibrate-chain-tau 7.79 --transport cuda-ipc)
+record_services() {   # $1: the speed log to watch; py-spy on the three services for PYSPY_S seconds
+  [ -n "${PYSPY_S:-}" ] || return 0
+  (for _ in $(seq 600); do grep -q "services up" "$1" 2>/dev/null && break; sleep 0.5; done
+   for svc in gateway target drafter; do
+     pid=$(pgrep -f "launch.cli $svc" | head -1)
+     [ -n "$pid" ] && timeout $((PYSPY_S + 30)) py-spy record -p "$pid" -d "$PYSPY_S" -r 500 --threads --nonblocking \
+       -f raw -o "$R/pyspy-$svc.txt" > "$R/pyspy-$svc.log" 2>&1 &
+   done; wait) &
+}
 for s in $SECTIONS; do
   echo "== $s $(date -u +%T)"
   case $s in
@@ -58,6 +69,7 @@ for s in $SECTIONS; do
       timeout 120 python3 -m bench.flagship_fit --shape qwen3-8b --work-dir /tmp/w8 --build-only > "$R/w8-build.log" 2>&1
       tail -2 "$R/w8-build.log" ;;
     speed8b)
+      record_services "$R/speed-8b.log"
       timeout ${SPEED8_S:-290} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
         --dtype bfloat16 --num-prompts 8 --max-tokens 96 --batch 8 --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
         ${SPEED8_ARGS:-} --out-dir "$R" --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
@@ -81,6 +93,7 @@ for s in $SECTIONS; do
     speedhyb)   # no kernel warm-up passes (they bound memory outside the allocator, not speed; ~2 min each here):
                 # the reference ar run absorbs the autotuning and the graph captures
       mkdir -p "$R/hybrid"
+      record_services "$R/speed-27b.log"
       timeout ${SPEEDHYB_S:-330} python3 -m bench.speed --model /tmp/w27/target --drafter /tmp/w27/drafter --device cuda \
         --dtype bfloat16 --num-prompts 4 --max-tokens 64 --batch 4 --budget 16,64 --no-hf-batch "${CALIB[@]}" --kernel-warmup-passes 0 ${SPEEDHYB_ARGS:-} \
         --out-dir "$R/hybrid" --log-dir "$R/logs-27b" > "$R/speed-27b.log" 2>&1

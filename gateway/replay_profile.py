@@ -50,7 +50,7 @@ class ReplayProfile:
         self._cdf = probs.cumsum(-1).numpy()          # [S, D, K + 1]; the last column is "absent"
         self._cdf[..., -1] = 1.0
         self._p_top1 = probs[..., 0]                  # [S, D]
-        self._rows32 = self._rows.float()
+        self._rows32 = self._rows.float().numpy()      # what draw() hands out, read per draft on the gateway's loop
 
     @property
     def steps(self) -> int:
@@ -85,16 +85,18 @@ class ReplayProfile:
         meta = dict(self.meta, rescaled_to_chain_tau=tau, temperature=t, chain_tau_before_rescaling=self.chain_tau())
         return ReplayProfile(self.logprobs, self.ranks, t, meta)
 
-    def draw(self, n: int, k: int, rng: random.Random) -> tuple[np.ndarray, torch.Tensor]:
+    def draw(self, n: int, k: int, rng: random.Random) -> tuple[np.ndarray, np.ndarray]:
         """One draft's calibration for n depths and top-k lists: a measured step (uniformly), the true token's rank
         per depth drawn from its sharpened rows (>= k: absent from the lists), and those rows as float32 [n, k]."""
         s = rng.randrange(self.steps)
         depth = np.minimum(np.arange(n), self.depths - 1)  # deeper than measured: the last depth again
         u = np.array([rng.random() for _ in range(n)])
         ranks = (self._cdf[s, depth] <= u[:, None]).sum(1)  # inverse CDF, one uniform per depth
-        rows = self._rows32[s, torch.from_numpy(depth)]
-        if k != self.top_k:
-            rows = torch.tensor([extend_sorted(r, k) for r in rows.tolist()], dtype=torch.float32)
+        rows = self._rows32[s, depth]
+        if k < self.top_k:
+            rows = rows[:, :k]
+        elif k > self.top_k:
+            rows = np.array([extend_sorted(r, k) for r in rows.tolist()], dtype=np.float32)
         return np.minimum(ranks, self.top_k), rows
 
     def measured_taus(self, budget: int) -> tuple[float, float]:
