@@ -256,23 +256,42 @@ def simulated_tree_tau(profile: CalibrationProfile, budget: int, trials: int = 2
 
 
 # ---- the rewrite ----------------------------------------------------------------------------------------------
-def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int], profile: CalibrationProfile | ReplayProfile,
-            rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-K lists [D, K] with the true token of each depth that has one (future_tokens[d]) at a rank drawn from
-    the profile (or removed, for 'absent'), other ids distinct and not the true token, log-probs the profile's.
-    Depths without a known future token keep the drafter's own lists."""
-    depth, k = ids.shape
+@dataclass
+class CalibrationDraw:
+    """One draft's calibration, drawn before the draft arrives: the true tokens of the first n depths, where they
+    go (rank per depth, >= k: absent) and the log-probs the lists carry, for a draft of depth x k lists."""
+
+    depth: int
+    k: int
+    true_tokens: np.ndarray   # int64 [n]
+    ranks: np.ndarray         # int [n]
+    table: np.ndarray         # float32 [n, k]
+
+
+def draw_calibration(future_tokens: list[int], depth: int, k: int, profile: CalibrationProfile | ReplayProfile,
+                     rng: random.Random) -> CalibrationDraw | None:
+    """The draws of one draft of depth x k lists (None when no depth has a known future token)."""
     n = min(depth, len(future_tokens))
     if n == 0:
-        return logprobs, ids
-    # In numpy throughout, on host copies: this runs for every sequence of every step on the gateway's event loop,
-    # on the step's critical path, where torch's per-op overhead on [15, 64] tensors cost ~0.5 ms a draft.
-    out_lp, out_ids = logprobs.float().numpy(force=True).copy(), ids.numpy(force=True).copy()
+        return None
     # The draws are made against the profile's own K: the same whatever K the gateway asked for.
     ranks, table = profile.draw(n, k, rng)
-    ranks = ranks[:, None]
+    return CalibrationDraw(depth, k, np.asarray(future_tokens[:n], dtype=np.int64), ranks, table)
+
+
+def place_calibration(draw: CalibrationDraw, logprobs: torch.Tensor, ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's lists with each true token moved to its drawn rank (or removed), the other ids distinct, kept in
+    their order and never the true token, the log-probs the draw's; depths past the draw keep the drafter's lists."""
+    if tuple(ids.shape) != (draw.depth, draw.k):
+        raise ValueError(f"a calibration drawn for [{draw.depth}, {draw.k}] lists cannot place a {tuple(ids.shape)} draft")
+    n, k = len(draw.ranks), draw.k
+    # In numpy throughout, on host copies: this runs for every sequence of every step on the gateway's event loop,
+    # where torch's per-op overhead on [15, 64] tensors cost ~0.5 ms a draft.
+    out_lp, out_ids = logprobs.float().numpy(force=True).copy(), ids.numpy(force=True).copy()
+    ranks = draw.ranks[:, None]
     rows = out_ids[:n]
-    true = np.asarray(future_tokens[:n], dtype=rows.dtype)[:, None]
+    true = draw.true_tokens.astype(rows.dtype)[:, None]
     is_true = rows == true
     row = np.arange(n)[:, None]
     # Each row's other ids in their order, then the true token where it was drafted (a stable sort moves it last).
@@ -288,9 +307,18 @@ def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int],
             filler += 1
         new[d, k - 1] = filler
     out_ids[:n] = new
-    out_lp[:n] = table
+    out_lp[:n] = draw.table
     return (torch.from_numpy(out_lp).to(logprobs.device, logprobs.dtype),
             torch.from_numpy(out_ids).to(ids.device, ids.dtype))
+
+
+def rewrite(logprobs: torch.Tensor, ids: torch.Tensor, future_tokens: list[int], profile: CalibrationProfile | ReplayProfile,
+            rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K lists [D, K] with the true token of each depth that has one (future_tokens[d]) at a rank drawn from
+    the profile (or removed, for 'absent'), other ids distinct and not the true token, log-probs the profile's.
+    Depths without a known future token keep the drafter's own lists."""
+    draw = draw_calibration(future_tokens, int(ids.shape[0]), int(ids.shape[1]), profile, rng)
+    return (logprobs, ids) if draw is None else place_calibration(draw, logprobs, ids)
 
 
 # ---- references ---------------------------------------------------------------------------------------------------
@@ -379,14 +407,16 @@ class DraftCalibrator:
         refs = self.references
         return refs.current() if isinstance(refs, WatchedReferences) else refs
 
-    def rewrite_sequence(self, prompt_ids: list[int], output_ids: list[int], logprobs: torch.Tensor,
-                         ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The calibrated (logprobs, ids) of one sequence's draft; the bonus token is output_ids[-1]."""
-        depth = int(ids.shape[0])
+    def draw(self, prompt_ids: list[int], output_ids: list[int], depth: int, k: int,
+             count: bool = True) -> CalibrationDraw | None:
+        """The calibration of the sequence's next draft of depth x k lists, drawable before that draft arrives (the
+        engine draws while the Draft is in flight, so that only the placing is on the step's path); None when the
+        reference has no future tokens for it (the draft is then left as drafted)."""
         store = self._store()
         future = store.future_tokens(prompt_ids, output_ids, depth)
-        self.counters.rewritten_depths += len(future)
-        self.counters.unchanged_depths += depth - len(future)
+        if count:
+            self.counters.rewritten_depths += len(future)
+            self.counters.unchanged_depths += depth - len(future)
         if not future:
             ref = store.references.get(tuple(prompt_ids))
             if len(store) and (ref is None or len(output_ids) < len(ref)):  # a miss a benchmark should hear about
@@ -396,9 +426,24 @@ class DraftCalibrator:
                     log.warning("%s: %s (prompt of %d tokens, %d output tokens): this draft is left as drafted",
                                 LABEL, "no reference for this prompt" if ref is None else
                                 "output diverged from its reference", len(prompt_ids), len(output_ids))
-            return logprobs, ids
+            return None
+        # Seeded per (prompt, position): a given position gets the same draws in every mode and batch.
         key = f"{self.seed}:{len(output_ids)}:{','.join(map(str, prompt_ids))}".encode()
-        return rewrite(logprobs, ids, future, self.profile, random.Random(zlib.crc32(key)))
+        return draw_calibration(future, depth, k, self.profile, random.Random(zlib.crc32(key)))
+
+    def rewrite_sequence(self, prompt_ids: list[int], output_ids: list[int], logprobs: torch.Tensor,
+                         ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The calibrated (logprobs, ids) of one sequence's draft; the bonus token is output_ids[-1]."""
+        draw = self.draw(prompt_ids, output_ids, int(ids.shape[0]), int(ids.shape[1]))
+        return (logprobs, ids) if draw is None else place_calibration(draw, logprobs, ids)
+
+    def apply(self, draw: CalibrationDraw | None, prompt_ids: list[int], output_ids: list[int],
+              logprobs: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft rewritten with the draw made for it before it arrived (drawn again, uncounted, should the
+        drafter have answered other shapes than asked)."""
+        if draw is not None and (draw.depth, draw.k) != tuple(ids.shape):
+            draw = self.draw(prompt_ids, output_ids, int(ids.shape[0]), int(ids.shape[1]), count=False)
+        return (logprobs, ids) if draw is None else place_calibration(draw, logprobs, ids)
 
     @classmethod
     def from_files(cls, profile_path: str | Path, references_path: str | Path, chain_tau: float | None = None,

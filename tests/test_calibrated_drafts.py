@@ -148,6 +148,28 @@ def test_reference_store_future_tokens_and_watched_file(tmp_path):
     assert (cal.counters.rewritten_depths, cal.counters.unchanged_depths) == (2, 1)
 
 
+def test_a_draw_made_before_the_draft_arrives_places_what_a_rewrite_after_it_would():
+    refs = ReferenceStore({(1, 2, 3): list(range(100, 140))})
+    lp, ids = drafter_lists(6, 8, seed=3)
+    early = DraftCalibrator(flat_profile(0.6), refs, seed=7)
+    late = DraftCalibrator(flat_profile(0.6), refs, seed=7)
+    draw = early.draw([1, 2, 3], [100, 101], depth=6, k=8)
+    placed = early.apply(draw, [1, 2, 3], [100, 101], lp, ids)
+    rewritten = late.rewrite_sequence([1, 2, 3], [100, 101], lp, ids)
+    assert torch.equal(placed[1], rewritten[1]) and torch.equal(placed[0], rewritten[0])
+    assert early.counters == late.counters
+
+
+def test_a_draft_of_other_shapes_than_drawn_for_is_calibrated_afresh_and_counted_once():
+    refs = ReferenceStore({(1, 2, 3): list(range(100, 140))})
+    cal = DraftCalibrator(flat_profile(0.6), refs)
+    draw = cal.draw([1, 2, 3], [100], depth=6, k=8)
+    lp, ids = drafter_lists(4, 8)
+    new_lp, new_ids = cal.apply(draw, [1, 2, 3], [100], lp, ids)
+    assert new_ids.shape == (4, 8) and (new_ids == torch.arange(101, 105)[:, None]).any(1).sum() >= 1
+    assert cal.counters.rewritten_depths == 6        # the first draw's count; the redraw is not counted
+
+
 # ---- through the real services -------------------------------------------------------------------------------------
 MAX_TOKENS = 40
 
@@ -197,3 +219,4 @@ def test_a_rescaled_profile_drafts_with_the_log_probs_of_its_own_rank_frequencie
         assert lps[0] == pytest.approx(math.log(probs[0]))
         assert all(a >= b for a, b in zip(lps, lps[1:]))
     assert "calibrated drafter" in scaled.meta["logprobs"]   # the report says where the log-probs come from
+
