@@ -334,8 +334,7 @@ def main(argv=None) -> None:
             "build_s": build_s,
             "floors": floors, "target": target_rows, "agreement": agreement, "drafter": drafter_rows,
             "profiles": profiles,
-            "graph_capture_s": {"target": (runner.graphs.forwards.capture_seconds + runner.graphs.commits.capture_seconds)
-                                if runner.graphs else 0.0,
+            "graph_capture_s": {"target": runner.graphs.capture_seconds if runner.graphs else 0.0,
                                 "drafter": drafter.graphs.cache.capture_seconds if drafter.graphs else 0.0}}
     fmt = args.dtype if args.quantize == "none" else f"{args.dtype}, weight-only {args.quantize} target"
     md = [f"# Step cost: {args.shape} ({runner.num_layers} layers), {hw.get('gpu', hw['cpu_model'])}, {fmt}",

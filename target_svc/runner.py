@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
-from ddtree_serve.plumbing.host_copy import to_host
+from ddtree_serve.plumbing.host_copy import PendingHostCopy, start_host_copy, to_host
 from target_svc.loader import LoadedTarget, load_target
 from target_svc.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -26,7 +26,7 @@ from target_svc.memory_plan import (
 )
 from target_svc.model import TargetModel
 from target_svc.quantization import tensor_bytes
-from target_svc.verify import VerifyBatch, VerifyGraphs, VerifyShape, verify_commit, verify_forward
+from target_svc.verify import VerifyBatch, VerifyGraphs, VerifyShape, commit_path, verify_forward, verify_walk
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,21 @@ class VerifyOutput:
     next_token: int
     context_len: int
     features: Tensor | None  # [len(accepted_nodes), F]
+    # CUDA: recorded once the features are written, before the step's commit is queued (a push waits on this, not
+    # on the commit); None: they are ready now
+    features_ready: torch.cuda.Event | None = None
+
+
+@dataclass
+class _Walked:
+    """What a verified block returns, its commit queued behind it on the device."""
+
+    logits: Tensor
+    result: Tensor                    # packed [B, 2 + W]: accepted count | bonus | path
+    rows: Tensor | None               # the accepted nodes' features [B, W, F]
+    graphed: bool
+    result_host: PendingHostCopy | None = None   # result's host copy, queued before the commit
+    rows_ready: torch.cuda.Event | None = None   # rows written (CUDA), likewise
 
 
 @dataclass
@@ -286,11 +301,10 @@ class TargetRunner:
             return choices if greedy else self._sample_rows(logits, choices, seqs, sizes)
 
         # Eagerly, accepted paths are at most the deepest tree's depth + 1: narrowing keeps the GDN replay short.
-        _, result, rows, graphed = self._forward_commit(batch, packed_dev, graphed, choose, self.feature_layers,
-                                                        max(tr.max_depth for tr in trees) + 1)
-        if graphed and rows is not None:
-            rows = rows.clone()  # the graph's buffer is overwritten by the next step; the pushes may be later
-        (packed_host,) = to_host(result)  # the one device->host copy of the step, waited for without the GIL
+        walked = self._forward_commit(batch, packed_dev, graphed, choose, self.feature_layers,
+                                      max(tr.max_depth for tr in trees) + 1, copy_result=True)
+        rows = walked.rows
+        (packed_host,) = walked.result_host.wait()  # the one device->host copy of the step, waited for without the GIL
         packed = packed_host.tolist()
 
         outputs = []
@@ -303,6 +317,7 @@ class TargetRunner:
             outputs.append(VerifyOutput(
                 seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=[tokens[i] for i in nodes[1:]],
                 next_token=next_token, context_len=ctx, features=None if rows is None else rows[b, :n],
+                features_ready=walked.rows_ready,
             ))
         return outputs
 
@@ -408,9 +423,9 @@ class TargetRunner:
             # commit stores its K/V and linear-attention states exactly as for an accepted draft.
             choices = torch.roll(batch.packed[:, : shape.nodes], -1, dims=1).to(self.device, non_blocking=True)
             # The graphs bake the drafter's feature layers in: they always ask for them (a change would recapture all).
-            logits, result, rows, graphed = self._forward_commit(
-                batch, packed_dev, graphed, lambda _logits, _choices: choices,
-                self.feature_layers if want_features else (), shape.nodes)
+            walked = self._forward_commit(batch, packed_dev, graphed, lambda _logits, _choices: choices,
+                                          self.feature_layers if want_features else (), shape.nodes)
+            logits, result, rows, graphed = walked.logits, walked.result, walked.rows, walked.graphed
             accepted.append(result[: len(active), 0].clone())   # a graph's output: the next replay overwrites it
             expected += sizes
             last = torch.tensor(sizes, device=self.device) - 1
@@ -420,7 +435,7 @@ class TargetRunner:
                 if c0 + sizes[row] == lens[b] and not items[b].more:
                     last_logits[b] = ends[row]
                 if rows is not None and items[b].want_features:
-                    feature_parts[b].append(rows[row, : sizes[row]].clone() if graphed else rows[row, : sizes[row]])
+                    feature_parts[b].append(rows[row, : sizes[row]])
         (got,) = to_host(torch.cat(accepted))
         if got.tolist() != expected:   # cannot happen for chains; a cache that silently missed rows must not serve
             raise RuntimeError(f"prefill chains were not fully committed: {got.tolist()} of {expected} tokens")
@@ -428,24 +443,42 @@ class TargetRunner:
 
     def _forward_commit(self, batch: VerifyBatch, packed_dev: Tensor, graphed: bool,
                         choose: Callable[[Tensor, Tensor], Tensor], eager_feature_layers: tuple[int, ...],
-                        eager_width: int) -> tuple[Tensor, Tensor, Tensor | None, bool]:
-        """Forward, choices, then walk + commit of a packed block: through its bucket's graphs where graphed, else
-        eagerly -> (logits, packed result, accepted feature rows, graphed). A bucket whose capture runs out of memory
-        is given up and the block runs again eagerly: nothing is committed before its commit runs (the forward only
-        wrote the block's K/V past the context)."""
+                        eager_width: int, copy_result: bool = False) -> _Walked:
+        """Forward, choices, walk, then the commit of a packed block: through its bucket's graphs where graphed,
+        else eagerly. The commit is queued last, behind the result's host copy (copy_result) and the rows, so that
+        neither waits for it. A bucket whose capture runs out of memory is given up and the block runs again
+        eagerly: nothing is committed before its commit runs (the forward only wrote the block's K/V past the
+        context)."""
         s = batch.shape
         if graphed:
             try:
                 logits, choices, features = self.graphs.forward(batch, packed_dev, self.feature_layers)
-                result, rows = self.graphs.commit(batch, packed_dev, choose(logits, choices), features)
-                return logits, result, rows, True
+                result, rows, path, n_acc = self.graphs.walk(batch, packed_dev, choose(logits, choices), features)
+                # The graphs' rows buffer is overwritten by the next step; the pushes may read them later.
+                walked = self._walked(logits, result, None if rows is None else rows.clone(), True, copy_result)
+                self.graphs.commit(batch, packed_dev, path, n_acc)
+                return walked
             except torch.OutOfMemoryError as exc:
                 log.warning("verify bucket %s could not be captured (%s): its steps run eagerly; %s", s,
                             str(exc).splitlines()[0][:200] if str(exc) else "out of memory", self.memory_summary())
                 self.graphs.give_up(s)
         logits, choices, features = verify_forward(self.model, packed_dev, s.nodes, s.key_len, eager_feature_layers)
-        result, rows = verify_commit(self.model, packed_dev, s.nodes, choose(logits, choices), features, eager_width)
-        return logits, result, rows, False
+        result, rows, path, n_acc = verify_walk(packed_dev, s.nodes, choose(logits, choices), features, eager_width)
+        walked = self._walked(logits, result, rows, False, copy_result)
+        commit_path(self.model, packed_dev, s.nodes, path, n_acc)
+        return walked
+
+    @staticmethod
+    def _walked(logits: Tensor, result: Tensor, rows: Tensor | None, graphed: bool, copy_result: bool) -> _Walked:
+        """The block's results, with their host copy and the rows' ready event queued now (before the commit)."""
+        walked = _Walked(logits, result, rows, graphed)
+        if copy_result:
+            walked.result_host = start_host_copy(result)
+        if rows is not None and rows.is_cuda:
+            walked.rows_ready = walked.result_host.done[0] if copy_result else torch.cuda.Event()
+            if not copy_result:
+                walked.rows_ready.record()
+        return walked
 
     def _choose(self, logits: Tensor, seqs: list[_Sequence], sizes: list[int]) -> Tensor:
         """LongTensor[B, Tmax]: the target's choice per node; greedy rows in one argmax, sampled rows per sequence."""

@@ -323,7 +323,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         t1 = time.perf_counter_ns()
         outputs = await self.model_thread.run(self.runner.verify, items)
         t2, forward_done = time.perf_counter_ns(), time.time_ns()
-        nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features, o.next_token)
+        nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features, o.next_token,
+                                         o.features_ready)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if nbytes:
             # One turn of the event loop lets the sender put the push on the wire before this answer: the push

@@ -5,10 +5,13 @@ sizes, context lengths and slots of every row), so that a step needs one host->d
 device->host copy:
 
 - `verify_forward`: the target forward over the trees -> fp32 logits, the greedy choice per node, features;
-- `verify_commit`: the acceptance walk against the target's choices, the commit of the accepted path (K/V
-  compaction, linear-attention states) and the packed result (accepted count, bonus token, path).
+- `verify_walk`: the acceptance walk against the target's choices -> the packed result (accepted count, bonus
+  token, path) and the accepted nodes' feature rows;
+- `commit_path`: the commit of the accepted paths (K/V compaction, linear-attention states). The results are
+  copied out (and the features pushed) before it: nothing they hold depends on it, and on the hybrid 27B layout
+  it is ~350 small kernels (~1 ms) that the step's critical path no longer waits for.
 
-Sampled sequences replace their rows of the greedy choices between the two. On CUDA both functions are captured
+Sampled sequences replace their rows of the greedy choices between the forward and the walk. On CUDA both functions are captured
 as CUDA graphs per shape bucket (`VerifyGraphs`; Gated DeltaNet layers through the sync-free tree pass of
 target_svc/gdn_tree_wy.py); the eager path runs the very same functions, so the two agree by construction
 (tests/test_gpu.py checks it on the device).
@@ -83,22 +86,39 @@ def verify_forward(model: TargetModel, packed: Tensor, nodes: int, key_len: int,
     return logits, logits.argmax(dim=-1), features
 
 
+def verify_walk(packed: Tensor, nodes: int, choices: Tensor, features: Tensor | None, path_width: int,
+                rows_out: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """The acceptance walk of the pending block -> (packed result [B, 2 + W]: accepted count | bonus | path, the
+    accepted nodes' feature rows [B, W, F] (into rows_out when given), path [B, W], accepted count [B]): all that a
+    step returns, before anything is committed."""
+    # path_width >= the deepest tree's depth + 1: accepted paths are at most that long, and the linear-attention
+    # replay walks that many columns.
+    ids, parents, sizes, _, _ = unpack(packed, nodes)
+    walk = accept_batch(ids, parents, choices, sizes)
+    path, n_acc = walk.accepted_nodes[:, :path_width], walk.num_accepted
+    rows = None
+    if features is not None:
+        index = path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[-1])
+        rows = features.gather(1, index) if rows_out is None else torch.gather(features, 1, index, out=rows_out)
+    return torch.cat([n_acc[:, None], walk.next_tokens[:, None], path], dim=1), rows, path, n_acc
+
+
+def commit_path(model: TargetModel, packed: Tensor, nodes: int, path: Tensor, n_acc: Tensor,
+                traces: list | None = None) -> None:
+    """The commit of the walked paths: K/V compaction and linear-attention states (nothing a step returns reads
+    it, so it may run after the results have been copied out)."""
+    _, _, _, ctx_lens, slots = unpack(packed, nodes)
+    model.commit_block(path, n_acc, slots, ctx_lens, traces)
+
+
 def verify_commit(model: TargetModel, packed: Tensor, nodes: int, choices: Tensor, features: Tensor | None,
                   path_width: int, traces: list | None = None,
                   rows_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Walk + commit of the pending block -> (packed [B, 2 + W]: accepted count | bonus | path, rows [B, W, F]);
     rows_out = a [B, W, F] buffer to write the rows into."""
-    # path_width >= the deepest tree's depth + 1: accepted paths are at most that long, and the linear-attention
-    # replay walks that many columns.
-    ids, parents, sizes, ctx_lens, slots = unpack(packed, nodes)
-    walk = accept_batch(ids, parents, choices, sizes)
-    path, n_acc = walk.accepted_nodes[:, :path_width], walk.num_accepted
-    model.commit_block(path, n_acc, slots, ctx_lens, traces)
-    rows = None
-    if features is not None:
-        index = path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[-1])
-        rows = features.gather(1, index) if rows_out is None else torch.gather(features, 1, index, out=rows_out)
-    return torch.cat([n_acc[:, None], walk.next_tokens[:, None], path], dim=1), rows
+    result, rows, path, n_acc = verify_walk(packed, nodes, choices, features, path_width, rows_out)
+    commit_path(model, packed, nodes, path, n_acc, traces)
+    return result, rows
 
 
 class VerifyGraphs:
@@ -119,6 +139,7 @@ class VerifyGraphs:
         self.node_buckets = tree_node_buckets(max_nodes)
         self.key_buckets = key_buckets(capacity)
         self.forwards = GraphCache("target verify forward")
+        self.walks = GraphCache("target verify walk")
         self.commits = GraphCache("target verify commit")
         self._feature_layers: tuple[int, ...] | None = None
         self._traces: dict[VerifyShape, list] = {}   # from a bucket's forward capture until its commit capture
@@ -126,7 +147,7 @@ class VerifyGraphs:
         self._rows = self.batch_buckets[-1] * self.node_buckets[-1]
         self._logits_out = SharedOutput(self._rows * model.target.vocab_size, torch.float32, model.device)
         self._features_out: SharedOutput | None = None   # sized when the feature layers are known
-        self._rows_out: SharedOutput | None = None       # the commits' accepted feature rows, likewise
+        self._rows_out: SharedOutput | None = None       # the walks' accepted feature rows, likewise
 
     @staticmethod
     def supports(model: TargetModel) -> bool:
@@ -147,8 +168,9 @@ class VerifyGraphs:
         """Bucket s runs eagerly from now on (its capture failed): what its capture left is let go."""
         self.eager_shapes.add(s)
         self.forwards.graphs.pop(s, None)
-        for key in [k for k in self.commits.graphs if k[0] == s]:
-            del self.commits.graphs[key]
+        self.commits.graphs.pop(s, None)
+        for key in [k for k in self.walks.graphs if k[0] == s]:
+            del self.walks.graphs[key]
         self._traces.pop(s, None)
         self.model.pending_traces = None
         if self.model.device.type == "cuda":
@@ -158,6 +180,7 @@ class VerifyGraphs:
         # Feature layers are baked into a captured forward; a new drafter with other layers needs new graphs.
         if feature_layers != self._feature_layers:
             self.forwards.graphs.clear()
+            self.walks.graphs.clear()
             self.commits.graphs.clear()
             self._traces.clear()
             self._features_out = self._rows_out = None
@@ -194,13 +217,14 @@ class VerifyGraphs:
         self.model.pending_traces = None  # the commit graph reads self._traces[s]
         return out
 
-    def commit(self, batch: VerifyBatch, packed_dev: Tensor, choices: Tensor, features: Tensor | None):
-        """Replays (capturing on first use) the walk + commit of batch's bucket."""
+    def walk(self, batch: VerifyBatch, packed_dev: Tensor, choices: Tensor, features: Tensor | None
+             ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """Replays (capturing on first use) the acceptance walk of batch's bucket -> verify_walk's outputs."""
         s = batch.shape
         has_features = features is not None
         shared, rows_out = None, None
         if has_features:
-            # The forward graph wrote these features into the shared buffer: the commit graph reads them there
+            # The forward graph wrote these features into the shared buffer: the walk graph reads them there
             # rather than from a static copy of its own (one per bucket, ~0.3 GiB over the 27B's buckets).
             _, shared = self._outputs(s, self._feature_layers)
             if features.data_ptr() != shared.data_ptr():
@@ -208,13 +232,24 @@ class VerifyGraphs:
             if self._rows_out is None:
                 self._rows_out = SharedOutput(self._rows * shared.shape[-1], shared.dtype, shared.device)
             rows_out = self._rows_out.view(s.batch, s.nodes, shared.shape[-1])
-        fn = self.commits.get(
+        fn = self.walks.get(
             (s, has_features),
-            lambda p, c: verify_commit(self.model, p, s.nodes, c, shared, s.nodes, self._traces[s], rows_out),
+            lambda p, c: verify_walk(p, s.nodes, c, shared, s.nodes, rows_out),
             lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device)],
         )
-        self._traces.pop(s, None)   # captured: the graph holds the traces' addresses (see the class docstring)
         return fn(packed_dev, choices)
+
+    def commit(self, batch: VerifyBatch, packed_dev: Tensor, path: Tensor, n_acc: Tensor) -> None:
+        """Replays (capturing on first use) the commit of batch's bucket along the walked paths."""
+        s = batch.shape
+        fn = self.commits.get(
+            s,
+            lambda p, w, n: commit_path(self.model, p, s.nodes, w, n, self._traces[s]),
+            lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device),
+                     torch.ones(s.batch, dtype=torch.long, device=self.model.device)],
+        )
+        self._traces.pop(s, None)   # captured: the graph holds the traces' addresses (see the class docstring)
+        fn(packed_dev, path, n_acc)
 
     def shapes(self) -> list[VerifyShape]:
         """Every (batch, nodes, key length) bucket, largest first.
@@ -238,11 +273,17 @@ class VerifyGraphs:
             batch = VerifyBatch(packed_dev, s, 0)
             try:
                 _, choices, features = self.forward(batch, packed_dev, feature_layers)
-                self.commit(batch, packed_dev, choices, features)
+                _, _, path, n_acc = self.walk(batch, packed_dev, choices, features)
+                self.commit(batch, packed_dev, path, n_acc)
             except torch.OutOfMemoryError:
                 self.give_up(s)   # its steps run eagerly; the caller hears why
                 raise
-        return self.forwards.capture_seconds + self.commits.capture_seconds
+        return self.capture_seconds
+
+    @property
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing the forward, walk and commit graphs so far."""
+        return self.forwards.capture_seconds + self.walks.capture_seconds + self.commits.capture_seconds
 
     def _example(self, s: VerifyShape) -> Tensor:
         """A packed batch of one-node trees in the scratch slot: capturing it writes nowhere that matters."""

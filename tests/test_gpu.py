@@ -94,12 +94,13 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
         assert graphed == eager and accepted_g == accepted_e
         target_runner, drafter_runner = runners
         graphs = target_runner.graphs
-        assert graphs.forwards.graphs and graphs.commits.graphs and drafter_runner.graphs.cache.graphs
+        assert graphs.forwards.graphs and graphs.walks.graphs and graphs.commits.graphs
+        assert drafter_runner.graphs.cache.graphs
         # every bucket's forward wrote the one shared logits buffer; no bucket still holds its traces
         assert {g.outputs[0].data_ptr() for g in graphs.forwards.graphs.values()} == {graphs._logits_out.buffer.data_ptr()}
-        # every commit read the shared features (no static copy of its own) and wrote the one shared rows buffer
-        assert all(len(g.static_inputs) == 2 for g in graphs.commits.graphs.values())
-        rows = {g.outputs[1].data_ptr() for g in graphs.commits.graphs.values() if g.outputs[1] is not None}
+        # every walk read the shared features (no static copy of its own) and wrote the one shared rows buffer
+        assert all(len(g.static_inputs) == 2 for g in graphs.walks.graphs.values())
+        rows = {g.outputs[1].data_ptr() for g in graphs.walks.graphs.values() if g.outputs[1] is not None}
         assert rows == {graphs._rows_out.buffer.data_ptr()}
         assert not graphs._traces
         drafts = [g for key, g in drafter_runner.graphs.cache.graphs.items() if key[0] != "context"]

@@ -13,7 +13,7 @@ from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.plumbing.cuda_graphs import (SharedOutput, key_buckets, pick_bucket, power_of_two_buckets,
                                                tree_node_buckets)
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
-from target_svc.verify import VerifyBatch, VerifyShape, unpack, verify_commit, verify_forward
+from target_svc.verify import VerifyBatch, VerifyShape, commit_path, unpack, verify_commit, verify_forward, verify_walk
 from tests.fixtures import make_tiny_qwen3, make_tiny_qwen3_5
 
 TREE = [-1, 0, 0, 1, 1, 2, 3]  # node i's parent
@@ -162,3 +162,30 @@ def test_commit_writes_the_accepted_rows_into_a_given_buffer_as_it_would_allocat
     assert want_result[:, 0].tolist() == [4, 4]   # the planted path was accepted
     assert torch.equal(got_result, want_result)
     assert torch.equal(got_rows, want_rows)
+
+
+def test_the_walk_commits_nothing_and_the_commit_after_it_equals_walk_and_commit_in_one(tmp_path):
+    model_dir = make_tiny_qwen3_5(tmp_path / "m", seed=6)
+    prompts = [list(range(20, 29)), list(range(30, 36))]
+    (split, roots), (whole, _) = _prefilled(model_dir, prompts), _prefilled(model_dir, prompts)
+    draft = _accepting_draft(split, roots, [[50 + i for i in range(len(TREE) - 1)]] * 2)
+    _accepting_draft(whole, roots, draft)
+    shape = VerifyShape(batch=2, nodes=len(TREE), key_len=64)
+    outs = []
+    for runner in (split, whole):
+        trees, ctx, slots = _trees(runner, roots, draft)
+        batch = VerifyBatch.pack(trees, ctx, slots, shape, runner.model.cache.spec.scratch_slot)
+        _, greedy, features = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
+        if runner is split:
+            before = [st.rec.clone() for st in runner.model.cache.linear]
+            result, rows, path, n_acc = verify_walk(batch.packed, shape.nodes, greedy, features, shape.nodes)
+            assert all(torch.equal(b, st.rec) for b, st in zip(before, runner.model.cache.linear))
+            commit_path(runner.model, batch.packed, shape.nodes, path, n_acc)
+        else:
+            result, rows = verify_commit(runner.model, batch.packed, shape.nodes, greedy, features, shape.nodes)
+        outs.append((result, rows))
+    assert outs[0][0][:, 0].tolist() == [4, 4]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for a, b in zip(split.model.cache.linear, whole.model.cache.linear):
+        assert torch.equal(a.rec, b.rec) and torch.equal(a.conv, b.conv)
+    assert torch.equal(split.model.cache.k, whole.model.cache.k)

@@ -7,14 +7,31 @@ the wait is a CUDA event's, which releases the GIL.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 
-def to_host(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """CPU tensors equal to tensors (CPU inputs are returned as they are); one GIL-free wait per CUDA device."""
+@dataclass
+class PendingHostCopy:
+    """Host copies queued on their devices' streams; wait() returns them once the copies are done."""
+
+    tensors: tuple[Tensor, ...]
+    done: tuple[torch.cuda.Event, ...]
+
+    def wait(self) -> tuple[Tensor, ...]:
+        """The host tensors, after a GIL-free wait for each device's copies."""
+        for event in self.done:
+            event.synchronize()  # releases the GIL while the device catches up
+        return self.tensors
+
+
+def start_host_copy(*tensors: Tensor) -> PendingHostCopy:
+    """Queues copies of tensors into pinned host memory now (CPU inputs pass as they are): work queued on the
+    stream after this call does not delay them."""
     out: list[Tensor] = []
-    pending: dict[torch.device, torch.cuda.Stream] = {}
+    streams: dict[torch.device, torch.cuda.Stream] = {}
     for t in tensors:
         if t.device.type != "cuda":
             out.append(t)
@@ -22,9 +39,15 @@ def to_host(*tensors: Tensor) -> tuple[Tensor, ...]:
         dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # torch caches pinned blocks: cheap after the first
         dst.copy_(t, non_blocking=True)
         out.append(dst)
-        pending[t.device] = torch.cuda.current_stream(t.device)
-    for device, stream in pending.items():
-        done = torch.cuda.Event()
-        done.record(stream)
-        done.synchronize()  # releases the GIL while the device catches up
-    return tuple(out)
+        streams[t.device] = torch.cuda.current_stream(t.device)
+    done = []
+    for stream in streams.values():
+        event = torch.cuda.Event()
+        event.record(stream)
+        done.append(event)
+    return PendingHostCopy(tuple(out), tuple(done))
+
+
+def to_host(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """CPU tensors equal to tensors (CPU inputs are returned as they are); one GIL-free wait per CUDA device."""
+    return start_host_copy(*tensors).wait()

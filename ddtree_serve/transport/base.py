@@ -21,6 +21,9 @@ class FeatureRows:
     start: int
     data: torch.Tensor  # [n, F]
     next_token: int | None = None  # the pending token after these rows (the next draft's bonus), when known
+    # CUDA: an event recorded once data is written (a verify's rows are ready before its commit has run); None:
+    # ready once the work queued so far is done
+    ready: torch.cuda.Event | None = None
 
     @property
     def num_rows(self) -> int:

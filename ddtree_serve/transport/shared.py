@@ -58,13 +58,16 @@ class SharedBufferFeatureSender(PushSender):
 
     @staticmethod
     def _submission(rows: list[FeatureRows]) -> _Submission:
-        """The rows and, on CUDA, an event recorded on the model thread's stream now: the forward that made them
-        was queued before this call, so a copy waiting on it waits for exactly that work, on the GPU."""
+        """The rows and, on CUDA, the event a copy of them waits for: the rows' own (a verify's, recorded before its
+        commit was queued, so the copy runs beside the commit), else one recorded on the model thread's stream now
+        (the forward that made them was queued before this call)."""
         ready = None
         device = rows[0].data.device
         if device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.default_stream(device))
+            ready = rows[0].ready if all(r.ready is rows[0].ready for r in rows) else None
+            if ready is None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.default_stream(device))
         return _Submission(rows, ready)
 
     def _pieces(self, rows: list[FeatureRows]):
