@@ -79,6 +79,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.prefetched: dict[str, PrefetchedDraft] = {}
         self.features_arrived: dict[str, int] = {}   # seq id -> wall clock of its latest push (step segments)
         self.nccl = None                        # NcclReceiver, made on the first JoinNccl (imports no cupy before)
+        self.device_uuid = ""                   # the model device's UUID, asked once at load ("" on the CPU)
 
     async def load(self) -> None:
         """Loads drafter + the target's embedding and LM head on the model thread."""
@@ -87,6 +88,9 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                                    max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
                                    enforce_eager=self.cfg.enforce_eager, lazy_graphs=self.cfg.lazy_graphs)
         await self.load_runner(DrafterRunner, runner_cfg, self.cfg.device, f"drafter {self.cfg.drafter_dir}")
+        # Asked once: Info answers the gateway's watch every second, on the event loop the steps share, and the
+        # CUDA queries behind a device's UUID took ~2 ms a call there on the H200 (py-spy).
+        self.device_uuid = device_uuid(self.cfg.device)
         await self.start_step_socket(self.cfg.step_socket, [
             StepMethod("DrafterService/Draft", drafter_pb2.DraftRequest, self.Draft),
             StepMethod("DrafterService/PushFeatures", drafter_pb2.FeatureBatch, self.PushFeatures)])
@@ -112,7 +116,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         r = self.runner
         return drafter_pb2.DrafterInfo(**self.common_info(self.cfg.drafter_dir, self.cfg), block_size=r.block_size,
                                        target_layer_ids=list(r.target_layer_ids), mask_token_id=r.mask_token_id,
-                                       device_uuid=device_uuid(self.cfg.device))
+                                       device_uuid=self.device_uuid)
 
     @grpc_errors
     async def JoinNccl(self, request, context):
@@ -129,7 +133,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         except NcclSetupError as exc:
             log.error("NCCL join refused: %s", exc)
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"drafter: {exc}") from None
-        return drafter_pb2.NcclJoinResponse(device_uuid=device_uuid(self.cfg.device))
+        return drafter_pb2.NcclJoinResponse(device_uuid=self.device_uuid)
 
     @grpc_errors
     async def PushFeatures(self, request, context):
