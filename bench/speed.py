@@ -82,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- services ---------------------------------------------------------------------------------------------------
 # A step's segments between the processes (gateway/step_timeline.py), in the order of the critical path.
-SEGMENTS = ("feature_push", "drafter_store_and_draft", "draft_request", "draft_handler", "draft_answer",
+SEGMENTS = ("feature_push", "push_staging", "push_trip", "drafter_store_and_draft", "draft_request", "draft_handler", "draft_answer",
             "gateway_tree", "verify_request", "target_handler", "verify_answer", "gateway_between_steps")
 
 
@@ -431,7 +431,9 @@ overlapped the hops counts as a forward). *Wall outside steps* = prefill, releas
 
 ## A step's segments between the processes (mean ms where the step had one; wall-clock stamps of one host)
 
-*feature push* = the last Verify forward done on the target -> its features' push at the drafter; *drafter store
+*feature push* = the last Verify forward done on the target -> its features' push at the drafter, split into *push
+staging* (-> the push sent: the target's event loop, the staging copy, the message) and *push trip* (sent ->
+arrived: the socket, the drafter's event loop); *drafter store
 and draft* = those features arrived -> the draft made from them; *draft request / answer*, *verify request /
 answer* = one-way trips; *draft handler* = the Draft waiting for features or slicing the ready draft; *target
 handler* = the Verify handler, forward included; *gateway tree* = the Draft answer -> the Verify sent (unpacking,

@@ -77,7 +77,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         # top-k of the latest Draft of any sequence: a gateway drafts with one budget, so its first Draft hits too.
         self.recent_top_k: int | None = None
         self.prefetched: dict[str, PrefetchedDraft] = {}
-        self.features_arrived: dict[str, int] = {}   # seq id -> wall clock of its latest push (step segments)
+        # seq id -> (wall clock of its latest push's arrival, the target's stamp as it sent it): step segments
+        self.features_arrived: dict[str, tuple[int, int]] = {}
         self.nccl = None                        # NcclReceiver, made on the first JoinNccl (imports no cupy before)
         self.device_uuid = ""                   # the model device's UUID, asked once at load ("" on the CPU)
 
@@ -193,7 +194,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             else:
                 stored += data.numel() * data.element_size()
                 self.rows_held[seq_id] = start + data.shape[0]
-                self.features_arrived[seq_id] = arrived
+                self.features_arrived[seq_id] = (arrived, request.sent_unix_ns)
         self.prefetched.update((seq_id, d) for seq_id, d in drafts.items() if seq_id not in self.released)
         if drafts and self.metrics is not None:
             self.metrics.observe_draft(len(drafts), draft_s)
@@ -312,10 +313,11 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 self.metrics.observe_draft(len(missing), (t2 - t1) / 1e9)
             if items:
                 self.metrics.observe_prefetch(hits=len(items) - len(missing), misses=len(missing))
-        arrived = max((self.features_arrived.get(it.seq_id, 0) for it in items), default=0)
+        arrived, sent = max((self.features_arrived.get(it.seq_id, (0, 0)) for it in items), default=(0, 0))
         return drafter_pb2.DraftResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, queue_ns=t1 - t0, received_unix_ns=received,
-            features_received_unix_ns=arrived, draft_made_unix_ns=made, replied_unix_ns=time.time_ns()))
+            features_received_unix_ns=arrived, features_sent_unix_ns=sent, draft_made_unix_ns=made,
+            replied_unix_ns=time.time_ns()))
 
     async def DraftStream(self, request_iterator, context):
         """Draft for each message of a long-lived stream, in order (the gateway's step path)."""

@@ -45,7 +45,9 @@ def step_segments(gw: GatewayStamps, draft: common_pb2.Timings | None, verify: c
     """Seconds per segment of one step (those its stamps allow; none negative):
 
     - gateway_between_steps: the last Verify answer's arrival -> this step's first call (post-processing)
-    - feature_push: the last Verify forward done on the target -> its features' push arrived at the drafter
+    - feature_push: the last Verify forward done on the target -> its features' push arrived at the drafter; split
+      into push_staging (forward done -> the push sent: the target's loop, staging, the message) and push_trip
+      (sent -> arrived: the socket and the drafter's loop), when the push carried the target's stamp
     - drafter_store_and_draft: those features arrived -> the draft made from them
     - draft_request / draft_answer: the Draft's trip to the drafter and back; draft_handler: between (waiting for
       features, slicing the ready draft)
@@ -63,6 +65,8 @@ def step_segments(gw: GatewayStamps, draft: common_pb2.Timings | None, verify: c
     if draft is not None and gw.draft_sent:
         if previous is not None:
             put("feature_push", previous.forward_done, draft.features_received_unix_ns)
+            put("push_staging", previous.forward_done, draft.features_sent_unix_ns)
+        put("push_trip", draft.features_sent_unix_ns, draft.features_received_unix_ns)
         put("drafter_store_and_draft", draft.features_received_unix_ns, draft.draft_made_unix_ns)
         put("draft_request", gw.draft_sent, draft.received_unix_ns)
         put("draft_handler", draft.received_unix_ns, draft.replied_unix_ns)

@@ -133,8 +133,8 @@ def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed
     # Streams end only when the stack stops: none has finished (with an OK status) while it served.
     assert "TargetService/VerifyStream" not in served and "DrafterService/DraftStream" not in drafted
     # Every step's path split into its segments (one host: the services' clocks agree).
-    assert {"feature_push", "drafter_store_and_draft", "draft_request", "draft_handler", "draft_answer",
-            "gateway_tree", "verify_request", "target_handler", "verify_answer"} <= segments.keys()
+    assert {"feature_push", "push_staging", "push_trip", "drafter_store_and_draft", "draft_request", "draft_handler",
+            "draft_answer", "gateway_tree", "verify_request", "target_handler", "verify_answer"} <= segments.keys()
     assert segments["target_handler"] >= steps
 
 

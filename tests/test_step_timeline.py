@@ -23,6 +23,17 @@ def test_every_segment_of_a_speculative_step_is_the_gap_between_its_two_stamps()
     assert sum(segments[k] for k in own) == (gw.verify_received - gw.draft_sent) / MS
 
 
+def test_a_push_stamped_by_the_target_splits_the_feature_push_into_staging_and_trip():
+    previous = PreviousVerify(forward_done=100 * MS, received=101 * MS)
+    gw = GatewayStamps(draft_sent=102 * MS, draft_received=106 * MS, verify_sent=107 * MS, verify_received=118 * MS)
+    draft = common_pb2.Timings(received_unix_ns=103 * MS, features_sent_unix_ns=100 * MS + MS // 4,
+                               features_received_unix_ns=101 * MS, draft_made_unix_ns=104 * MS,
+                               replied_unix_ns=105 * MS)
+    segments = step_segments(gw, draft, None, previous)
+    assert round(segments["push_staging"] * 1000, 6) == 0.25 and round(segments["push_trip"] * 1000, 6) == 0.75
+    assert round(segments["feature_push"] * 1000, 6) == 1
+
+
 def test_an_autoregressive_step_has_only_the_verify_segments_and_the_gap_since_the_last_one():
     gw = GatewayStamps(verify_sent=10 * MS, verify_received=20 * MS)
     verify = common_pb2.Timings(received_unix_ns=11 * MS, forward_done_unix_ns=18 * MS, replied_unix_ns=19 * MS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -106,6 +107,7 @@ class PushSender(FeatureSender):
 
     async def _push(self, batch: drafter_pb2.FeatureBatch) -> drafter_pb2.PushFeaturesResponse:
         """One PushFeatures message, answered once the drafter has stored (or dropped) its rows."""
+        batch.sent_unix_ns = time.time_ns()   # the drafter hands it on to the gateway's step segments
         return await self._pushes(batch, self.timeout_s)
 
     @abc.abstractmethod
