@@ -475,8 +475,10 @@ class TargetRunner:
         if copy_result:
             walked.result_host = start_host_copy(result)
         if rows is not None and rows.is_cuda:
-            walked.rows_ready = walked.result_host.done[0] if copy_result else torch.cuda.Event()
-            if not copy_result:
+            if walked.result_host is not None and walked.result_host.done:
+                walked.rows_ready = walked.result_host.done[0]   # recorded after the rows too: the same point
+            else:
+                walked.rows_ready = torch.cuda.Event()
                 walked.rows_ready.record()
         return walked
 
