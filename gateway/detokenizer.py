@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         self.sent = 0          # characters of self.text already streamed
         self.stopped = False
         self._stable = ""      # text of ids[:read_offset], final
+        self._text_ids = 0     # how many of ids self.text is the decode of (take_text decodes only when behind)
         self._prefix_offset = 0
         self._read_offset = 0
 
@@ -44,13 +45,36 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         return text
 
+    def extend(self, tokens: list[int]) -> int | None:
+        """Adds tokens; the index of the one that completes a stop string (the text is then cut right before it,
+        and the tokens after it are not added), else None. One decode for all of them: a step commits up to 16
+        tokens a sequence, and a decode after each one cost 3.2x as much (bench.detokenize: 53 -> 16 us a
+        sequence a step at 8 tokens, on the gateway's loop)."""
+        if not self.stop_strings or not tokens:
+            self.ids.extend(tokens)
+            return None
+        saved = (len(self.ids), self.text, self._text_ids, self._stable, self._prefix_offset, self._read_offset)
+        prev_len = len(self.text)
+        self.ids.extend(tokens)
+        text = self._decode()
+        if self._stop_re.search(text, max(0, prev_len - self._window)) is None:
+            self.text, self._text_ids = text, len(self.ids)
+            return None
+        # Rare: a stop string appeared. Token by token from where the step began, to find the one that completed it.
+        n, self.text, self._text_ids, self._stable, self._prefix_offset, self._read_offset = saved
+        del self.ids[n:]
+        for i, token in enumerate(tokens):
+            if self.stop_hit(token):
+                return i
+        return None   # only seen in the text of all of them, not after any one: they are all added
+
     def stop_hit(self, token: int) -> bool:
         """Adds one token; True when a stop string now appears (the text is cut right before it)."""
         self.ids.append(token)
         if not self.stop_strings:
             return False
         prev_len = len(self.text)
-        self.text = self._decode()
+        self.text, self._text_ids = self._decode(), len(self.ids)
         start = max(0, prev_len - self._window)
         hit = self._stop_re.search(self.text, start)   # the leftmost position where any stop string begins
         if hit:
@@ -60,8 +84,8 @@ class IncrementalDetokenizer:
 
     def take_text(self, final: bool = False) -> str:
         """Returns the text not yet streamed; keeps back an incomplete character or a possible stop-string start."""
-        if not self.stopped:
-            self.text = self._decode()
+        if not self.stopped and self._text_ids != len(self.ids):
+            self.text, self._text_ids = self._decode(), len(self.ids)
         end = len(self.text)
         if not final and not self.stopped:
             if self.text.endswith("\ufffd"):

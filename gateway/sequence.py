@@ -88,19 +88,23 @@ class Sequence:
         return self.mode != "ar" and self.drafting
 
     def append(self, tokens: list[int]) -> list[int]:
-        """Commits tokens until a stop condition; returns the ones kept and sets finish_reason when done."""
-        kept = []
-        for tok in tokens:
-            kept.append(tok)
-            self.output_ids.append(tok)
-            if tok in self.stop_token_ids:
-                self.finish_reason = "stop"
-            elif self.detokenizer.stop_hit(tok):
-                self.finish_reason = "stop"
-            elif self.remaining <= 0:
+        """Commits tokens until a stop condition; returns the ones kept and sets finish_reason when done.
+
+        In token order, the first of: a stop token (kept, not detokenized), a stop string completed (kept), the
+        length limit reached (kept)."""
+        n = min(len(tokens), max(1, self.remaining))   # the first token is always kept
+        eos = next((i for i, tok in enumerate(tokens[:n]) if tok in self.stop_token_ids), None)
+        text_end = n if eos is None else eos   # the tokens the text sees: up to a stop token, not including it
+        hit = self.detokenizer.extend(tokens[:text_end])
+        if hit is not None:
+            kept, self.finish_reason = tokens[:hit + 1], "stop"
+        elif eos is not None:
+            kept, self.finish_reason = tokens[:eos + 1], "stop"
+        else:
+            kept = tokens[:n]
+            if kept and len(self.output_ids) + n >= self.max_tokens:
                 self.finish_reason = "length"
-            if self.finish_reason:
-                break
+        self.output_ids.extend(kept)
         return kept
 
     def emit(self, tokens: list[int]) -> None:

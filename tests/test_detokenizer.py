@@ -123,3 +123,52 @@ def test_a_step_decodes_a_window_not_the_whole_output(tokenizer) -> None:
         detok.take_text()
     assert "".join([detok.text]) == tokenizer.decode(ids, skip_special_tokens=True)
     assert max(calls[-20:]) <= 8, calls[-20:]
+
+
+def _one_at_a_time(seq, tokens: list[int]) -> list[int]:
+    """Sequence.append's rule applied token by token (what a step of several tokens must equal)."""
+    kept = []
+    for tok in tokens:
+        kept += seq.append([tok])
+        if seq.finish_reason:
+            break
+    return kept
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_a_step_of_many_tokens_stops_where_token_by_token_steps_would(which, request) -> None:
+    """Stop strings, a stop token and the length limit, in steps of 1-16 tokens: the same tokens kept, the same
+    finish reason and the same streamed text as one token a step (one decode a step instead of one a token)."""
+    import random
+
+    from ddtree_serve.decoding.config import SamplingParams
+    from gateway.sequence import Sequence
+
+    tokenizer = request.getfixturevalue("tokenizer" if which == "tiny" else "smollm2_tokenizer")
+    rng = random.Random(1)
+    words = ["alpha ", "beta ", "STOP", "<end>", "caf\u00e9 ", "\u4e2d ", ". ", "x"]
+    for trial in range(80):
+        ids = tokenizer.encode("".join(rng.choice(words) for _ in range(rng.randint(3, 25))), add_special_tokens=False)
+        stop_ids = frozenset([rng.choice(ids)]) if trial % 3 == 0 else frozenset()
+        max_tokens = rng.randint(1, len(ids) + 3)
+        stops = rng.choice([[], ["STOP"], ["<end>", "beta al"], ["\u4e2d"]])
+
+        def make() -> Sequence:
+            return Sequence("r", [1], max_tokens, SamplingParams(), "ddtree", 64, stop_ids,
+                            IncrementalDetokenizer(tokenizer, stops))
+
+        chunked, single = make(), make()
+        kept_c, kept_s, text_c, text_s, i = [], [], [], [], 0
+        while i < len(ids) and not chunked.finish_reason:
+            step = ids[i:i + rng.randint(1, 16)]
+            i += len(step)
+            kept_c += chunked.append(step)
+            text_c.append(chunked.detokenizer.take_text(final=bool(chunked.finish_reason) or i >= len(ids)))
+        i = 0
+        while i < len(ids) and not single.finish_reason:
+            kept_s += _one_at_a_time(single, [ids[i]])
+            i += 1
+            text_s.append(single.detokenizer.take_text(final=bool(single.finish_reason) or i >= len(ids)))
+        assert kept_c == kept_s and chunked.output_ids == single.output_ids, (ids, stops, max_tokens)
+        assert chunked.finish_reason == single.finish_reason
+        assert "".join(text_c) == "".join(text_s)
