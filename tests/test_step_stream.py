@@ -6,7 +6,7 @@ import asyncio
 import grpc
 import pytest
 
-from ddtree_serve.plumbing.step_stream import StreamedCalls, answer_each
+from ddtree_serve.plumbing.step_stream import StreamedCalls, answer_each, within
 
 METHOD = "/echo.Echo/Call"
 
@@ -125,3 +125,19 @@ def test_concurrent_callers_are_serialised_and_each_gets_its_own_answer():
 
     answers, streams = run(body)
     assert answers == [bytes([65 + i]) for i in range(8)] and streams == 1
+
+
+def test_a_step_call_runs_in_the_callers_task_and_times_out_there():
+    async def main():
+        outer = asyncio.current_task()
+
+        async def which_task():
+            return asyncio.current_task()
+
+        inner = await within(which_task(), 1.0)
+        with pytest.raises(asyncio.TimeoutError):
+            await within(asyncio.sleep(5), 0.05)
+        return outer, inner
+
+    outer, inner = asyncio.run(main())
+    assert inner is outer or not hasattr(asyncio, "timeout")   # Python 3.10's wait_for makes a task of its own
