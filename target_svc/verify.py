@@ -11,10 +11,10 @@ device->host copy:
   copied out (and the features pushed) before it: nothing they hold depends on it, and on the hybrid 27B layout
   it is ~350 small kernels (~1 ms) that the step's critical path no longer waits for.
 
-Sampled sequences replace their rows of the greedy choices between the forward and the walk. On CUDA both functions are captured
-as CUDA graphs per shape bucket (`VerifyGraphs`; Gated DeltaNet layers through the sync-free tree pass of
-target_svc/gdn_tree_wy.py); the eager path runs the very same functions, so the two agree by construction
-(tests/test_gpu.py checks it on the device).
+Sampled sequences replace their rows of the greedy choices between the forward and the walk. On CUDA the three
+functions are captured as CUDA graphs per shape bucket (`VerifyGraphs`; Gated DeltaNet layers through the sync-free
+tree pass of target_svc/gdn_tree_wy.py); the eager path runs the very same functions, so the two agree by
+construction (tests/test_gpu.py checks it on the device).
 """
 from __future__ import annotations
 
