@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import grpc
@@ -27,6 +27,7 @@ from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
+RECENT_DRAFTS = 64        # Drafts whose widest top-k a sequence's first, unasked-for draft is made with
 RELEASED_MEMORY = 65536   # released ids remembered, so late feature pushes don't resurrect a sequence
 
 
@@ -74,8 +75,10 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         # Verify answer's trip to the gateway and the Draft request's trip here).
         self.last_top_k: dict[str, int] = {}
         # A sequence that has not asked yet (its first push: the prompt's rows and first token) is drafted with the
-        # top-k of the latest Draft of any sequence: a gateway drafts with one budget, so its first Draft hits too.
-        self.recent_top_k: int | None = None
+        # widest top-k of the last RECENT_DRAFTS Drafts of any sequence: its first Draft then hits whether the
+        # gateway drafts with one budget or mixes them (a narrower ask is a slice of a wider draft; the top-k kernel
+        # costs the same at K = 1 and 64).
+        self.recent_top_ks: deque[int] = deque(maxlen=RECENT_DRAFTS)
         self.prefetched: dict[str, PrefetchedDraft] = {}
         # seq id -> (wall clock of its latest push's arrival, the target's stamp as it sent it): step segments
         self.features_arrived: dict[str, tuple[int, int]] = {}
@@ -182,7 +185,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 self._reject(rows.seq_id, exc)
                 continue
             entries.append((rows.seq_id, rows.start, data))
-            if rows.HasField("next_token") and (rows.seq_id in self.last_top_k or self.recent_top_k is not None):
+            if rows.HasField("next_token") and (rows.seq_id in self.last_top_k or self.recent_top_ks):
                 next_tokens[rows.seq_id] = (rows.start + rows.num_rows, rows.next_token)
         # All sequences' rows in one projection, the prefetched drafts and the wait for the buffer's reads in one
         # trip to the model thread.
@@ -224,7 +227,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         if items:
             t0 = time.perf_counter()
             try:
-                top_k = min(max(self.last_top_k.get(it.seq_id, self.recent_top_k) for it in items), MAX_TOP_K,
+                first_ask = max(self.recent_top_ks, default=1)
+                top_k = min(max(self.last_top_k.get(it.seq_id, first_ask) for it in items), MAX_TOP_K,
                             self.runner.vocab_size)
                 logprobs, ids = to_host(*self.runner.draft(items, top_k))
                 logprobs, ids = logprobs.float(), ids.to(torch.int32)
@@ -287,7 +291,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         top_k = min(request.top_k, MAX_TOP_K, self.runner.vocab_size)
         depth = request.max_depth or self.runner.block_size - 1
         ready = {}
-        self.recent_top_k = top_k
+        self.recent_top_ks.append(top_k)
         made = 0
         for it in items:
             self.last_top_k[it.seq_id] = top_k

@@ -420,9 +420,9 @@ def test_a_push_carrying_the_next_token_answers_the_next_draft_with_the_same_dra
                 return stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=dim, rows=[drafter_pb2.FeatureRows(
                     seq_id=seq_id, start=start, num_rows=n, dtype="float32", data=data, **next_token)]), timeout=30)
 
-            def draft(seq_id, bonus, context_len):
+            def draft(seq_id, bonus, context_len, top_k=4):
                 return stub.Draft(drafter_pb2.DraftRequest(items=[drafter_pb2.DraftItem(
-                    seq_id=seq_id, bonus_token=bonus, context_len=context_len)], top_k=4, max_depth=3), timeout=30)
+                    seq_id=seq_id, bonus_token=bonus, context_len=context_len)], top_k=top_k, max_depth=3), timeout=30)
 
             for seq_id in ("prefetch-a", "prefetch-b"):
                 await push(seq_id, 0, 3, first)
@@ -432,8 +432,9 @@ def test_a_push_carrying_the_next_token_answers_the_next_draft_with_the_same_dra
             hits = _prefetch_hits(s.metrics_ports["drafter"])
             a, b = await draft("prefetch-a", 7, 5), await draft("prefetch-b", 7, 5)
             hit = _prefetch_hits(s.metrics_ports["drafter"]) - hits
-            # A new sequence's first push (a prompt's rows and first token) is drafted with the latest Draft's
-            # top-k, so its first Draft is a hit too.
+            # A new sequence's first push (a prompt's rows and first token) is drafted with the widest top-k of the
+            # recent Drafts, so its first Draft is a hit too, even when the latest Draft asked for fewer.
+            await draft("prefetch-b", 7, 5, top_k=1)
             await push("prefetch-c", 0, 3, first, next_token=9)
             hits = _prefetch_hits(s.metrics_ports["drafter"])
             await draft("prefetch-c", 9, 3)
@@ -444,7 +445,7 @@ def test_a_push_carrying_the_next_token_answers_the_next_draft_with_the_same_dra
 
     a, b, hit, first_hit = asyncio.run(call())
     assert hit == 1   # a was answered from its prefetched draft, b by a forward
-    assert first_hit == 1
+    assert first_hit == 1   # drafted at top-k 4 (the widest recent ask), not 1 (the latest)
     assert (a.depth, a.k) == (b.depth, b.k) == (3, 4)
     assert list(a.token_ids) == list(b.token_ids)
     assert list(a.logprobs) == pytest.approx(list(b.logprobs), abs=1e-5)
