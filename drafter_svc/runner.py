@@ -206,21 +206,34 @@ class DrafterRunner:
     def _project_into_cache(self, accepted: list[tuple[int, int, torch.Tensor]]) -> None:
         """One K/V projection over all accepted rows, scattered to their (slot, position) cache rows."""
         dev = self.device
-        n = sum(f.shape[0] for _, _, f in accepted)
+        n = sum(int(f.shape[0]) for _, _, f in accepted)
         rows = self.graphs.rows_bucket(n) if self.graphs is not None else None
         width = rows or n
-        # Padding rows (graph buckets) are zeros for position 0 of the scratch slot, which nothing reads.
-        pad = width - n
-        x = torch.cat([f.to(device=dev, dtype=self.dtype) for _, _, f in accepted]
-                      + ([torch.zeros(pad, self.feature_dim, device=dev, dtype=self.dtype)] if pad else []))
-        pos = torch.cat([torch.arange(st, st + f.shape[0]) for _, st, f in accepted] + [torch.zeros(pad, dtype=torch.long)])
-        slots = torch.cat([torch.full((f.shape[0],), slot) for slot, _, f in accepted]
-                          + [torch.full((pad,), self.cfg.max_batch)])
-        pos, slots = pos.to(dev), slots.to(dev)
+        # Positions and slots as one host tensor built from lists (this runs on every step's critical path, where
+        # torch's per-op cost on tiny tensors added up); padding rows go to position 0 of the scratch slot, which
+        # nothing reads.
+        pos: list[int] = []
+        slots: list[int] = []
+        for slot, start, f in accepted:
+            pos.extend(range(start, start + int(f.shape[0])))
+            slots.extend([slot] * int(f.shape[0]))
+        pos.extend([0] * (width - n))
+        slots.extend([self.cfg.max_batch] * (width - n))
+        index = torch.tensor([pos, slots], dtype=torch.long)
         if rows is None:
-            self._store_rows(x, pos, slots)
-        else:
-            self._store_graph(rows)(x, pos, slots)
+            x = torch.cat([f.to(device=dev, dtype=self.dtype) for _, _, f in accepted])
+            index = index.to(dev)
+            self._store_rows(x, index[0], index[1])
+            return
+        # Graphed: each sequence's rows go straight into the graph's input rows (no concatenated copy); the padding
+        # rows keep whatever they hold, since they land in the scratch slot.
+        store = self._store_graph(rows)
+        x_in = store.static_inputs[0]
+        offset = 0
+        for _, _, f in accepted:
+            x_in[offset:offset + f.shape[0]].copy_(f, non_blocking=True)
+            offset += int(f.shape[0])
+        store(x_in, index[0], index[1])
 
     def _store_rows(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
         """Context K/V of feature rows x [N, F] at positions pos [N] into cache slots [N] (no host sync)."""
