@@ -17,7 +17,8 @@ from ddtree_serve.transport.shared_buffer import StagingBuffer, plan_pieces
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 64 << 20   # a bigger push (a long prompt's rows) goes out in several
-READY_POLLS = 32                     # event-loop turns spent polling a staging copy before waiting on a thread
+READY_SPIN_S = 0.0005                # a staging copy is polled this long without yielding, then
+READY_POLLS = 32                     # event-loop turns spent polling it before waiting on a thread
 
 
 @dataclass
@@ -119,7 +120,13 @@ class SharedBufferFeatureSender(PushSender):
         if done is None:
             return nbytes
         # A step's rows are a few hundred KB copied after the forward that made them has finished: the copy is
-        # usually done within a few event-loop turns, and polling then spares the thread hop of a blocking wait.
+        # usually done within tens of microseconds. The Verify answer waits for this push (nothing else is due on
+        # the loop), so it is first polled without yielding for a bounded time, then between event-loop turns,
+        # and only then waited for on a thread (a hop that costs more than such a copy).
+        deadline = time.perf_counter() + READY_SPIN_S
+        while time.perf_counter() < deadline:
+            if done.query():
+                return nbytes
         for _ in range(READY_POLLS):
             if done.query():
                 return nbytes
