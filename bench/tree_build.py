@@ -28,6 +28,7 @@ import torch
 from bench import common
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.ddtree import DraftTree, build_ddtree_reference
+from ddtree_serve.plumbing.messages import draft_result
 from ddtree_serve.proto import drafter_pb2, target_pb2
 from gateway.engine import draft_tensors
 from gateway.sequence import Sequence
@@ -72,9 +73,7 @@ def make_sequences(batch: int, budget: int) -> list[Sequence]:
 
 def draft_response(seqs: list[Sequence], drafts: Drafts) -> bytes:
     """The drafts as the drafter service sends them (a serialized DraftResponse)."""
-    results = [drafter_pb2.DraftResult(seq_id=s.seq_id, depth=drafts[s.seq_id][0].shape[0],
-                                       k=drafts[s.seq_id][0].shape[1], token_ids=drafts[s.seq_id][1].flatten().tolist(),
-                                       logprobs=drafts[s.seq_id][0].flatten().tolist()) for s in seqs]
+    results = [draft_result(s.seq_id, *drafts[s.seq_id]) for s in seqs]
     return drafter_pb2.DraftResponse(results=results).SerializeToString()
 
 

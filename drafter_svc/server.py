@@ -13,6 +13,7 @@ import torch
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.plumbing import auth
 from ddtree_serve.plumbing.host_copy import to_host
+from ddtree_serve.plumbing.messages import draft_result
 from ddtree_serve.plumbing.metrics import DrafterMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
@@ -308,9 +309,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             made = time.time_ns()
         for it in items:
             logprobs, ids = ready[it.seq_id]
-            results.append(drafter_pb2.DraftResult(
-                seq_id=it.seq_id, depth=int(ids.shape[0]), k=int(ids.shape[1]),
-                token_ids=ids.reshape(-1).tolist(), logprobs=logprobs.reshape(-1).tolist()))
+            results.append(draft_result(it.seq_id, logprobs, ids))
         t2 = time.perf_counter_ns()
         if self.metrics is not None:
             if missing:

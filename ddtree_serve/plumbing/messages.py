@@ -1,8 +1,11 @@
 """Conversions between the wire messages and the shared Python types (one place for every service)."""
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from ddtree_serve.decoding.config import SamplingParams
-from ddtree_serve.proto import common_pb2
+from ddtree_serve.proto import common_pb2, drafter_pb2
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -15,3 +18,24 @@ def cache_usage_proto(usage: tuple[int, int, int, int]) -> common_pb2.CacheUsage
     running, max_seqs, used, capacity = usage
     return common_pb2.CacheUsage(running_sequences=running, max_sequences=max_seqs, used_tokens=used,
                                  capacity_tokens=capacity)
+
+
+def draft_result(seq_id: str, logprobs: torch.Tensor, token_ids: torch.Tensor) -> drafter_pb2.DraftResult:
+    """One sequence's draft, host tensors [L, K], as its DraftResult (float32 log-probs, int32 ids, raw bytes)."""
+    depth, k = (int(n) for n in token_ids.shape)
+    return drafter_pb2.DraftResult(
+        seq_id=seq_id, depth=depth, k=k,
+        token_ids=token_ids.to(torch.int32).contiguous().numpy().astype("<i4", copy=False).tobytes(),
+        logprobs=logprobs.to(torch.float32).contiguous().numpy().astype("<f4", copy=False).tobytes())
+
+
+def draft_arrays(result: drafter_pb2.DraftResult) -> tuple[np.ndarray, np.ndarray]:
+    """A DraftResult as (float32 log-probs, int64 token ids), each [depth, k]; ValueError when the sizes disagree."""
+    depth, k = result.depth, result.k
+    if depth < 0 or k < 0 or len(result.logprobs) != 4 * depth * k or len(result.token_ids) != 4 * depth * k:
+        raise ValueError(f"a draft of [{depth}, {k}] carries {len(result.logprobs)} bytes of log-probs and "
+                         f"{len(result.token_ids)} of token ids (want {4 * depth * k} each)")
+    # astype copies: the arrays are writable (torch.from_numpy warns on the bytes' read-only view)
+    logprobs = np.frombuffer(result.logprobs, dtype="<f4").astype(np.float32).reshape(depth, k)
+    ids = np.frombuffer(result.token_ids, dtype="<i4").astype(np.int64).reshape(depth, k)
+    return logprobs, ids
