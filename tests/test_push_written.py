@@ -32,14 +32,22 @@ def rows(seq_id: str) -> list[FeatureRows]:
     return [FeatureRows(seq_id, 0, torch.ones(2, 4), next_token=7)]
 
 
-async def held_sender(path) -> tuple[InlineFeatureSender, HeldDrafter, StepSocketServer]:
+async def held_sender(path, sender_type: type = InlineFeatureSender
+                      ) -> tuple[InlineFeatureSender, HeldDrafter, StepSocketServer]:
     drafter = HeldDrafter()
     server = StepSocketServer(path, [StepMethod(PUSH, drafter_pb2.FeatureBatch, drafter.PushFeatures)], None,
                               auth.SESSION_HEADER)
     await server.start()
-    sender = InlineFeatureSender(drafter_address="unix:/nonexistent/unused.sock", step_socket=str(path),
-                                 timeout_s=5.0)
+    sender = sender_type(drafter_address="unix:/nonexistent/unused.sock", step_socket=str(path), timeout_s=5.0)
     return sender, drafter, server
+
+
+async def timed_wait(sender, timeout_s: float) -> tuple[bool, float]:
+    """(wait_written's answer, seconds it took)."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    written = await sender.wait_written(timeout_s)
+    return written, loop.time() - t0
 
 
 def test_wait_written_returns_once_the_push_is_on_the_wire_not_once_it_is_answered(tmp_path):
@@ -74,10 +82,7 @@ def test_a_push_queued_behind_an_unanswered_one_is_not_waited_for(tmp_path):
             sender.submit(rows("a"))
             await sender.wait_written(5.0)
             sender.submit(rows("b"))                       # the first is still unanswered
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            second = await sender.wait_written(5.0)
-            waited = loop.time() - t0
+            second, waited = await timed_wait(sender, 5.0)
             drafter.release.set()
             await sender.flush()
             return second, waited, [b.rows[0].seq_id for b in drafter.arrived]
@@ -106,20 +111,11 @@ class SlowStagingSender(InlineFeatureSender):
 
 def test_wait_written_gives_up_after_its_timeout_while_the_push_is_not_ready(tmp_path):
     async def go():
-        drafter = HeldDrafter()
+        sender, drafter, server = await held_sender(tmp_path / "d.sock", SlowStagingSender)
         drafter.release.set()
-        path = tmp_path / "d.sock"
-        server = StepSocketServer(path, [StepMethod(PUSH, drafter_pb2.FeatureBatch, drafter.PushFeatures)], None,
-                                  auth.SESSION_HEADER)
-        await server.start()
-        sender = SlowStagingSender(drafter_address="unix:/nonexistent/unused.sock", step_socket=str(path),
-                                   timeout_s=5.0)
         try:
             sender.submit(rows("a"))
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            written = await sender.wait_written(0.05)
-            waited = loop.time() - t0
+            written, waited = await timed_wait(sender, 0.05)
             sender.staged.set()
             await sender.flush()
             return written, waited, len(drafter.arrived)
