@@ -47,9 +47,6 @@ class TargetServerConfig(ModelServiceConfig):
     kernel_warmup_passes: int | None = None       # CUDA: kernel_warmup.py passes before loading (None: by model)
 
 
-# A Verify answer waits at most this long for its push to be written (an idle sender writes within ~0.1 ms; a
-# drafter that stopped answering must not hold the answers up).
-PUSH_HEAD_START_S = 0.002
 WARMUP_LOG_S = 15.0   # a long warm-up (the 27B's ~120 buckets take minutes) logs its progress this often
 
 
@@ -330,10 +327,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                          o.features_ready)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if nbytes:
-            # The push (-> the drafter's next draft) is the step's critical path; this answer has time to spare (the
-            # gateway's post-processing and Draft request take less than the drafter's forward). So the push is
-            # written first: on the H200 an answer sent ahead of it held the staged push back ~0.35 ms a step.
-            await self.sender.wait_written(PUSH_HEAD_START_S)
+            # One turn of the event loop lets the sender put the push on the wire before this answer: the push
+            # (-> the drafter's next draft) is the step's critical path, the answer has time to spare. (The sender
+            # polls its staging copy without yielding first, so that turn normally runs through to the write.)
+            await asyncio.sleep(0)
         if self.metrics is not None:
             self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9,
                                          num_tokens=sum(len(it.tokens) for it in items))

@@ -89,10 +89,6 @@ class FeatureSender(abc.ABC):
         """Queues rows for delivery (in submission order)."""
 
     @abc.abstractmethod
-    async def wait_written(self, timeout_s: float) -> bool:
-        """Waits, at most timeout_s, until the latest submission is on its way (True once it is)."""
-
-    @abc.abstractmethod
     async def flush(self) -> None:
         """Waits until everything submitted so far is delivered (or failed)."""
 

@@ -49,10 +49,6 @@ class PushSender(FeatureSender):
         self._queue: asyncio.Queue[list[FeatureRows] | None] | None = None
         self._task: asyncio.Task | None = None
         self._sending = False   # a submission is being delivered (its rows may still be read by the drafter)
-        # Resolved once the latest submission's first message is written (or its delivery failed); None when that
-        # submission found the sender busy (it waits its turn, nobody should wait for it).
-        self._written: asyncio.Future | None = None
-        self._writing: asyncio.Future | None = None   # the future of the submission being delivered
 
     def _ensure_started(self) -> None:
         if self._task is None:
@@ -77,18 +73,7 @@ class PushSender(FeatureSender):
         if not rows:
             return
         self._ensure_started()
-        written = asyncio.get_running_loop().create_future() if self._idle() else None
-        self._written = written
-        self._queue.put_nowait((self._prepare(rows), written))
-
-    async def wait_written(self, timeout_s: float) -> bool:
-        """Waits, at most timeout_s, until the latest submission is on the wire, when it found the sender idle;
-        True once it is (or nothing is pending)."""
-        written = self._written
-        if written is None or written.done():
-            return True
-        done, _ = await asyncio.wait({written}, timeout=timeout_s)
-        return bool(done)
+        self._queue.put_nowait(self._prepare(rows))
 
     def _prepare(self, rows: list[FeatureRows]) -> list[FeatureRows]:
         """Runs at submit time, on the caller's thread (a transport may mark the rows' readiness here)."""
@@ -100,11 +85,10 @@ class PushSender(FeatureSender):
 
     async def _run(self) -> None:
         while True:
-            item = await self._queue.get()
+            rows = await self._queue.get()
             try:
-                if item is None:
+                if rows is None:
                     return
-                rows, self._writing = item
                 self._sending = True
                 await self._send(rows)
             except Exception as exc:  # noqa: BLE001 - a failed push must not kill the sender
@@ -118,21 +102,12 @@ class PushSender(FeatureSender):
                 else:
                     log.debug("%s feature push to %s failed: %s", self.name, self.drafter_address, exc)
             finally:
-                self._mark_written()
-                self._writing = None
                 self._sending = False
                 self._queue.task_done()
-
-    def _mark_written(self) -> None:
-        if self._writing is not None and not self._writing.done():
-            self._writing.set_result(None)
 
     async def _push(self, batch: drafter_pb2.FeatureBatch) -> drafter_pb2.PushFeaturesResponse:
         """One PushFeatures message, answered once the drafter has stored (or dropped) its rows."""
         batch.sent_unix_ns = time.time_ns()   # the drafter hands it on to the gateway's step segments
-        # On an open connection the call writes its message before it first yields, so whoever this wakes runs
-        # after the write (the first push opens the connection first).
-        self._mark_written()
         return await self._pushes(batch, self.timeout_s)
 
     @abc.abstractmethod

@@ -120,9 +120,9 @@ class SharedBufferFeatureSender(PushSender):
         if done is None:
             return nbytes
         # A step's rows are a few hundred KB copied after the forward that made them has finished: the copy is
-        # usually done within tens of microseconds. The Verify answer waits for this push (nothing else is due on
-        # the loop), so it is first polled without yielding for a bounded time, then between event-loop turns,
-        # and only then waited for on a thread (a hop that costs more than such a copy).
+        # usually done within tens of microseconds. It is polled without yielding for a bounded time first (so the
+        # push goes out before the Verify answer that yielded to it), then between event-loop turns, and only then
+        # waited for on a thread (a hop that costs more than such a copy).
         deadline = time.perf_counter() + READY_SPIN_S
         while time.perf_counter() < deadline:
             if done.query():
