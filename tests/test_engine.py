@@ -11,8 +11,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.plumbing.messages import draft_result
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair, PairAddress
 from gateway.detokenizer import IncrementalDetokenizer
@@ -128,8 +130,8 @@ class FakeDrafter:
                 row = [tok] + [(tok + 7 * j) % VOCAB for j in range(1, k)]
                 ids += row
                 logprobs += [-0.1 * (j + 1) for j in range(k)]
-            results.append(drafter_pb2.DraftResult(seq_id=it.seq_id, depth=depth, k=k, token_ids=ids,
-                                                   logprobs=logprobs))
+            results.append(draft_result(it.seq_id, torch.tensor(logprobs).view(depth, k),
+                                        torch.tensor(ids).view(depth, k)))
         return drafter_pb2.DraftResponse(results=results)
 
     async def Release(self, request, timeout=None):
@@ -375,12 +377,11 @@ def test_a_draft_reply_unpacks_into_exactly_its_numbers_as_float32_logprobs_and_
 
     logprobs = torch.randn(15, 64).log_softmax(-1)
     ids = torch.randint(0, 150_000, (15, 64), dtype=torch.int32)
-    wire = drafter_pb2.DraftResult(seq_id="s", depth=15, k=64, token_ids=ids.reshape(-1).tolist(),
-                                   logprobs=logprobs.reshape(-1).tolist()).SerializeToString()
+    wire = draft_result("s", logprobs, ids).SerializeToString()
     lp, tok = draft_tensors(drafter_pb2.DraftResult.FromString(wire))
     assert lp.dtype == torch.float32 and tok.dtype == torch.long
     assert torch.equal(lp, logprobs) and torch.equal(tok, ids.long())
-    empty = draft_tensors(drafter_pb2.DraftResult(seq_id="s", depth=0, k=8))
+    empty = draft_tensors(drafter_pb2.DraftResult(seq_id="s", depth=0, k=8))   # no positions: no bytes
     assert empty[0].shape == (0, 8) and empty[1].shape == (0, 8)
 
 
