@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, depths_from_parents_batch
+from ddtree_serve.decoding.tree_mask import TreeStructure, tree_structure
 from target_svc import gdn_kernels, gdn_tree_kernel
 from target_svc.gated_deltanet import (
     LinearAttnStateShape,
@@ -85,22 +85,30 @@ class GdnTreeLayout:
     conv_kernel: int
 
 
-def gdn_tree_layout(parents: Tensor, valid: Tensor, conv_kernel: int) -> GdnTreeLayout:
-    """The ancestor mask and conv windows of padded trees (parents [B, T], valid [B, T] prefix); no sync."""
+def conv_windows(parents: Tensor, valid: Tensor, depth: Tensor, conv_kernel: int) -> Tensor:
+    """[B, T, k] long: each node's conv window, oldest first, as rows of [committed k-1 inputs | the T nodes]: the
+    node itself and its k-1 nearest ancestors, then past the root the committed inputs; no sync."""
     bsz, t = parents.shape
-    dev = parents.device
-    sizes = valid.sum(dim=1)
-    anc = ancestor_mask_batch(parents, sizes).contiguous()  # a slice otherwise: copied once here, not per layer
-    depth = depths_from_parents_batch(parents, sizes)
     kern = conv_kernel
-    # Conv window of each node: itself and its k-1 nearest ancestors, then the committed conv inputs past the root.
-    own = torch.arange(t, device=dev).unsqueeze(0).expand(bsz, t)
+    own = torch.arange(t, device=parents.device).unsqueeze(0).expand(bsz, t)
     par = torch.where(valid & (parents >= 0), parents, torch.full_like(parents, -1))
     cols, cur = [own + (kern - 1)], par
     for m in range(1, kern):  # ancestor at distance m, or committed input (k-1) - (m - depth) past the root
         cols.append(torch.where(cur >= 0, cur + (kern - 1), (kern - 1) - (m - depth)))
         cur = torch.where(cur >= 0, par.gather(1, cur.clamp(min=0)), cur)
-    return GdnTreeLayout(anc=anc, window_idx=torch.stack(cols[::-1], dim=-1), conv_kernel=kern)
+    return torch.stack(cols[::-1], dim=-1)
+
+
+def gdn_tree_layout(parents: Tensor, valid: Tensor, conv_kernel: int,
+                    structure: TreeStructure | None = None) -> GdnTreeLayout:
+    """The ancestor mask and conv windows of padded trees (parents [B, T], valid [B, T] prefix); no sync.
+    structure: tree_structure(parents, sizes) when the forward has it already (with the windows, when made)."""
+    if structure is None:
+        structure = tree_structure(parents, valid.sum(dim=1))
+    window = structure.conv_windows
+    if window is None or window.shape[-1] != conv_kernel:
+        window = conv_windows(parents, valid, structure.depth, conv_kernel)
+    return GdnTreeLayout(anc=structure.anc, window_idx=window, conv_kernel=conv_kernel)
 
 
 def gdn_tree_forward_wy(

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ddtree_serve.decoding.acceptance import compaction_indices_batch
-from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, depths_from_parents_batch, tree_attention_mask
-from target_svc import gdn_kernels, tree_attention
+from ddtree_serve.decoding.tree_mask import TreeStructure, tree_attention_mask, tree_structure
+from target_svc import gdn_kernels, tree_attention, tree_layout
 from target_svc.gated_deltanet import (
     GdnTreeTrace,
     LinearAttnStateShape,
@@ -89,6 +89,7 @@ class TargetModel:
             raise ValueError(f"tree_gdn must be 'wy' or 'depthwise', got {self.tree_gdn!r}")
         self.gdn_kernels_on = self._choose_gdn_kernels(gdn_kernels_on)
         self.tree_attention_on = self._choose_tree_attention()
+        self.tree_layout_on = tree_layout.available(self.device)
         self.int8_backend = int8_matmul_backend(self.device)
         self.dense: list[DenseLayerWeights] | None = None
         self.kernels: DenseKernels | None = None
@@ -157,6 +158,7 @@ class TargetModel:
         logits_at: Tensor | None = None,
         logits_out: Tensor | None = None,
         features_out: Tensor | None = None,
+        structure: TreeStructure | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Padded trees [B, Tmax] at ctx_len + depth -> (logits [B, Tmax, V] fp32, features [B, Tmax, F] | None)."""
         # valid[b] is a prefix mask (nodes 0..T_b-1); node i's K/V go to cache row ctx_len + i.
@@ -167,21 +169,24 @@ class TargetModel:
         # logits_at [B]: logits of that one row per sequence only ([B, 1, V]; a prefill needs only its last).
         # logits_out / features_out: tensors of the outputs' shapes to write them into (a captured graph's shared
         #   output buffers); the returned outputs are then these tensors.
+        # structure: self.tree_structure(parents, sizes) when the caller has it (a verify step shares it with its
+        #   walk).
         t = self.target
         bsz, tmax = input_ids.shape
         sizes = valid.sum(dim=1)
         if key_len is None:
             key_len = int((ctx_lens + sizes).max())
-        depth = depths_from_parents_batch(parents, sizes)
-        positions = ctx_lens[:, None] + depth
+        if structure is None:
+            structure = self.tree_structure(parents, sizes)
+        positions = ctx_lens[:, None] + structure.depth
         cos, sin = self.cos[positions], self.sin[positions]  # [B, Tmax, rotary_dim]
         rows = ctx_lens[:, None] + torch.arange(tmax, device=self.device)
-        mask = self._attention_keys(ctx_lens, parents, sizes, key_len)
+        mask = self._attention_keys(ctx_lens, parents, sizes, key_len, structure.anc)
 
         wanted = set(feature_layers)
         feature_set: dict[int, Tensor] = {}
         traces: list[GdnTreeTrace | GdnTreeWYTrace] = []
-        layout = self._tree_layout(parents, valid, chain, tmax)
+        layout = self._tree_layout(parents, valid, chain, tmax, structure)
         h = t.embed_tokens(input_ids)
         if self.dense is not None:
             h = self._dense_layers(h, cos, sin, mask, slots, rows, key_len, wanted, feature_set)
@@ -217,14 +222,23 @@ class TargetModel:
         self.pending_traces = None if chain else traces
         return logits, features
 
-    def _attention_keys(self, ctx_lens: Tensor, parents: Tensor, sizes: Tensor, key_len: int) -> Tensor | TreeKeys:
+    def tree_structure(self, parents: Tensor, sizes: Tensor) -> TreeStructure:
+        """The padded trees' ancestor mask and depths (and, for a one-pass hybrid forward, the GDN conv windows):
+        one Triton launch where target_svc/tree_layout.py runs, ddtree_serve's tree_structure elsewhere."""
+        if self.tree_layout_on and tree_layout.supports(parents.shape[1]):
+            wy = self.linear_index and self.tree_gdn == "wy"
+            return tree_layout.tree_layout(parents, sizes, self.cache.spec.linear_shapes[0].conv_kernel if wy else 0)
+        return tree_structure(parents, sizes)
+
+    def _attention_keys(self, ctx_lens: Tensor, parents: Tensor, sizes: Tensor, key_len: int,
+                        anc: Tensor) -> Tensor | TreeKeys:
         """What the attention layers take to know which cache rows each node sees: the kernel's TreeKeys, or SDPA's
-        dense mask [B, 1, rep * Tmax, key_len]."""
+        dense mask [B, 1, rep * Tmax, key_len] (anc: the trees' ancestor mask)."""
         t = self.target
         bsz, tmax = parents.shape
         if self.tree_attention_on and tmax <= tree_attention.MAX_BLOCK_NODES:
-            return TreeKeys(ctx_lens, ancestor_mask_batch(parents, sizes))
-        mask = tree_attention_mask(ctx_lens, parents, sizes, key_len)  # [B, Tmax, key_len]
+            return TreeKeys(ctx_lens, anc)
+        mask = tree_attention_mask(ctx_lens, parents, sizes, key_len, anc)  # [B, Tmax, key_len]
         # GQA without copying K/V per query head: the rep query heads of one KV head are stacked along the query
         # axis ([B, n_kv, rep * Tmax, D] against [B, n_kv, key_len, D]), so the mask repeats per stacked head.
         rep = t.num_heads // t.num_kv_heads
@@ -357,11 +371,12 @@ class TargetModel:
             out = out * torch.sigmoid(gate)
         return attn.o_proj(out)
 
-    def _tree_layout(self, parents: Tensor, valid: Tensor, chain: bool, tmax: int) -> GdnTreeLayout | None:
+    def _tree_layout(self, parents: Tensor, valid: Tensor, chain: bool, tmax: int,
+                     structure: TreeStructure) -> GdnTreeLayout | None:
         """The trees' ancestor mask and conv windows, once for all GDN layers of a one-pass (wy) tree forward."""
         if chain or not self.linear_index or self.tree_gdn != "wy" or (self.gdn_kernels_on and tmax == 1):
             return None
-        return gdn_tree_layout(parents, valid, self.cache.spec.linear_shapes[0].conv_kernel)
+        return gdn_tree_layout(parents, valid, self.cache.spec.linear_shapes[0].conv_kernel, structure)
 
     def _linear_attention(
         self,

@@ -452,8 +452,9 @@ class TargetRunner:
         s = batch.shape
         if graphed:
             try:
-                logits, choices, features = self.graphs.forward(batch, packed_dev, self.feature_layers)
-                result, rows, path, n_acc = self.graphs.walk(batch, packed_dev, choose(logits, choices), features)
+                logits, choices, features, anc = self.graphs.forward(batch, packed_dev, self.feature_layers)
+                result, rows, path, n_acc = self.graphs.walk(batch, packed_dev, choose(logits, choices), features,
+                                                             anc)
                 # The graphs' rows buffer is overwritten by the next step; the pushes may read them later.
                 walked = self._walked(logits, result, None if rows is None else rows.clone(), True, copy_result)
                 self.graphs.commit(batch, packed_dev, path, n_acc)
@@ -462,8 +463,10 @@ class TargetRunner:
                 log.warning("verify bucket %s could not be captured (%s): its steps run eagerly; %s", s,
                             str(exc).splitlines()[0][:200] if str(exc) else "out of memory", self.memory_summary())
                 self.graphs.give_up(s)
-        logits, choices, features = verify_forward(self.model, packed_dev, s.nodes, s.key_len, eager_feature_layers)
-        result, rows, path, n_acc = verify_walk(packed_dev, s.nodes, choose(logits, choices), features, eager_width)
+        logits, choices, features, anc = verify_forward(self.model, packed_dev, s.nodes, s.key_len,
+                                                        eager_feature_layers)
+        result, rows, path, n_acc = verify_walk(packed_dev, s.nodes, choose(logits, choices), features, eager_width,
+                                                anc=anc)
         walked = self._walked(logits, result, rows, False, copy_result)
         commit_path(self.model, packed_dev, s.nodes, path, n_acc)
         return walked

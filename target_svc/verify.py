@@ -74,27 +74,28 @@ def unpack(packed: Tensor, nodes: int) -> tuple[Tensor, Tensor, Tensor, Tensor, 
 
 
 def verify_forward(model: TargetModel, packed: Tensor, nodes: int, key_len: int, feature_layers: tuple[int, ...],
-                   out: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Forward over the packed trees -> (logits [B, T, V] fp32, greedy choices [B, T], features [B, T, F] | None);
-    out = (logits, features) buffers to write them into."""
+                   out: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """Forward over the packed trees -> (logits [B, T, V] fp32, greedy choices [B, T], features [B, T, F] | None,
+    the trees' ancestor mask [B, T, T] for the walk); out = (logits, features) buffers to write them into."""
     ids, parents, sizes, ctx_lens, slots = unpack(packed, nodes)
     valid = torch.arange(nodes, device=packed.device)[None, :] < sizes[:, None]
+    structure = model.tree_structure(parents, sizes)
     logits_out, features_out = out or (None, None)
     logits, features = model.forward_block(ids, parents, valid, ctx_lens, slots, key_len=key_len,
                                            feature_layers=feature_layers, logits_out=logits_out,
-                                           features_out=features_out)
-    return logits, logits.argmax(dim=-1), features
+                                           features_out=features_out, structure=structure)
+    return logits, logits.argmax(dim=-1), features, structure.anc
 
 
 def verify_walk(packed: Tensor, nodes: int, choices: Tensor, features: Tensor | None, path_width: int,
-                rows_out: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+                rows_out: Tensor | None = None, anc: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     """The acceptance walk of the pending block -> (packed result [B, 2 + W]: accepted count | bonus | path, the
     accepted nodes' feature rows [B, W, F] (into rows_out when given), path [B, W], accepted count [B]): all that a
-    step returns, before anything is committed."""
+    step returns, before anything is committed. anc: the ancestor mask verify_forward returned (else rebuilt)."""
     # path_width >= the deepest tree's depth + 1: accepted paths are at most that long, and the linear-attention
     # replay walks that many columns.
     ids, parents, sizes, _, _ = unpack(packed, nodes)
-    walk = accept_batch(ids, parents, choices, sizes)
+    walk = accept_batch(ids, parents, choices, sizes, anc)
     path, n_acc = walk.accepted_nodes[:, :path_width], walk.num_accepted
     rows = None
     if features is not None:
@@ -217,9 +218,10 @@ class VerifyGraphs:
         self.model.pending_traces = None  # the commit graph reads self._traces[s]
         return out
 
-    def walk(self, batch: VerifyBatch, packed_dev: Tensor, choices: Tensor, features: Tensor | None
+    def walk(self, batch: VerifyBatch, packed_dev: Tensor, choices: Tensor, features: Tensor | None, anc: Tensor
              ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """Replays (capturing on first use) the acceptance walk of batch's bucket -> verify_walk's outputs."""
+        """Replays (capturing on first use) the acceptance walk of batch's bucket -> verify_walk's outputs (anc: the
+        forward's ancestor mask, an input like the choices: one small copy, not the ~30 kernels that rebuild it)."""
         s = batch.shape
         has_features = features is not None
         shared, rows_out = None, None
@@ -234,10 +236,11 @@ class VerifyGraphs:
             rows_out = self._rows_out.view(s.batch, s.nodes, shared.shape[-1])
         fn = self.walks.get(
             (s, has_features),
-            lambda p, c: verify_walk(p, s.nodes, c, shared, s.nodes, rows_out),
-            lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device)],
+            lambda p, c, a: verify_walk(p, s.nodes, c, shared, s.nodes, rows_out, a),
+            lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device),
+                     self._example_anc(s)],
         )
-        return fn(packed_dev, choices)
+        return fn(packed_dev, choices, anc)
 
     def commit(self, batch: VerifyBatch, packed_dev: Tensor, path: Tensor, n_acc: Tensor) -> None:
         """Replays (capturing on first use) the commit of batch's bucket along the walked paths."""
@@ -272,8 +275,8 @@ class VerifyGraphs:
             packed_dev = self._example(s)
             batch = VerifyBatch(packed_dev, s, 0)
             try:
-                _, choices, features = self.forward(batch, packed_dev, feature_layers)
-                _, _, path, n_acc = self.walk(batch, packed_dev, choices, features)
+                _, choices, features, anc = self.forward(batch, packed_dev, feature_layers)
+                _, _, path, n_acc = self.walk(batch, packed_dev, choices, features, anc)
                 self.commit(batch, packed_dev, path, n_acc)
             except torch.OutOfMemoryError:
                 self.give_up(s)   # its steps run eagerly; the caller hears why
@@ -284,6 +287,10 @@ class VerifyGraphs:
     def capture_seconds(self) -> float:
         """Seconds spent capturing the forward, walk and commit graphs so far."""
         return self.forwards.capture_seconds + self.walks.capture_seconds + self.commits.capture_seconds
+
+    def _example_anc(self, s: VerifyShape) -> Tensor:
+        """The ancestor mask of _example's one-node trees at s's shape (each node sees itself)."""
+        return torch.eye(s.nodes, dtype=torch.bool, device=self.model.device).expand(s.batch, -1, -1).contiguous()
 
     def _example(self, s: VerifyShape) -> Tensor:
         """A packed batch of one-node trees in the scratch slot: capturing it writes nowhere that matters."""

@@ -11,6 +11,7 @@ from ddtree_serve.decoding.acceptance import (
     compaction_indices_batch,
 )
 from ddtree_serve.decoding.ddtree import build_ddtree_reference, pad_trees
+from ddtree_serve.decoding.tree_mask import tree_structure
 
 #          0 (tok 5)
 #       /      \
@@ -82,6 +83,15 @@ def test_batched_walk_reports_padded_columns():
     assert out.accepted_nodes.tolist() == [[0, 2, 4, 6, -1, -1, -1], [0, 1, -1, -1, -1, -1, -1]]
     assert out.accepted_tokens[1].tolist() == [7, -1, -1, -1, -1, -1]
     assert out.next_tokens.tolist() == [42, 2]
+
+
+def test_batched_walk_with_the_steps_ancestor_mask_equals_the_one_it_builds():
+    tokens = torch.stack([TOKENS, torch.tensor([5, 7, 0, 0, 0, 0, 0])])
+    parents = torch.stack([PARENTS, torch.tensor([-1, 0, -1, -1, -1, -1, -1])])
+    target = torch.stack([choices(n0=8, n2=3, n4=6, n6=42), choices(n0=7, n1=2)])
+    anc = tree_structure(parents, torch.tensor([7, 2])).anc
+    assert accept_batch(tokens, parents, target, [7, 2], anc).results() == accept_batch(tokens, parents, target,
+                                                                                         [7, 2]).results()
 
 
 def test_duplicate_siblings_take_the_first_like_the_loop():

@@ -724,6 +724,40 @@ def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes):
         assert all(torch.equal(a, b) for a, b in zip(replay, eager))
 
 
+@pytest.mark.parametrize("nodes", [2, 17, 65, 128])
+def test_cuda_tree_layout_kernel_equals_the_pytorch_structure_and_windows_and_replays_in_a_graph(nodes):
+    """The one-launch tree structure (target_svc/tree_layout.py) gives the very integers of the PyTorch path, eagerly
+    and replayed in a captured graph on new trees."""
+    from ddtree_serve.decoding.tree_mask import tree_structure
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc.gdn_tree_wy import conv_windows
+    from target_svc.tree_layout import available, tree_layout
+
+    if not available("cuda"):
+        pytest.skip("needs Triton")
+
+    def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        trees = [_tree_parents(nodes, 16, seed), _tree_parents(max(1, nodes // 2), 3, seed + 1),
+                 list(range(-1, nodes - 1))]
+        parents = torch.full((3, nodes), -1, dtype=torch.long)
+        for b, p in enumerate(trees):
+            parents[b, : len(p)] = torch.tensor(p)
+        return parents.cuda(), torch.tensor([len(p) for p in trees]).cuda()
+
+    def layout(parents, sizes):
+        got = tree_layout(parents, sizes, 4)
+        return got.anc, got.depth, got.conv_windows
+
+    captured = CapturedFunction.capture(layout, batch(1), pool=None)
+    for seed in (2, 3):
+        parents, sizes = batch(seed)
+        want = tree_structure(parents, sizes)
+        valid = torch.arange(nodes, device="cuda")[None, :] < sizes[:, None]
+        windows = conv_windows(parents, valid, want.depth, 4)
+        for got in (layout(parents, sizes), [x.clone() for x in captured(parents, sizes)]):
+            assert torch.equal(got[0], want.anc) and torch.equal(got[1], want.depth) and torch.equal(got[2], windows)
+
+
 @needs_tree_kernel
 @torch.no_grad()
 def test_tree_forward_through_the_kernel_equals_the_reference_in_bf16_at_27b_heads():

@@ -9,6 +9,7 @@ from ddtree_serve.decoding.tree_mask import (
     depths_from_parents,
     depths_from_parents_batch,
     tree_attention_mask,
+    tree_structure,
 )
 
 #        0
@@ -87,3 +88,25 @@ def test_tree_attention_mask_matches_loop():
                 elif i >= sizes[b]:
                     expected[b, i, j] = j == ctx[b] + i  # padded query: context + its own row
     assert torch.equal(mask, expected)
+
+
+def test_tree_structure_equals_the_separate_mask_and_depths_on_padded_random_trees():
+    gen = torch.Generator().manual_seed(3)
+    for t in (1, 2, 9, 65):
+        rows = [random_parents(gen, int(torch.randint(1, t + 1, (1,), generator=gen))) for _ in range(4)]
+        parents = torch.full((4, t), -1, dtype=torch.long)
+        for b, p in enumerate(rows):
+            parents[b, : len(p)] = p
+        sizes = torch.tensor([len(p) for p in rows])
+        got = tree_structure(parents, sizes)
+        assert torch.equal(got.anc, ancestor_mask_batch(parents, sizes))
+        assert got.anc.is_contiguous()
+        assert torch.equal(got.depth, depths_from_parents_batch(parents, sizes))
+
+
+def test_tree_attention_mask_takes_a_given_ancestor_mask():
+    parents = torch.stack([HAND_PARENTS, torch.tensor([-1, 0, 1, -1, -1, -1, -1])])
+    sizes = torch.tensor([7, 3])
+    anc = tree_structure(parents, sizes).anc
+    assert torch.equal(tree_attention_mask([4, 2], parents, sizes, 12, anc),
+                       tree_attention_mask([4, 2], parents, sizes, 12))

@@ -86,7 +86,7 @@ def _accepting_draft(runner, roots, tokens):
         trees, ctx, slots = _trees(runner, roots, tokens)
         shape = VerifyShape(len(roots), len(TREE), max(ctx) + len(TREE))
         batch = VerifyBatch.pack(trees, ctx, slots, shape, runner.model.cache.spec.scratch_slot)
-        _, greedy, _ = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, ())
+        _, greedy, _, _ = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, ())
         for b in range(len(roots)):
             tokens[b][child - 1] = int(greedy[b, parent])
     runner.model.pending_traces = None
@@ -98,7 +98,7 @@ def _step(runner, roots, shape, tokens):
     n = len(roots)
     trees, ctx, slots = _trees(runner, roots, tokens)
     batch = VerifyBatch.pack(trees, ctx, slots, shape, runner.model.cache.spec.scratch_slot)
-    logits, greedy, features = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
+    logits, greedy, features, _ = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
     result, rows = verify_commit(runner.model, batch.packed, shape.nodes, greedy, features, shape.nodes)
     for b in range(n):
         runner.model.cache.ctx_len[slots[b]] += int(result[b, 0])
@@ -151,7 +151,7 @@ def test_commit_writes_the_accepted_rows_into_a_given_buffer_as_it_would_allocat
     for runner, give_buffer in zip(runners, (False, True)):
         trees, ctx, slots = _trees(runner, roots, draft)
         batch = VerifyBatch.pack(trees, ctx, slots, shape, runner.model.cache.spec.scratch_slot)
-        _, greedy, features = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
+        _, greedy, features, _ = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
         buffer = torch.full_like(features, float("nan")) if give_buffer else None
         result, rows = verify_commit(runner.model, batch.packed, shape.nodes, greedy, features, shape.nodes,
                                      rows_out=buffer)
@@ -175,7 +175,7 @@ def test_the_walk_commits_nothing_and_the_commit_after_it_equals_walk_and_commit
     for runner in (split, whole):
         trees, ctx, slots = _trees(runner, roots, draft)
         batch = VerifyBatch.pack(trees, ctx, slots, shape, runner.model.cache.spec.scratch_slot)
-        _, greedy, features = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
+        _, greedy, features, _ = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
         if runner is split:
             before = [st.rec.clone() for st in runner.model.cache.linear]
             result, rows, path, n_acc = verify_walk(batch.packed, shape.nodes, greedy, features, shape.nodes)

@@ -69,12 +69,14 @@ def accept_reference(tokens: Tensor, parents: Tensor, target_tokens: Tensor) -> 
 
 
 def accept_batch(
-    tokens: Tensor, parents: Tensor, target_tokens: Tensor, sizes: Tensor | Sequence[int] | None = None
+    tokens: Tensor, parents: Tensor, target_tokens: Tensor, sizes: Tensor | Sequence[int] | None = None,
+    anc: Tensor | None = None,
 ) -> AcceptBatch:
     """Vectorised walk over padded trees [B, Tmax]: node i is accepted iff it and all its ancestors matched.
 
     A non-root node matches when its token equals the target's choice at its parent (and no lower-index
-    sibling with the same token exists). Accepted nodes form a root path; no host sync.
+    sibling with the same token exists). Accepted nodes form a root path; no host sync. anc: the trees'
+    ancestor_mask_batch(parents, sizes) when the caller has it already (a verify step's TreeStructure).
     """
     b, t = tokens.shape
     device = tokens.device
@@ -89,7 +91,8 @@ def accept_batch(
     match &= ~(twin & (idx[None, :] < idx[:, None])[None]).any(2)
     match[:, 0] = True
     match &= valid
-    anc = ancestor_mask_batch(parents, sz)  # [B, T, T]
+    if anc is None:
+        anc = ancestor_mask_batch(parents, sz)  # [B, T, T]
     accepted = ~(anc & ~match[:, None, :]).any(2) & valid
     depth = anc.sum(2) - 1
     num = accepted.sum(1)

@@ -10,6 +10,7 @@ no host synchronisation.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,6 +20,8 @@ __all__ = [
     "depths_from_parents_batch",
     "ancestor_mask",
     "ancestor_mask_batch",
+    "TreeStructure",
+    "tree_structure",
     "tree_attention_mask",
     "as_index_tensor",
 ]
@@ -97,22 +100,47 @@ def ancestor_mask(parents: Tensor) -> Tensor:
     return ancestor_mask_batch(parents.reshape(1, -1))[0]
 
 
+@dataclass(frozen=True)
+class TreeStructure:
+    """What a verify step needs of its padded trees' shape, made once per step: the attention layers, the Gated
+    DeltaNet layers and the acceptance walk share it (each used to rebuild it, ~30 small kernels a time)."""
+
+    anc: Tensor  # BoolTensor[B, Tmax, Tmax], contiguous: ancestor_mask_batch
+    depth: Tensor  # LongTensor[B, Tmax]: depths_from_parents_batch (padded nodes 0)
+    # LongTensor[B, Tmax, k]: each node's Gated DeltaNet conv window (target_svc/gdn_tree_wy.conv_windows), where the
+    # target's tree-layout kernel made it with the rest; None otherwise
+    conv_windows: Tensor | None = None
+
+
+def tree_structure(parents: Tensor, sizes: Tensor | Sequence[int] | None = None) -> TreeStructure:
+    """The TreeStructure of padded trees: the ancestor mask, and each node's depth read off it (its ancestors)."""
+    b, t = parents.shape
+    if t == 1:  # one-node trees (decode steps): nothing to walk
+        return TreeStructure(torch.ones(b, 1, 1, dtype=torch.bool, device=parents.device),
+                             torch.zeros(b, 1, dtype=torch.long, device=parents.device))
+    anc = ancestor_mask_batch(parents, sizes).contiguous()
+    return TreeStructure(anc, anc.sum(2) - 1)
+
+
 def tree_attention_mask(
     ctx_lens: Tensor | Sequence[int],
     parents: Tensor,
     tree_sizes: Tensor | Sequence[int],
     key_len: int,
+    anc: Tensor | None = None,
 ) -> Tensor:
     """BoolTensor[B, Tmax, key_len]: which cache rows each tree node attends to during verify.
 
     Node i of sequence b sits in cache row ctx_len_b + i. It sees every committed row j < ctx_len_b and the
     rows of its ancestors-or-self. Padded nodes (i >= tree_sizes[b]) see the context and their own row only,
     so no query row is empty (an all-masked row would make SDPA produce NaN, which then leaks through V).
+    anc: ancestor_mask_batch(parents, tree_sizes) when the caller has it already.
     """
     b, t = parents.shape
     device = parents.device
     ctx = as_index_tensor(ctx_lens, b, device)
-    anc = ancestor_mask_batch(parents, tree_sizes)  # [B, T, T]
+    if anc is None:
+        anc = ancestor_mask_batch(parents, tree_sizes)  # [B, T, T]
     rel = torch.arange(key_len, device=device)[None, :] - ctx[:, None]  # [B, key_len]: node index of row j
     in_tree = (rel >= 0) & (rel < t)
     tree_part = anc.gather(2, rel.clamp(0, max(t - 1, 0))[:, None, :].expand(b, t, key_len))
