@@ -621,6 +621,29 @@ def step_inputs(qkv_in: Tensor, conv_state: Tensor, valid: Tensor, g: Tensor, be
     return q, k, v, k * vf[:, :, None, None], g * vf[..., None], beta * vf[..., None], node_conv
 
 
+def tree_inputs(qkv_in: Tensor, conv_state: Tensor, window_idx: Tensor, valid: Tensor, g: Tensor, beta: Tensor,
+                weight: Tensor, bias: Tensor | None, q_shape: tuple[int, int], v_shape: tuple[int, int]
+                ) -> tuple[Tensor, ...]:
+    """A tree verify's glue between the projections and the WY core (a few compiled kernels on CUDA, not ~12).
+
+    qkv_in [B, T, conv_dim] and conv_state [B, conv_dim, k-1] in the model dtype, window_idx [B, T, k] (each node's
+    conv window as rows of [committed inputs | the nodes]: gdn_tree_wy.conv_windows), valid [B, T] bool, g, beta
+    [B, T, Hv] fp32 -> (conv_inputs [B, k-1+T, conv_dim], q, k [B, Hv, T, Dk], v [B, Hv, T, Dv], g, beta [B, Hv, T]):
+    heads first (transposed views), key heads repeated to value heads, padded nodes with k = g = beta = 0.
+    """
+    conv_inputs = torch.cat([conv_state.transpose(1, 2), qkv_in], dim=1)
+    rows = torch.arange(qkv_in.shape[0], device=qkv_in.device)[:, None, None]
+    window = conv_inputs[rows, window_idx]  # [B, T, k, conv_dim]
+    q, k, v = conv_heads([window[:, :, j] for j in range(window_idx.shape[-1])], weight, bias, conv_state.dtype,
+                         q_shape, v_shape)
+    vf = valid.to(torch.float32)
+    rep = v_shape[0] // q_shape[0]
+    qh = _repeat_heads(q, rep).transpose(1, 2)
+    kh = (_repeat_heads(k, rep) * vf[:, :, None, None]).transpose(1, 2)
+    return (conv_inputs, qh, kh, v.transpose(1, 2), (g * vf[..., None]).transpose(1, 2),
+            (beta * vf[..., None]).transpose(1, 2))
+
+
 def gdn_commit_path(
     trace: GdnTreeTrace, path: Tensor, path_len: Tensor, conv_state: Tensor, rec_state: Tensor,
     kernels: bool = False,

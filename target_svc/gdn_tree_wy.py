@@ -31,11 +31,11 @@ from ddtree_serve.decoding.tree_mask import TreeStructure, tree_structure
 from target_svc import gdn_kernels, gdn_tree_kernel
 from target_svc.gated_deltanet import (
     LinearAttnStateShape,
-    _conv_split,
+    _glue,
     _model_dtype,
     _output,
     _project,
-    _to_v_heads,
+    tree_inputs,
 )
 
 log = logging.getLogger(__name__)
@@ -131,18 +131,14 @@ def gdn_tree_forward_wy(
     x = torch.where(valid.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=dev))
     p = _project(module, x)
 
-    ext = torch.cat([conv_state.to(dtype).transpose(1, 2), p.qkv_in], dim=1)  # [B, k-1+T, conv_dim]
-    rows = torch.arange(bsz, device=dev)[:, None, None]
-    window = ext[rows, layout.window_idx]  # [B, T, k, conv_dim]
-    q, k, v = _conv_split(module, [window[:, :, j] for j in range(kern)], dtype, dims)
-    vf = valid.to(torch.float32)
-
-    # Heads first: [B, Hv, T, D]; padded nodes get k = 0, beta = 0, g = 0.
-    qh = _to_v_heads(q, dims).transpose(1, 2)
-    kh = (_to_v_heads(k, dims) * vf[:, :, None, None]).transpose(1, 2)
-    vh = v.transpose(1, 2)
-    g = (p.g * vf[..., None]).transpose(1, 2)  # [B, Hv, T]
-    beta = (p.beta * vf[..., None]).transpose(1, 2)
+    # Heads first: [B, Hv, T, D]; padded nodes get k = 0, beta = 0, g = 0. ext: [B, k-1+T, conv_dim].
+    glue = _glue(module)
+    inputs = (p.qkv_in, conv_state.to(dtype), layout.window_idx, valid, p.g, p.beta)
+    if glue is not None:
+        ext, qh, kh, vh, g, beta = glue.tree_inputs(module, *inputs, dims)
+    else:
+        ext, qh, kh, vh, g, beta = tree_inputs(*inputs, module.conv1d.weight[:, 0, :], module.conv1d.bias,
+                                               (dims.num_k_heads, dims.head_k_dim), (dims.num_v_heads, dims.head_v_dim))
     s0 = rec_state.float()  # [B, Hv, Dk, Dv]
     auto = kernel is None
     if auto:

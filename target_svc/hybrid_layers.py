@@ -4,7 +4,8 @@ The sibling of target_svc/dense_layers.py for the hybrid family. Per layer: one 
 the gated attention's q(+gate)/k/v or for the Gated DeltaNet's four input projections (qkv | z | b | a), and one
 compiled kernel each for "residual add + zero-centred RMSNorm", "q/k norm + partial RoPE", "sigmoid output gate",
 "SiLU * up", the GDN gates (beta, g), the GDN conv + SiLU + head split + l2norm (with a decode step's padding
-masks and next conv state), and the GDN's gated RMSNorm.
+masks and next conv state, or a tree verify's conv windows, repeated key heads and padding masks), and the GDN's
+gated RMSNorm.
 GEMMs stay GEMMs; the recurrences (fla, the tree WY kernel) are untouched. The plain functions are written in HF's
 order of operations and casts (so a compiled kernel rounds where HF rounds: `emulate_precision_casts`); on the CPU
 they run as they are. The GDN paths in target_svc/gated_deltanet.py take a FusedGdn where they take the HF module.
@@ -27,6 +28,7 @@ from target_svc.gated_deltanet import (
     gated_rms_norm,
     gdn_gates,
     step_inputs,
+    tree_inputs,
 )
 from target_svc.quantization import QuantizedWeight, linear
 
@@ -83,13 +85,14 @@ class HybridKernels:
     conv_silu: Callable[..., Tensor]
     conv_heads: Callable[..., tuple[Tensor, Tensor, Tensor]]
     step_inputs: Callable[..., tuple[Tensor, ...]]
+    tree_inputs: Callable[..., tuple[Tensor, ...]]
     gated_rms_norm: Callable[..., Tensor]
 
     @classmethod
     def make(cls, compiled: bool) -> "HybridKernels":
         """compiled=True: each function through torch.compile (one Triton kernel or a few, shapes dynamic)."""
         fns = (rms_norm, add_rms_norm, qk_norm_rope, sigmoid_gate, silu_mul, gdn_gates, conv_silu, conv_heads,
-               step_inputs, gated_rms_norm)
+               step_inputs, tree_inputs, gated_rms_norm)
         return cls(*compile_all(fns, compiled))
 
 
@@ -124,6 +127,13 @@ class GdnGlue:
         """gated_deltanet.step_inputs of the layer (a decode step's conv, heads and padding masks), compiled."""
         return self.kernels.step_inputs(qkv_in, conv_state, valid, g, beta, self.conv_weight, module.conv1d.bias,
                                         (dims.num_k_heads, dims.head_k_dim), (dims.num_v_heads, dims.head_v_dim))
+
+    def tree_inputs(self, module: nn.Module, qkv_in: Tensor, conv_state: Tensor, window_idx: Tensor, valid: Tensor,
+                    g: Tensor, beta: Tensor, dims: LinearAttnStateShape) -> tuple[Tensor, ...]:
+        """gated_deltanet.tree_inputs of the layer (a tree verify's conv windows, heads and padding masks), compiled."""
+        return self.kernels.tree_inputs(qkv_in, conv_state, window_idx, valid, g, beta, self.conv_weight,
+                                        module.conv1d.bias, (dims.num_k_heads, dims.head_k_dim),
+                                        (dims.num_v_heads, dims.head_v_dim))
 
     def output(self, module: nn.Module, core: Tensor, z: Tensor) -> Tensor:
         """Gated RMSNorm (compiled) then out_proj: core [..., Hv, Dv] fp32 -> [..., hidden]."""
