@@ -22,6 +22,7 @@ core (_wy_core_reference) is the reference and the CPU path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -183,18 +184,27 @@ def accepted_path(anc: Tensor, path: Tensor, path_len: Tensor) -> AcceptedPath:
 
 def gdn_commit_path_wy(
     trace: GdnTreeWYTrace, path: Tensor, path_len: Tensor, conv_state: Tensor, rec_state: Tensor,
-    accepted: AcceptedPath | None = None,
+    accepted: AcceptedPath | None = None, commit: Callable[..., tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """States after the accepted nodes path[b, :path_len[b]] (root first): closed form, no replay, no sync.
-    accepted: accepted_path(trace.anc, path, path_len), when the caller shares it between layers."""
+    accepted: accepted_path(trace.anc, path, path_len), when the caller shares it between layers; commit:
+    commit_states compiled (HybridKernels.commit_states), else the plain function."""
     if accepted is None:
         accepted = accepted_path(trace.anc, path, path_len)
-    rows = torch.arange(trace.u.shape[0], device=trace.u.device)
-    last, keep = accepted.last, accepted.keep
-    g_last = trace.cum_g.gather(2, last[:, None, None].expand(-1, trace.cum_g.shape[1], 1))  # [B, Hv, 1]
-    weight = accepted.on_path[:, None, :] * (g_last - trace.cum_g).clamp(max=0).exp()  # [B, Hv, T]
-    state = g_last.exp()[..., None] * rec_state.float() + (trace.key * weight.unsqueeze(-1)).transpose(-1, -2) @ trace.u
+    return (commit or commit_states)(trace.conv_inputs, trace.window_idx, trace.key, trace.u, trace.cum_g, conv_state,
+                                     rec_state, accepted.last, accepted.on_path, accepted.keep)
+
+
+def commit_states(conv_inputs: Tensor, window_idx: Tensor, key: Tensor, u: Tensor, cum_g: Tensor, conv_state: Tensor,
+                  rec_state: Tensor, last: Tensor, on_path: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+    """One layer's (conv state, recurrent state) after the accepted path ending at node last[b] (GdnTreeWYTrace's
+    fields, AcceptedPath's): S_l = e^{G_l} S_0 + K^T diag(on_path e^{G_l - G}) U, and the conv inputs of the last
+    node's window; rows that accepted nothing keep their states (one GEMM and two or three kernels, compiled)."""
+    rows = torch.arange(u.shape[0], device=u.device)
+    g_last = cum_g.gather(2, last[:, None, None].expand(-1, cum_g.shape[1], 1))  # [B, Hv, 1]
+    weight = on_path[:, None, :] * (g_last - cum_g).clamp(max=0).exp()  # [B, Hv, T]
+    state = g_last.exp()[..., None] * rec_state.float() + (key * weight.unsqueeze(-1)).transpose(-1, -2) @ u
     state = torch.where(keep[:, None, None, None], state, rec_state.float())
-    after_last = trace.conv_inputs[rows[:, None], trace.window_idx[rows, last, 1:]].transpose(1, 2)  # [B, C, k-1]
+    after_last = conv_inputs[rows[:, None], window_idx[rows, last, 1:]].transpose(1, 2)  # [B, C, k-1]
     conv = torch.where(keep[:, None, None], after_last, conv_state.to(after_last.dtype))
     return conv, state

@@ -4,8 +4,8 @@ The sibling of target_svc/dense_layers.py for the hybrid family. Per layer: one 
 the gated attention's q(+gate)/k/v or for the Gated DeltaNet's four input projections (qkv | z | b | a), and one
 compiled kernel each for "residual add + zero-centred RMSNorm", "q/k norm + partial RoPE", "sigmoid output gate",
 "SiLU * up", the GDN gates (beta, g), the GDN conv + SiLU + head split + l2norm (with a decode step's padding
-masks and next conv state, or a tree verify's conv windows, repeated key heads and padding masks), and the GDN's
-gated RMSNorm.
+masks and next conv state, or a tree verify's conv windows, repeated key heads and padding masks), the GDN's
+gated RMSNorm, and the closed-form commit of a tree's accepted path (target_svc/gdn_tree_wy.commit_states).
 GEMMs stay GEMMs; the recurrences (fla, the tree WY kernel) are untouched. The plain functions are written in HF's
 order of operations and casts (so a compiled kernel rounds where HF rounds: `emulate_precision_casts`); on the CPU
 they run as they are. The GDN paths in target_svc/gated_deltanet.py take a FusedGdn where they take the HF module.
@@ -30,6 +30,7 @@ from target_svc.gated_deltanet import (
     step_inputs,
     tree_inputs,
 )
+from target_svc.gdn_tree_wy import commit_states
 from target_svc.quantization import QuantizedWeight, linear
 
 # The HF classes whose forward the functions below reproduce exactly.
@@ -87,12 +88,13 @@ class HybridKernels:
     step_inputs: Callable[..., tuple[Tensor, ...]]
     tree_inputs: Callable[..., tuple[Tensor, ...]]
     gated_rms_norm: Callable[..., Tensor]
+    commit_states: Callable[..., tuple[Tensor, Tensor]]
 
     @classmethod
     def make(cls, compiled: bool) -> "HybridKernels":
         """compiled=True: each function through torch.compile (one Triton kernel or a few, shapes dynamic)."""
         fns = (rms_norm, add_rms_norm, qk_norm_rope, sigmoid_gate, silu_mul, gdn_gates, conv_silu, conv_heads,
-               step_inputs, tree_inputs, gated_rms_norm)
+               step_inputs, tree_inputs, gated_rms_norm, commit_states)
         return cls(*compile_all(fns, compiled))
 
 

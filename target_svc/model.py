@@ -433,7 +433,9 @@ class TargetModel:
             if isinstance(trace, GdnTreeWYTrace):
                 if accepted is None:
                     accepted = accepted_path(trace.anc, path, path_len)
-                conv, rec = gdn_commit_path_wy(trace, path, path_len, state.conv[slots], state.rec[slots], accepted)
+                commit = None if self.hybrid_kernels is None else self.hybrid_kernels.commit_states
+                conv, rec = gdn_commit_path_wy(trace, path, path_len, state.conv[slots], state.rec[slots], accepted,
+                                               commit)
             else:
                 conv, rec = gdn_commit_path(trace, path, path_len, state.conv[slots], state.rec[slots],
                                             kernels=self.gdn_kernels_on)
