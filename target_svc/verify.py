@@ -19,12 +19,14 @@ construction (tests/test_gpu.py checks it on the device).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ddtree_serve.decoding.acceptance import accept_batch
+from ddtree_serve.decoding.acceptance import AcceptBatch, accept_batch
+from ddtree_serve.plumbing.compiled import compile_all
 from ddtree_serve.plumbing.cuda_graphs import (GraphCache, SharedOutput, key_buckets, pick_bucket, power_of_two_buckets,
                                                tree_node_buckets)
 from target_svc.model import TargetModel
@@ -88,14 +90,16 @@ def verify_forward(model: TargetModel, packed: Tensor, nodes: int, key_len: int,
 
 
 def verify_walk(packed: Tensor, nodes: int, choices: Tensor, features: Tensor | None, path_width: int,
-                rows_out: Tensor | None = None, anc: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+                rows_out: Tensor | None = None, anc: Tensor | None = None,
+                accept: Callable[..., AcceptBatch] = accept_batch) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     """The acceptance walk of the pending block -> (packed result [B, 2 + W]: accepted count | bonus | path, the
     accepted nodes' feature rows [B, W, F] (into rows_out when given), path [B, W], accepted count [B]): all that a
-    step returns, before anything is committed. anc: the ancestor mask verify_forward returned (else rebuilt)."""
+    step returns, before anything is committed. anc: the ancestor mask verify_forward returned (else rebuilt);
+    accept: accept_batch, or it compiled."""
     # path_width >= the deepest tree's depth + 1: accepted paths are at most that long, and the linear-attention
     # replay walks that many columns.
     ids, parents, sizes, _, _ = unpack(packed, nodes)
-    walk = accept_batch(ids, parents, choices, sizes, anc)
+    walk = accept(ids, parents, choices, sizes, anc)
     path, n_acc = walk.accepted_nodes[:, :path_width], walk.num_accepted
     rows = None
     if features is not None:
@@ -142,6 +146,9 @@ class VerifyGraphs:
         self.forwards = GraphCache("target verify forward")
         self.walks = GraphCache("target verify walk")
         self.commits = GraphCache("target verify commit")
+        # The walk's ~35 small kernels (matches, twins, the ancestor test, the path's scatter) in a few: it is on the
+        # step's path, between the forward and the result's copy to the host.
+        (self.accept,) = compile_all((accept_batch,), compiled=model.device.type == "cuda")
         self._feature_layers: tuple[int, ...] | None = None
         self._traces: dict[VerifyShape, list] = {}   # from a bucket's forward capture until its commit capture
         self.eager_shapes: set[VerifyShape] = set()   # buckets whose capture ran out of memory: they run eagerly
@@ -236,7 +243,7 @@ class VerifyGraphs:
             rows_out = self._rows_out.view(s.batch, s.nodes, shared.shape[-1])
         fn = self.walks.get(
             (s, has_features),
-            lambda p, c, a: verify_walk(p, s.nodes, c, shared, s.nodes, rows_out, a),
+            lambda p, c, a: verify_walk(p, s.nodes, c, shared, s.nodes, rows_out, a, self.accept),
             lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device),
                      self._example_anc(s)],
         )
