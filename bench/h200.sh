@@ -55,8 +55,8 @@ for s in $SECTIONS; do
       timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "graph_steps or padded_batch or chain_prefill or kernel_warmup or runs_eagerly or triton or memory_cap or to_host or runners_equal_transformers or drafter_compiled_glue" \
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests.log" | head -30 ;;
-    testshyb)   # fla kernels and the fused tree WY kernel == the PyTorch reference, a hybrid runner with kernels on == off
-      timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward or hybrid_glue}" > "$R/gpu-tests-fla.log" 2>&1
+    testshyb)   # fla kernels, the fused tree WY kernel and the tree-layout kernel == the PyTorch reference, a hybrid runner with kernels on == off
+      timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward or hybrid_glue or tree_layout}" > "$R/gpu-tests-fla.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-fla.log" | head -30 ;;
     treekernel)   # the fused tree WY core against the PyTorch one at 27B heads, every tiling of the sweep
       timeout ${TREE_BENCH_S:-300} python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
