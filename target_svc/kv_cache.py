@@ -1,12 +1,27 @@
 """Preallocated per-slot target cache: K/V of full-attention layers and Gated DeltaNet states of linear ones."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from target_svc.gated_deltanet import LinearAttnState, LinearAttnStateShape, allocate_linear_attn_state
+
+KV_WRITE_ENV_VAR = "DDTREE_KV_WRITE_KERNEL"
+_KV_WRITE_BLOCK = 1024   # values per load/store of the write kernel (n_kv * head_dim is 1024 on Qwen3-8B)
+
+
+def kv_write_kernel_available(device: torch.device | str) -> bool:
+    """Whether write_kv goes through the Triton kernel on device: CUDA, Triton installed, DDTREE_KV_WRITE_KERNEL not
+    off."""
+    if os.environ.get(KV_WRITE_ENV_VAR, "").strip().lower() in ("off", "0", "false", "no"):
+        return False
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,7 @@ class KVCache:
     ctx_len: list[int]  # committed tokens per slot (host-side: known without a device sync)
     slot_of: dict[str, int] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
+    write_kernel: bool = False   # write_kv through target_svc/kv_cache_kernels.py (one launch, not two index_puts)
 
     @classmethod
     def allocate(cls, spec: CacheSpec) -> "KVCache":
@@ -63,6 +79,7 @@ class KVCache:
             ctx_len=[0] * spec.max_batch,
             # Popped from the end: slot 0 is handed out first.
             free_slots=list(range(spec.max_batch - 1, -1, -1)),
+            write_kernel=kv_write_kernel_available(spec.device),
         )
 
     def add_sequence(self, seq_id: str) -> int:
@@ -105,6 +122,9 @@ class KVCache:
 
     def write_kv(self, layer: int, slots: Tensor, rows: Tensor, k: Tensor, v: Tensor) -> None:
         """Writes k/v [B, T, n_kv, head_dim] of full-attention layer `layer` to rows[B, T] of slots[B]."""
+        if self.write_kernel and k.numel():
+            write_kv_rows(self.k[layer], self.v[layer], slots, rows, k, v)
+            return
         index = (slots[:, None].expand_as(rows), rows)
         self.k[layer].index_put_(index, k)
         self.v[layer].index_put_(index, v)
@@ -124,3 +144,20 @@ class KVCache:
         for buf in (self.k, self.v):
             rows = buf[:, b_idx, src_rows]  # [L, B, D, n_kv, hd]
             buf[:, b_idx, dst_rows] = rows
+
+
+def write_kv_rows(k_cache: Tensor, v_cache: Tensor, slots: Tensor, rows: Tensor, k: Tensor, v: Tensor) -> None:
+    """KVCache.write_kv of one layer through the Triton kernel: k_cache, v_cache [slots, capacity, n_kv, hd]
+    contiguous; k, v [B, T, n_kv, hd] (copied where a node's n_kv x hd values are not dense); no sync."""
+    bsz, t, n_kv, hd = k.shape
+    d = n_kv * hd
+    k, v = (x if x.stride(-1) == 1 and x.stride(-2) == hd else x.contiguous() for x in (k, v))
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the slot cache must be contiguous")
+    kernels = importlib.import_module("target_svc.kv_cache_kernels")  # Triton: only once a launch is certain
+    kernels.write_kv_kernel[(bsz * t,)](
+        k, v, k_cache, v_cache, slots, rows,
+        t, k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        slots.stride(0), rows.stride(0), rows.stride(1),
+        D=d, BLOCK=min(_KV_WRITE_BLOCK, 1 << (d - 1).bit_length()),
+    )

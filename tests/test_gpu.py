@@ -724,6 +724,45 @@ def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes):
         assert all(torch.equal(a, b) for a, b in zip(replay, eager))
 
 
+@pytest.mark.parametrize("n_kv, head_dim, nodes", [(8, 128, 1), (8, 128, 65), (4, 256, 17)])
+def test_cuda_kv_write_kernel_writes_what_index_put_writes_and_replays_in_a_graph(n_kv, head_dim, nodes):
+    """KVCache.write_kv through the Triton kernel (target_svc/kv_cache_kernels.py): the very bytes of index_put_,
+    values sliced out of a fused projection as the verify hands them over; eagerly and replayed in a graph."""
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc.kv_cache import kv_write_kernel_available, write_kv_rows
+
+    if not kv_write_kernel_available("cuda"):
+        pytest.skip("needs Triton")
+    shape = (5, 300, n_kv, head_dim)
+    k_cache, v_cache = (torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+
+    def inputs(seed: int):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        qkv = torch.randn(3, nodes, 3 * n_kv * head_dim, generator=gen, device="cuda").bfloat16()
+        k = qkv[..., : n_kv * head_dim].reshape(3, nodes, n_kv, head_dim).contiguous()
+        v = qkv[..., n_kv * head_dim: 2 * n_kv * head_dim].view(3, nodes, n_kv, head_dim)
+        slots = torch.tensor([3, 0, 4], device="cuda")
+        rows = torch.tensor([100, 7, 0], device="cuda")[:, None] + torch.arange(nodes, device="cuda")
+        return slots, rows, k, v
+
+    def write(slots, rows, k, v):
+        write_kv_rows(k_cache, v_cache, slots, rows, k, v)
+        return k_cache
+
+    captured = CapturedFunction.capture(write, inputs(1), pool=None)
+    for seed in (2, 3):
+        slots, rows, k, v = inputs(seed)
+        want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        index = (slots[:, None].expand_as(rows), rows)
+        want_k.index_put_(index, k)
+        want_v.index_put_(index, v)
+        for run in (lambda: write(slots, rows, k, v), lambda: captured(slots, rows, k, v)):
+            k_cache.zero_(), v_cache.zero_()
+            run()
+            torch.cuda.synchronize()
+            assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
 @pytest.mark.parametrize("nodes", [2, 17, 65, 128])
 def test_cuda_tree_layout_kernel_equals_the_pytorch_structure_and_windows_and_replays_in_a_graph(nodes):
     """The one-launch tree structure (target_svc/tree_layout.py) gives the very integers of the PyTorch path, eagerly

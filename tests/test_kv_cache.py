@@ -1,11 +1,15 @@
-"""The target's per-slot cache on its own: slots, capacity, K/V rows, compaction moves, linear-state reset."""
+"""The target's per-slot cache on its own: slots, capacity, K/V rows (and their Triton write, under the interpreter where
+Triton is installed), compaction moves, linear-state reset."""
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
 from target_svc.gated_deltanet import LinearAttnStateShape
-from target_svc.kv_cache import CacheSpec, KVCache
+from target_svc.kv_cache import KV_WRITE_ENV_VAR, CacheSpec, KVCache, kv_write_kernel_available
+from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted
 
 LINEAR = LinearAttnStateShape(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4, conv_kernel=3)
 
@@ -108,3 +112,38 @@ def test_move_rows_without_full_attention_layers_is_a_no_op() -> None:
     c = cache(full_layers=0, linear=(LINEAR,))
     c.move_rows(torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[0]]))
     assert c.k.numel() == 0
+
+
+def test_the_write_kernel_is_never_chosen_on_the_cpu_or_when_switched_off(monkeypatch) -> None:
+    assert not cache().write_kernel and not kv_write_kernel_available("cpu")
+    monkeypatch.setenv(KV_WRITE_ENV_VAR, "off")
+    assert not kv_write_kernel_available("cuda")
+
+
+INTERPRETED_WRITE = """
+import torch
+from target_svc.kv_cache import write_kv_rows
+torch.manual_seed(0)
+for n_kv, hd, t in [(2, 6, 3), (8, 128, 5), (4, 512, 2)]:   # one partial block; one; two blocks of 1024
+    k_cache, v_cache = torch.zeros(3, 9, n_kv, hd), torch.zeros(3, 9, n_kv, hd)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([2, 0])
+    rows = torch.stack([torch.arange(t) + 1, torch.arange(t) + 4])
+    qkv = torch.randn(2, t, 3 * n_kv * hd)
+    # v as the verify hands it over: a column slice of the fused projection (rows of one node dense, nodes strided)
+    k = torch.randn(2, t, n_kv, hd)
+    v = qkv[..., n_kv * hd:2 * n_kv * hd].view(2, t, n_kv, hd)
+    write_kv_rows(k_cache, v_cache, slots, rows, k, v)
+    index = (slots[:, None].expand_as(rows), rows)
+    want_k.index_put_(index, k)
+    want_v.index_put_(index, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), (n_kv, hd, t)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+def test_the_write_kernel_under_tritons_interpreter_writes_what_index_put_writes() -> None:
+    """Rows of two slots, a value tensor sliced out of a fused projection, node widths of one partial block, one
+    block and two."""
+    _run_interpreted(INTERPRETER_PATCH + INTERPRETED_WRITE)
