@@ -8,6 +8,9 @@ gdn_tree_wy.py (anc(i): ancestors-or-self of node i, parents before children):
     (I + A) U = beta V - (beta e^G K) S_0,   A[i, r] = beta_i (k_i . k_r) e^{G_i - G_r}   (r a strict ancestor)
     o_i = e^{G_i} S_0^T q_i + sum_{r in anc(i)} e^{G_i - G_r} (q_i . k_r) u_r
 
+Node 0, the root of every real node, is solved first as one recurrent step, and its state S_r stands in for S_0
+for its descendants (with G less the root's gate); the rest, nodes 1 .. T-1, in blocks of BT nodes: a verify tree
+of 4^k + 1 nodes then fills 4^k / BT blocks exactly (a 65-node tree: 4 blocks of 16, not 5, the last for one node).
 I + A is unit lower triangular, so U comes out by block forward substitution over blocks of BT nodes: block R's
 right-hand side loses the terms of the ancestors in earlier blocks (already solved, in chunks of BC columns),
 then the BT x BT diagonal block (I + A_RR) is inverted in registers and applied with one dot. The same column
@@ -107,15 +110,33 @@ def tree_wy_core_kernel(
     offs_k = tl.arange(0, DK)
     offs_v = pid_v * BV + tl.arange(0, BV)
     loc = tl.arange(0, BT)
-    # S_0's value block stays in registers: every block of nodes reads it twice.
+    # S_0's value block stays in registers: every block of nodes reads it.
     s0 = tl.load(s0_ptr + b * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
     strict = loc[:, None] > loc[None, :]
 
-    for r0 in range(0, T, BT):
+    # Node 0, the root of every real node, as one recurrent step: u_0 = beta_0 v_0 - S_0^T (beta_0 e^{g_0} k_0),
+    # o_0 = e^{g_0} S_0^T q_0 + (q_0 . k_0) u_0, and its state S_r = e^{g_0} S_0 + k_0 u_0^T. Then for a descendant i,
+    # e^{G_i} S_0 plus the root's term is e^{G_i - g_0} S_r: the blocks start at node 1 from S_r, so a tree of
+    # 4^k + 1 nodes (a budget-4^k tree, a 16-token chain plus its root) takes 4^k / BT blocks, not one more for its
+    # last node. Nodes outside the root's subtree (padding) keep S_0 and G.
+    g0 = tl.load(g_ptr)
+    beta0 = tl.load(beta_ptr)
+    q0 = tl.load(q_ptr + offs_k)
+    k0 = tl.load(k_ptr + offs_k)
+    v0 = tl.load(v_ptr + offs_v)
+    e0 = tl.exp(g0)
+    u0 = v0 * beta0 - tl.sum((k0 * (beta0 * e0))[:, None] * s0, axis=0)
+    o0 = tl.sum((q0 * e0)[:, None] * s0, axis=0) + tl.sum(q0 * k0) * u0
+    tl.store(u_ptr + offs_v, u0)
+    tl.store(core_ptr + offs_v, o0)
+    tl.store(cum_ptr, g0)
+    s_root = s0 * e0 + k0[:, None] * u0[None, :]
+
+    for r0 in range(1, T, BT):
         rows = r0 + loc
         rmask = rows < T
 
-        # G of the block's nodes: their ancestors all precede them, so columns past the block are not needed.
+        # G of the block's nodes (the root's gate included): their ancestors all precede them.
         cum_r = tl.zeros([BT], dtype=tl.float32)
         for c0 in range(0, r0 + BT, BC):
             cols = c0 + tl.arange(0, BC)
@@ -124,19 +145,24 @@ def tree_wy_core_kernel(
                         mask=rmask[:, None] & cmask[None, :], other=0)
             g_c = tl.load(g_ptr + cols * stride_gt, mask=cmask, other=0.0)
             cum_r += tl.sum(tl.where(a != 0, g_c[None, :], 0.0), axis=1)
+        # Rows past T count as the root's: nothing of theirs is stored.
+        in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=1) != 0
 
         # Padded rows (past T) load as zeros: k = v = beta = G = 0, so they solve to u = 0 and are never stored.
         beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
         q_r = tl.load(q_ptr + rows[:, None] * stride_qt + offs_k[None, :], mask=rmask[:, None], other=0.0)
         k_r = tl.load(k_ptr + rows[:, None] * stride_kt + offs_k[None, :], mask=rmask[:, None], other=0.0)
         v_r = tl.load(v_ptr + rows[:, None] * stride_vt + offs_v[None, :], mask=rmask[:, None], other=0.0)
-        e_r = tl.exp(cum_r)
+        e_r = tl.exp(cum_r - tl.where(in_root, g0, 0.0))  # e^{G_i - g_0} against S_r; e^{G_i} against S_0
         kb_r = k_r * beta_r[:, None]  # the reference's k_beta
-        rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s0, input_precision="ieee")
-        o = tl.dot(q_r * e_r[:, None], s0, input_precision="ieee")
+        # A node outside the root's subtree is padding: k = beta = 0, so its right-hand side has no state term.
+        rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s_root, input_precision="ieee")
+        o = tl.dot(q_r * e_r[:, None], s_root, input_precision="ieee")
+        if tl.min(in_root.to(tl.int32), axis=0) == 0:  # padding in this block: its outputs start from S_0
+            o = tl.where(in_root[:, None], o, tl.dot(q_r * e_r[:, None], s0, input_precision="ieee"))
 
-        # Ancestors in earlier blocks: solved already (rows < r0 of u and cum hold this program's results).
-        for c0 in range(0, r0, BC):
+        # Ancestors in earlier blocks, the root aside: solved already (rows 1 .. r0 - 1 of u and cum).
+        for c0 in range(1, r0, BC):
             cols = c0 + tl.arange(0, BC)
             cmask = cols < r0
             k_c = tl.load(k_ptr + cols[:, None] * stride_kt + offs_k[None, :], mask=cmask[:, None], other=0.0)
