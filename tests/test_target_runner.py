@@ -148,6 +148,29 @@ def test_batched_random_tree_verify_equals_hf_greedy_and_plain_decoding(arch, tr
         torch.testing.assert_close(torch.cat(features[sid]), torch.cat(plain_features), atol=1e-4, rtol=0)
 
 
+def test_a_verify_step_builds_its_trees_ancestor_mask_once(checkpoints, monkeypatch):
+    """The attention keys, the one-pass GDN layers and the acceptance walk share the step's TreeStructure (each used
+    to rebuild the mask by pointer doubling: ~30 small kernels a time on the GPU)."""
+    from ddtree_serve.decoding import acceptance, tree_mask
+
+    runner = _runner(checkpoints["qwen3_5"])
+    runner.model.tree_gdn = "wy"
+    prompts = {"a": _prompt(9, seed=3), "b": _prompt(6, seed=4)}
+    first = runner.prefill([PrefillItem(sid, p, SamplingParams()) for sid, p in prompts.items()])
+    calls = []
+    build = tree_mask.ancestor_mask_batch
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(tree_mask, "ancestor_mask_batch", counted)
+    monkeypatch.setattr(acceptance, "ancestor_mask_batch", counted)
+    items = [VerifyItem(o.seq_id, torch.tensor([o.next_token, 7, 8, 9]), torch.tensor([-1, 0, 0, 1])) for o in first]
+    runner.verify(items)
+    assert calls == [torch.Size([2, 4])]
+
+
 CHUNKINGS = {
     "forwards of 4": {"prefill_chunk": 4},
     "forwards of 7": {"prefill_chunk": 7},
