@@ -91,8 +91,8 @@ class VerifyItem:
     """One draft tree: node 0 is the pending bonus token; parents[0] = -1, 0 <= parents[i] < i."""
 
     seq_id: str
-    tokens: Tensor  # LongTensor[T]
-    parents: Tensor  # LongTensor[T]
+    tokens: Tensor | list[int]  # LongTensor[T] or the ids as a list (the server's: no tensor per request)
+    parents: Tensor | list[int]
 
 
 @dataclass
@@ -132,13 +132,20 @@ class _Sequence:
     pending_token: int
 
 
+def _int_list(values: Tensor | list[int]) -> list[int]:
+    """A verify item's ids as a flat list of ints (a tensor of any integer dtype, or a list)."""
+    if isinstance(values, Tensor):
+        return values.reshape(-1).long().tolist()
+    return [int(v) for v in values]
+
+
 @dataclass
 class _Tree:
     """A validated verify item on the host."""
 
     seq: _Sequence
-    tokens: Tensor
-    parents: Tensor
+    tokens: list[int]
+    parents: list[int]
     max_depth: int
 
 
@@ -313,7 +320,7 @@ class TargetRunner:
             ctx = ctx_host[b] + n
             self.model.cache.ctx_len[tr.seq.slot] = ctx
             tr.seq.pending_token = next_token
-            tokens = tr.tokens.tolist()
+            tokens = tr.tokens
             outputs.append(VerifyOutput(
                 seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=[tokens[i] for i in nodes[1:]],
                 next_token=next_token, context_len=ctx, features=None if rows is None else rows[b, :n],
@@ -546,9 +553,7 @@ class TargetRunner:
             seq = self.seqs[it.seq_id]
             if seq.pending_token == -1:
                 raise ValueError(f"sequence {it.seq_id!r}: its prompt is still being prefilled")
-            tokens = torch.as_tensor(it.tokens).reshape(-1).to("cpu", torch.long)
-            parents = torch.as_tensor(it.parents).reshape(-1).to("cpu", torch.long)
-            tok, par = tokens.tolist(), parents.tolist()
+            tok, par = _int_list(it.tokens), _int_list(it.parents)
             t = len(tok)
             where = f"sequence {it.seq_id!r}"
             if t == 0 or len(par) != t:
@@ -573,5 +578,5 @@ class TargetRunner:
                     f"{where}: tree too big for the remaining capacity (context {ctx} + depth {max_depth + 1} > "
                     f"{self.max_seq_len})"
                 )
-            trees.append(_Tree(seq, tokens, parents, max_depth))
+            trees.append(_Tree(seq, tok, par, max_depth))
         return trees

@@ -318,8 +318,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         for it in request.items:
             if len(it.tokens) == 0 or len(it.tokens) != len(it.parents):
                 raise ValueError(f"sequence {it.seq_id}: tree needs >= 1 node and one parent per token")
-            items.append(VerifyItem(seq_id=it.seq_id, tokens=torch.tensor(list(it.tokens), dtype=torch.long),
-                                    parents=torch.tensor(list(it.parents), dtype=torch.long)))
+            items.append(VerifyItem(seq_id=it.seq_id, tokens=list(it.tokens), parents=list(it.parents)))
         t1 = time.perf_counter_ns()
         outputs = await self.model_thread.run(self.runner.verify, items)
         t2, forward_done = time.perf_counter_ns(), time.time_ns()
