@@ -621,16 +621,19 @@ def step_inputs(qkv_in: Tensor, conv_state: Tensor, valid: Tensor, g: Tensor, be
     return q, k, v, k * vf[:, :, None, None], g * vf[..., None], beta * vf[..., None], node_conv
 
 
-def tree_inputs(qkv_in: Tensor, conv_state: Tensor, window_idx: Tensor, valid: Tensor, g: Tensor, beta: Tensor,
-                weight: Tensor, bias: Tensor | None, q_shape: tuple[int, int], v_shape: tuple[int, int]
-                ) -> tuple[Tensor, ...]:
+def tree_inputs(qkv_in: Tensor, conv_state: Tensor, conv_index: Tensor | None, window_idx: Tensor, valid: Tensor,
+                g: Tensor, beta: Tensor, weight: Tensor, bias: Tensor | None, q_shape: tuple[int, int],
+                v_shape: tuple[int, int]) -> tuple[Tensor, ...]:
     """A tree verify's glue between the projections and the WY core (a few compiled kernels on CUDA, not ~12).
 
-    qkv_in [B, T, conv_dim] and conv_state [B, conv_dim, k-1] in the model dtype, window_idx [B, T, k] (each node's
-    conv window as rows of [committed inputs | the nodes]: gdn_tree_wy.conv_windows), valid [B, T] bool, g, beta
-    [B, T, Hv] fp32 -> (conv_inputs [B, k-1+T, conv_dim], q, k [B, Hv, T, Dk], v [B, Hv, T, Dv], g, beta [B, Hv, T]):
-    heads first (transposed views), key heads repeated to value heads, padded nodes with k = g = beta = 0.
+    qkv_in [B, T, conv_dim] and conv_state [B, conv_dim, k-1] in the model dtype (or, with conv_index [B], the
+    layer's pool of conv states, row b's at conv_index[b]), window_idx [B, T, k] (each node's conv window as rows of
+    [committed inputs | the nodes]: gdn_tree_wy.conv_windows), valid [B, T] bool, g, beta [B, T, Hv] fp32 ->
+    (conv_inputs [B, k-1+T, conv_dim], q, k [B, Hv, T, Dk], v [B, Hv, T, Dv], g, beta [B, Hv, T]): heads first
+    (transposed views), key heads repeated to value heads, padded nodes with k = g = beta = 0.
     """
+    if conv_index is not None:
+        conv_state = conv_state[conv_index]
     conv_inputs = torch.cat([conv_state.transpose(1, 2), qkv_in], dim=1)
     rows = torch.arange(qkv_in.shape[0], device=qkv_in.device)[:, None, None]
     window = conv_inputs[rows, window_idx]  # [B, T, k, conv_dim]

@@ -88,23 +88,28 @@ def _unit_last(t: Tensor) -> Tensor:
 
 
 def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, anc: Tensor, s0: Tensor,
-                 config: TileConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 config: TileConfig | None = None, s0_index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The fused WY core: (core [B, Hv, T, Dv], u [B, Hv, T, Dv], cum [B, Hv, T]), all float32, as the reference.
 
     qh, kh [B, Hv, T, Dk], vh [B, Hv, T, Dv], g, beta [B, Hv, T], s0 [B, Hv, Dk, Dv]: float32, any strides (views
-    of transposes need no copy); anc [B, T, T] bool, ancestors-or-self with parents before children. The caller
-    checks supports() first."""
+    of transposes need no copy); anc [B, T, T] bool, ancestors-or-self with parents before children. s0_index [B]:
+    s0 is a pool of states [N, Hv, Dk, Dv] and tree b starts from s0[s0_index[b]], read in place (the reference's
+    s0[s0_index] without its gather). The caller checks supports() first."""
     bsz, heads, t, dk = kh.shape
     dv = vh.shape[-1]
+    s0_rows = (bsz,) if s0_index is None else (s0.shape[0],)
     if (qh.shape != kh.shape or vh.shape[:3] != (bsz, heads, t) or g.shape != (bsz, heads, t)
-            or beta.shape != g.shape or anc.shape != (bsz, t, t) or s0.shape != (bsz, heads, dk, dv)):
+            or beta.shape != g.shape or anc.shape != (bsz, t, t) or s0.shape != (*s0_rows, heads, dk, dv)
+            or (s0_index is not None and tuple(s0_index.shape) != (bsz,))):
         raise ValueError(f"bad shapes: q {tuple(qh.shape)} k {tuple(kh.shape)} v {tuple(vh.shape)} g {tuple(g.shape)} "
                          f"beta {tuple(beta.shape)} anc {tuple(anc.shape)} s0 {tuple(s0.shape)}")
     if any(x.dtype != torch.float32 for x in (qh, kh, vh, g, beta, s0)) or anc.dtype != torch.bool:
         raise ValueError("q, k, v, g, beta, s0 must be float32 and anc bool")
     if not supports(t, dk, dv):
         raise ValueError(f"unsupported tree: {t} nodes (1..{MAX_NODES}), head dims {dk}, {dv} (powers of two 16..256)")
-    if bsz * heads * t * max(dk, dv) > _MAX_ELEMENTS or bsz * heads * dk * dv > _MAX_ELEMENTS:
+    if s0_index is not None and s0_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError("s0_index must be an integer tensor")
+    if bsz * heads * t * max(dk, dv) > _MAX_ELEMENTS:
         raise ValueError("tree WY core exceeds int32 offsets")
     if bsz * heads > 65535:  # the grid's second axis
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
@@ -125,13 +130,14 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     # Value blocks of one head are neighbours in launch order: they share the head's keys in L2.
     grid = (dv // cfg.block_v, bsz * heads)
     kernels.tree_wy_core_kernel[grid](
-        qh, kh, vh, g, beta, anc_u8, s0, core, u, cum,
+        qh, kh, vh, g, beta, anc_u8, s0, s0 if s0_index is None else s0_index, core, u, cum,
         t, heads,
         qh.stride(0), qh.stride(1), qh.stride(2), kh.stride(0), kh.stride(1), kh.stride(2),
         vh.stride(0), vh.stride(1), vh.stride(2), g.stride(0), g.stride(1), g.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2), anc_u8.stride(0), anc_u8.stride(1), anc_u8.stride(2),
-        s0.stride(0), s0.stride(1), s0.stride(2),
+        s0.stride(0), s0.stride(1), s0.stride(2), 0 if s0_index is None else s0_index.stride(0),
         DK=dk, DV=dv, BT=cfg.block_t, BC=cfg.block_c, BV=cfg.block_v, INVERT=cfg.invert,
+        INDEXED=s0_index is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return core, u, cum

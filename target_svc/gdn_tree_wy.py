@@ -114,12 +114,14 @@ def gdn_tree_layout(parents: Tensor, valid: Tensor, conv_kernel: int,
 
 def gdn_tree_forward_wy(
     module: nn.Module, x: Tensor, parents: Tensor, valid: Tensor, conv_state: Tensor, rec_state: Tensor,
-    kernel: bool | None = None, layout: GdnTreeLayout | None = None,
+    kernel: bool | None = None, layout: GdnTreeLayout | None = None, state_index: Tensor | None = None,
 ) -> tuple[Tensor, GdnTreeWYTrace]:
     """Verify padded trees x [B, T, H] (parents [B, T], valid [B, T] prefix) -> (out [B, T, H], trace); no sync."""
     # kernel: the WY core through the fused Triton kernel (target_svc/gdn_tree_kernel.py); None = where it is
     # available for x's device and takes these shapes, unless DDTREE_GDN_KERNELS is off.
     # layout: gdn_tree_layout(parents, valid, conv kernel) shared by the forward's GDN layers (None: built here).
+    # state_index [B]: conv_state and rec_state are the layer's state pools and tree b starts from slot
+    #   state_index[b]'s states, read in place by the glue and the kernel (two gathers a layer fewer).
     dims = LinearAttnStateShape.from_module(module)
     dtype = _model_dtype(module)
     bsz, t, _ = x.shape
@@ -134,13 +136,13 @@ def gdn_tree_forward_wy(
 
     # Heads first: [B, Hv, T, D]; padded nodes get k = 0, beta = 0, g = 0. ext: [B, k-1+T, conv_dim].
     glue = _glue(module)
-    inputs = (p.qkv_in, conv_state.to(dtype), layout.window_idx, valid, p.g, p.beta)
+    inputs = (p.qkv_in, conv_state.to(dtype), state_index, layout.window_idx, valid, p.g, p.beta)
     if glue is not None:
         ext, qh, kh, vh, g, beta = glue.tree_inputs(module, *inputs, dims)
     else:
         ext, qh, kh, vh, g, beta = tree_inputs(*inputs, module.conv1d.weight[:, 0, :], module.conv1d.bias,
                                                (dims.num_k_heads, dims.head_k_dim), (dims.num_v_heads, dims.head_v_dim))
-    s0 = rec_state.float()  # [B, Hv, Dk, Dv]
+    s0 = rec_state.float()  # [B, Hv, Dk, Dv], or the pool
     auto = kernel is None
     if auto:
         kernel = (not gdn_kernels.disabled_by_env() and gdn_tree_kernel.available(dev)
@@ -149,7 +151,7 @@ def gdn_tree_forward_wy(
     core = None
     if kernel:
         try:
-            core, u, cum = gdn_tree_kernel.tree_wy_core(qh, kh, vh, g, beta, anc, s0)
+            core, u, cum = gdn_tree_kernel.tree_wy_core(qh, kh, vh, g, beta, anc, s0, s0_index=state_index)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: the reference, not a dead service
             if not auto:  # asked for by name (tests, benches): the failure is the answer
                 raise
@@ -157,7 +159,7 @@ def gdn_tree_forward_wy(
             log.warning("tree WY kernel failed (%s: %s); this layer uses the PyTorch core", type(exc).__name__, exc)
             setattr(module, _KERNEL_FAILED, True)
     if core is None:
-        core, u, cum = _wy_core_reference(qh, kh, vh, g, beta, anc, s0)
+        core, u, cum = _wy_core_reference(qh, kh, vh, g, beta, anc, s0 if state_index is None else s0[state_index])
     out = _output(module, core.transpose(1, 2), p.z, dims)
     out = out * valid.unsqueeze(-1).to(out.dtype)
     return out, GdnTreeWYTrace(conv_inputs=ext, window_idx=layout.window_idx, key=kh, u=u, cum_g=cum, anc=anc)

@@ -83,16 +83,17 @@ def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr):
 # T changes with every tree size: not specialised on it, so one compile serves all T.
 @triton.jit(do_not_specialize=["T"])
 def tree_wy_core_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, s0_ptr, core_ptr, u_ptr, cum_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, s0_ptr, s0_index_ptr, core_ptr, u_ptr, cum_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_gb, stride_gh, stride_gt, stride_bb, stride_bh, stride_bt, stride_ab, stride_ai, stride_aj,
-    stride_sb, stride_sh, stride_sk,
+    stride_sb, stride_sh, stride_sk, stride_si,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    INVERT: tl.constexpr,
+    INVERT: tl.constexpr, INDEXED: tl.constexpr,
 ):
     """core, u [B, H, T, DV] and cum [B, H, T] (contiguous float32) of one (b, h, value block); q, k [B, H, T, DK],
-    v [B, H, T, DV] and s0 [B, H, DK, DV] have unit stride along their last dim, anc [B, T, T] is uint8 (0/1)."""
+    v [B, H, T, DV] and s0 [B or pool, H, DK, DV] have unit stride along their last dim, anc [B, T, T] is uint8
+    (0/1). INDEXED: tree b starts from s0[s0_index[b]] (a state pool read in place), else from s0[b]."""
     pid_v = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -111,7 +112,11 @@ def tree_wy_core_kernel(
     offs_v = pid_v * BV + tl.arange(0, BV)
     loc = tl.arange(0, BT)
     # S_0's value block stays in registers: every block of nodes reads it.
-    s0 = tl.load(s0_ptr + b * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
+    if INDEXED:
+        s0_row = tl.load(s0_index_ptr + b * stride_si).to(tl.int64)
+    else:
+        s0_row = b.to(tl.int64)
+    s0 = tl.load(s0_ptr + s0_row * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
     strict = loc[:, None] > loc[None, :]
 
     # Node 0, the root of every real node, as one recurrent step: u_0 = beta_0 v_0 - S_0^T (beta_0 e^{g_0} k_0),

@@ -130,10 +130,11 @@ class GdnGlue:
         return self.kernels.step_inputs(qkv_in, conv_state, valid, g, beta, self.conv_weight, module.conv1d.bias,
                                         (dims.num_k_heads, dims.head_k_dim), (dims.num_v_heads, dims.head_v_dim))
 
-    def tree_inputs(self, module: nn.Module, qkv_in: Tensor, conv_state: Tensor, window_idx: Tensor, valid: Tensor,
-                    g: Tensor, beta: Tensor, dims: LinearAttnStateShape) -> tuple[Tensor, ...]:
+    def tree_inputs(self, module: nn.Module, qkv_in: Tensor, conv_state: Tensor, conv_index: Tensor | None,
+                    window_idx: Tensor, valid: Tensor, g: Tensor, beta: Tensor,
+                    dims: LinearAttnStateShape) -> tuple[Tensor, ...]:
         """gated_deltanet.tree_inputs of the layer (a tree verify's conv windows, heads and padding masks), compiled."""
-        return self.kernels.tree_inputs(qkv_in, conv_state, window_idx, valid, g, beta, self.conv_weight,
+        return self.kernels.tree_inputs(qkv_in, conv_state, conv_index, window_idx, valid, g, beta, self.conv_weight,
                                         module.conv1d.bias, (dims.num_k_heads, dims.head_k_dim),
                                         (dims.num_v_heads, dims.head_v_dim))
 

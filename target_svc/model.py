@@ -393,6 +393,12 @@ class TargetModel:
     ) -> Tensor:
         """Gated DeltaNet: chains commit their final state; trees keep a trace for the accepted-path replay."""
         state = self.cache.linear[state_layer]
+        if not chain and self.tree_gdn == "wy" and not (self.gdn_kernels_on and x.shape[1] == 1):
+            # The one-pass tree reads the slots' states in place (the commit gathers what it needs).
+            out, trace = gdn_tree_forward_wy(gdn, x, parents, valid, state.conv, state.rec, layout=layout,
+                                             state_index=slots)
+            traces.append(trace)
+            return out
         conv0, rec0 = state.conv[slots], state.rec[slots]
         if chain:
             out, conv, rec = gdn_chain_forward(gdn, x, sizes, conv0, rec0, kernels=self.gdn_kernels_on)
@@ -402,8 +408,6 @@ class TargetModel:
         if self.gdn_kernels_on and x.shape[1] == 1:
             # A decode step (one-node trees): fla's recurrent kernel; committed by gdn_commit_path's kernel replay.
             out, trace = gdn_step_forward_lean(gdn, x, valid, conv0, rec0, kernels=True)
-        elif self.tree_gdn == "wy":
-            out, trace = gdn_tree_forward_wy(gdn, x, parents, valid, conv0, rec0, layout=layout)
         else:
             out, trace = gdn_tree_forward_lean(gdn, x, parents, valid, conv0, rec0)
         traces.append(trace)

@@ -44,8 +44,7 @@ def tree_layout(parents: Tensor, sizes: Tensor, conv_kernel: int = 0) -> TreeStr
     bsz, t = parents.shape
     if not supports(t):
         raise ValueError(f"tree layout kernel takes 2..{MAX_NODES} nodes, not {t}")
-    parents = parents.long()
-    sizes = sizes.long().contiguous()
+    parents, sizes = parents.long(), sizes.long()   # views of the packed batch: read through their strides
     dev = parents.device
     anc = torch.empty(bsz, t, t, dtype=torch.bool, device=dev)
     depth = torch.empty(bsz, t, dtype=torch.long, device=dev)
@@ -57,7 +56,7 @@ def tree_layout(parents: Tensor, sizes: Tensor, conv_kernel: int = 0) -> TreeStr
     block = max(16, 1 << (t - 1).bit_length())
     kernels.tree_layout_kernel[(bsz,)](
         parents, sizes, anc_u8, depth, window, t, (t - 1).bit_length(),
-        parents.stride(0), parents.stride(1), anc_u8.stride(0), anc_u8.stride(1), depth.stride(0),
+        parents.stride(0), parents.stride(1), sizes.stride(0), anc_u8.stride(0), anc_u8.stride(1), depth.stride(0),
         window.stride(0), window.stride(1),
         BT=block, KERN=conv_kernel, num_warps=4 if block <= 64 else 8,
     )

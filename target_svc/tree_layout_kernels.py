@@ -19,7 +19,7 @@ import triton.language as tl
 def tree_layout_kernel(
     parents_ptr, sizes_ptr, anc_ptr, depth_ptr, window_ptr,
     T, STEPS,
-    stride_pb, stride_pt, stride_ab, stride_ai, stride_db, stride_wb, stride_wt,
+    stride_pb, stride_pt, stride_sb, stride_ab, stride_ai, stride_db, stride_wb, stride_wt,
     BT: tl.constexpr, KERN: tl.constexpr,
 ):
     """anc [B, T, T] (uint8 0/1), depth [B, T] int64 and, when KERN > 0, window [B, T, KERN] int64 of tree b;
@@ -28,7 +28,7 @@ def tree_layout_kernel(
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     in_tree = rows < T
-    size = tl.load(sizes_ptr + b)
+    size = tl.load(sizes_ptr + b * stride_sb)
     parents = tl.load(parents_ptr + b * stride_pb + rows * stride_pt, mask=in_tree, other=-1)
     # ancestor_mask_batch's pointers: the parent where it is a real, earlier node of a real node; else none (T).
     ok = (parents >= 0) & (parents < rows) & (rows < size)

@@ -209,6 +209,24 @@ def test_interpreted_tree_forward_with_the_kernel_equals_it_without(interpreted)
     assert torch.equal(got.conv_inputs, want.conv_inputs) and torch.equal(got.window_idx, want.window_idx)
 
 
+@in_interpreter
+def test_interpreted_kernel_reads_each_trees_state_from_a_pool_by_index(interpreted):
+    """s0_index: tree b starts from s0[s0_index[b]] of a state pool, the index a strided view (the packed batch's
+    slots column) with one slot twice (padding rows share the scratch slot)."""
+    args = list(core_inputs([random_parents(40, 16, torch.Generator().manual_seed(2)), chain(17), [-1]], heads=2,
+                            dk=16, dv=32, seed=3))
+    pool = torch.randn(6, 2, 16, 32, generator=torch.Generator().manual_seed(4)) * 0.3
+    packed = torch.tensor([[7, 5], [7, 1], [7, 5]])
+    index = packed[:, 1]
+    args[6] = pool
+    got = gdn_tree_kernel.tree_wy_core(*args, s0_index=index)
+    args[6] = pool[index]
+    want = gdn_tree_kernel.tree_wy_core(*args)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    want_ref = _wy_core_reference(*args)
+    assert all(((x - y).abs().max() / y.abs().max()).item() <= REL_TOL for x, y in zip(got, want_ref))
+
+
 def _small_forward_inputs(seed: int):
     from target_svc.gated_deltanet import LinearAttnStateShape
     from tests.test_gated_deltanet import HIDDEN, _make_layer
@@ -234,7 +252,7 @@ def test_the_forward_takes_the_kernel_where_available_unless_switched_off(monkey
     assert not gdn_tree_kernel.available("cpu")
     calls: list[int] = []
 
-    def spy(*args):
+    def spy(*args, s0_index=None):
         calls.append(args[0].shape[2])
         return _wy_core_reference(*args)
 

@@ -55,3 +55,18 @@ def test_outputs_and_every_node_state_equal_the_depth_by_depth_reference(layer, 
             torch.testing.assert_close(got_conv[b], want_conv[b, node], atol=0, rtol=0)
             others = [r for r in range(len(sizes)) if r != b]
             torch.testing.assert_close(got_rec[others], rec[others].float(), atol=0, rtol=0)  # path_len 0: kept
+
+
+def test_states_read_in_place_from_the_pools_equal_the_gathered_states(layer):
+    """state_index: the tree starts from its slot's states in the layer's pools (the model's path: no gathers),
+    padding rows sharing one slot included; the same bits as handing the gathered states over."""
+    x, parents, valid, conv, rec = _batch(layer, [9, 4, 1], 6, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    conv_pool = torch.randn(5, *conv.shape[1:], generator=gen)
+    rec_pool = torch.randn(5, *rec.shape[1:], generator=gen) * 0.3
+    slots = torch.tensor([[3, 0, 4]]).expand(2, 3)[0]   # a strided view, as the packed batch hands slots over
+    with torch.no_grad():
+        want_out, want = gdn_tree_forward_wy(layer, x, parents, valid, conv_pool[slots], rec_pool[slots])
+        got_out, got = gdn_tree_forward_wy(layer, x, parents, valid, conv_pool, rec_pool, state_index=slots)
+    assert torch.equal(got_out, want_out)
+    assert torch.equal(got.u, want.u) and torch.equal(got.conv_inputs, want.conv_inputs)
