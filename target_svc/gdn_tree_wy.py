@@ -187,21 +187,27 @@ def accepted_path(anc: Tensor, path: Tensor, path_len: Tensor) -> AcceptedPath:
 def gdn_commit_path_wy(
     trace: GdnTreeWYTrace, path: Tensor, path_len: Tensor, conv_state: Tensor, rec_state: Tensor,
     accepted: AcceptedPath | None = None, commit: Callable[..., tuple[Tensor, Tensor]] | None = None,
+    state_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """States after the accepted nodes path[b, :path_len[b]] (root first): closed form, no replay, no sync.
     accepted: accepted_path(trace.anc, path, path_len), when the caller shares it between layers; commit:
-    commit_states compiled (HybridKernels.commit_states), else the plain function."""
+    commit_states compiled (HybridKernels.commit_states), else the plain function; state_index [B]: conv_state and
+    rec_state are the layer's pools, row b's states at state_index[b] (gathered inside the compiled commit)."""
     if accepted is None:
         accepted = accepted_path(trace.anc, path, path_len)
     return (commit or commit_states)(trace.conv_inputs, trace.window_idx, trace.key, trace.u, trace.cum_g, conv_state,
-                                     rec_state, accepted.last, accepted.on_path, accepted.keep)
+                                     rec_state, accepted.last, accepted.on_path, accepted.keep, state_index)
 
 
 def commit_states(conv_inputs: Tensor, window_idx: Tensor, key: Tensor, u: Tensor, cum_g: Tensor, conv_state: Tensor,
-                  rec_state: Tensor, last: Tensor, on_path: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+                  rec_state: Tensor, last: Tensor, on_path: Tensor, keep: Tensor,
+                  state_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One layer's (conv state, recurrent state) after the accepted path ending at node last[b] (GdnTreeWYTrace's
     fields, AcceptedPath's): S_l = e^{G_l} S_0 + K^T diag(on_path e^{G_l - G}) U, and the conv inputs of the last
-    node's window; rows that accepted nothing keep their states (one GEMM and two or three kernels, compiled)."""
+    node's window; rows that accepted nothing keep their states (one GEMM and two or three kernels, compiled).
+    state_index: the states are pools, row b's at state_index[b]."""
+    if state_index is not None:
+        conv_state, rec_state = conv_state[state_index], rec_state[state_index]
     rows = torch.arange(u.shape[0], device=u.device)
     g_last = cum_g.gather(2, last[:, None, None].expand(-1, cum_g.shape[1], 1))  # [B, Hv, 1]
     weight = on_path[:, None, :] * (g_last - cum_g).clamp(max=0).exp()  # [B, Hv, T]

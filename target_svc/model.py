@@ -438,8 +438,8 @@ class TargetModel:
                 if accepted is None:
                     accepted = accepted_path(trace.anc, path, path_len)
                 commit = None if self.hybrid_kernels is None else self.hybrid_kernels.commit_states
-                conv, rec = gdn_commit_path_wy(trace, path, path_len, state.conv[slots], state.rec[slots], accepted,
-                                               commit)
+                conv, rec = gdn_commit_path_wy(trace, path, path_len, state.conv, state.rec, accepted, commit,
+                                               state_index=slots)
             else:
                 conv, rec = gdn_commit_path(trace, path, path_len, state.conv[slots], state.rec[slots],
                                             kernels=self.gdn_kernels_on)
