@@ -216,3 +216,18 @@ def test_offline_eval_drafts_like_the_drafter_service(tiny_target: Path, tmp_pat
         v, k = runner.draft([DraftItem("s", int(x[p]), p)], top_k=8)
         assert torch.equal(k[0], ids[n])
         torch.testing.assert_close(v[0], lp[n], rtol=0, atol=1e-4)
+
+
+def test_prompts_of_a_corpus_whose_every_document_is_held_out_still_train(tmp_path: Path) -> None:
+    """A tiny corpus can have all its documents fall on the held-out side (each does with probability
+    heldout_doc_fraction, the coin keyed by the document's path): individual prompts are split instead."""
+    from drafter_svc.train.corpora import Corpora
+    from drafter_svc.train.prompts import build_prompts
+
+    story = tmp_path / "story.txt"
+    story.write_text("\n\n".join(f"Paragraph {i}: the rain stopped and the children ran outside to count the "
+                                 f"puddles on the road, while the baker opened the shop number {i}." for i in range(30)))
+    corpora = Corpora(pysrc=[], pydoc=[], speech=[], fortune=[], text=[story])
+    train, heldout = build_prompts(corpora, n_train=8, n_heldout=2, heldout_doc_fraction=1.0)
+    assert len(train) == 8 and len(heldout) == 2
+    assert not {p.text for p in train} & {p.text for p in heldout}

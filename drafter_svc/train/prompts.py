@@ -176,6 +176,15 @@ def build_prompts(
             docs[kind] = (train_d, held_d)
     if not pools:
         raise ValueError("no corpus text found: pass corpus directories or install the offline corpora")
+    if n_train > 0 and not any(train for train, _ in pools.values()):
+        # Every document fell on the held-out side (a tiny corpus of a few documents: each is held out with
+        # probability heldout_doc_fraction): split individual prompts instead, most of them for training.
+        log.warning("every document is held out; splitting individual prompts")
+        for kind, (_, held_t) in pools.items():
+            held_d = docs[kind][1]
+            cut = max(1, len(held_t) // 10) if len(held_t) > 1 else 0
+            pools[kind] = (held_t[cut:], held_t[:cut])
+            docs[kind] = (held_d[cut:], held_d[:cut])
     if sum(len(held) for _, held in pools.values()) < n_heldout:
         # Too few documents to hold any out (tiny corpora): hold out individual prompts instead.
         log.warning("too few held-out documents; holding out individual prompts")
