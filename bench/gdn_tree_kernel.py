@@ -6,7 +6,7 @@ timing: --calls calls captured in one CUDA graph and replayed --replays times (m
 bench/gdn_kernels.py times). The agreement column is max |kernel - reference| / max |reference| over core and u.
 
     python -m bench.gdn_tree_kernel                 # on the GPU machine, triton installed
-    python -m bench.gdn_tree_kernel --sweep         # also every tiling of the sweep grid
+    python -m bench.gdn_tree_kernel --sweep         # also every tiling of the sweep grid (and the 3-launch form)
     python -m bench.gdn_tree_kernel --sweep --block-t 16,32,64   # with 64-node diagonal blocks too (slow to build)
 
 Prints a markdown table (and writes it with --out-dir).
@@ -85,6 +85,9 @@ def sweep_grid(block_ts: tuple[int, ...] = (16, 32)):
         if invert == "rows" and bt > 16:
             continue
         yield TileConfig(block_t=bt, block_c=bc, block_v=64, num_warps=warps, num_stages=1, invert=invert)
+    # The three-launch form (products first, in parallel over blocks), block doubling only.
+    for bt, bc, warps in itertools.product(block_ts, (32, 64), (4, 8)):
+        yield TileConfig(block_t=bt, block_c=bc, block_v=64, num_warps=warps, num_stages=1, phases=3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in configs:
             label = "kernel, default tiles" if cfg is None else (
                 f"kernel BT {cfg.block_t} {cfg.invert} BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps} "
-                f"stages {cfg.num_stages}")
+                f"stages {cfg.num_stages}" + (f" {cfg.phases} launches" if cfg.phases > 1 else ""))
             try:
                 got = gdn_tree_kernel.tree_wy_core(*inputs, config=cfg)
                 err = agreement(got[:2], want[:2])

@@ -27,6 +27,8 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 # Diagonal blocks the kernel is tested at (powers of two: the doubling inversion squares log2(BT) times; larger
 # blocks hold BT x Dk and BT x BT tiles in registers).
 _BLOCK_T = (16, 32, 64)
+# The three-launch form keeps two [T, T] float32 products per (tree, head): past this many nodes, one launch.
+THREE_PHASE_MAX_NODES = 256
 # Flat offsets inside the kernel are int32.
 _MAX_ELEMENTS = 2**31 - 1
 
@@ -43,6 +45,10 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     invert: str = "blocks"
+    # 1: one program per (tree, head, value block) does everything, block after block; 3: what does not depend on
+    # earlier blocks' u is made first by a program per block in parallel, the substitution runs on precomputed
+    # products, the outputs are added last (gdn_tree_wy_kernels.py; trees of up to THREE_PHASE_MAX_NODES nodes)
+    phases: int = 1
 
 
 def available(device: torch.device | str) -> bool:
@@ -115,7 +121,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
     cfg = config or choose_config(bsz * heads, dv, _num_sms(vh.device))
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
-            or cfg.invert not in ("blocks", "rows")):
+            or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 3)):
         raise ValueError(f"bad tiles for Dv {dv}: {cfg}")
     qh, kh, vh, s0 = _unit_last(qh), _unit_last(kh), _unit_last(vh), _unit_last(s0)
     # Same bytes, loaded as 0/1; dense, because Triton specialises on strides divisible by 16 and the variants
@@ -127,6 +133,9 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     if core.numel() == 0:
         return core, u, cum.zero_()
     kernels = importlib.import_module("target_svc.gdn_tree_wy_kernels")  # Triton: only once a launch is certain
+    if cfg.phases == 3 and 2 <= t <= THREE_PHASE_MAX_NODES:
+        _three_launches(kernels, qh, kh, vh, g, beta, anc_u8, s0, s0_index, core, u, cum, cfg)
+        return core, u, cum
     # Value blocks of one head are neighbours in launch order: they share the head's keys in L2.
     grid = (dv // cfg.block_v, bsz * heads)
     kernels.tree_wy_core_kernel[grid](
@@ -141,3 +150,42 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return core, u, cum
+
+
+def _three_launches(kernels, qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, anc_u8: Tensor, s0: Tensor,
+                    s0_index: Tensor | None, core: Tensor, u: Tensor, cum: Tensor, cfg: TileConfig) -> None:
+    """TileConfig.phases == 3: prepare (per block, in parallel), solve (per value block), outputs (per block)."""
+    bsz, heads, t, dk = kh.shape
+    dv = vh.shape[-1]
+    bt = cfg.block_t
+    blocks = -(-(t - 1) // bt)   # nodes 1 .. t-1; the root is a step of its own
+    dev = vh.device
+    rhs = torch.empty(bsz * heads, t, dv, dtype=torch.float32, device=dev)
+    inv = torch.empty(bsz * heads, blocks, bt, bt, dtype=torch.float32, device=dev)
+    akk = torch.empty(bsz * heads, t, t, dtype=torch.float32, device=dev)
+    aqk = torch.empty_like(akk)
+    index = s0 if s0_index is None else s0_index
+    index_stride = 0 if s0_index is None else s0_index.stride(0)
+    value_blocks = dv // cfg.block_v
+    kernels.tree_wy_prepare_kernel[(value_blocks, blocks, bsz * heads)](
+        qh, kh, vh, g, beta, anc_u8, s0, index, core, cum, rhs, inv, akk, aqk,
+        t, heads, blocks,
+        qh.stride(0), qh.stride(1), qh.stride(2), kh.stride(0), kh.stride(1), kh.stride(2),
+        vh.stride(0), vh.stride(1), vh.stride(2), g.stride(0), g.stride(1), g.stride(2),
+        beta.stride(0), beta.stride(1), beta.stride(2), anc_u8.stride(0), anc_u8.stride(1), anc_u8.stride(2),
+        s0.stride(0), s0.stride(1), s0.stride(2), index_stride,
+        DK=dk, DV=dv, BT=bt, BC=cfg.block_c, BV=cfg.block_v, INVERT=cfg.invert, INDEXED=s0_index is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    kernels.tree_wy_solve_kernel[(value_blocks, bsz * heads)](
+        qh, kh, vh, g, beta, s0, index, core, u, cum, rhs, inv, akk,
+        t, heads, blocks,
+        qh.stride(0), qh.stride(1), kh.stride(0), kh.stride(1), vh.stride(0), vh.stride(1), g.stride(0), g.stride(1),
+        beta.stride(0), beta.stride(1), s0.stride(0), s0.stride(1), s0.stride(2), index_stride,
+        DK=dk, DV=dv, BT=bt, BC=cfg.block_c, BV=cfg.block_v, INDEXED=s0_index is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    kernels.tree_wy_output_kernel[(value_blocks, blocks, bsz * heads)](
+        core, u, aqk, t, DV=dv, BT=bt, BC=cfg.block_c, BV=cfg.block_v, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

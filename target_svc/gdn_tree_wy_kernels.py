@@ -196,3 +196,195 @@ def tree_wy_core_kernel(
         tl.store(cum_ptr + rows, cum_r, mask=rmask)
         # The next blocks read these rows back (other threads of this program): order the stores before them.
         tl.debug_barrier()
+
+
+# ---- the same core in three launches (TileConfig.phases == 3) --------------------------------------------------
+# Everything of block R that does not depend on earlier blocks' u (its G, its diagonal block's inverse, the
+# products with earlier nodes' keys, its terms of the root state) is made by one program per (tree, head, block)
+# in parallel; one program per (tree, head, value block) then runs the substitution, whose chain per block is a
+# dot per chunk of earlier columns and one with the inverse; a third launch adds the outputs' terms of every
+# ancestor once all of U is known. Scratch: the inverses [BH, NB, BT, BT] and the decayed products A and QK
+# [BH, T, T] (float32: 34 KB a head at 65 nodes).
+
+
+@triton.jit
+def _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v):
+    """(u_0, o_0, S_r, g_0, e_0) of node 0 from S_0's value block (see tree_wy_core_kernel)."""
+    g0 = tl.load(g_ptr)
+    beta0 = tl.load(beta_ptr)
+    q0 = tl.load(q_ptr + offs_k)
+    k0 = tl.load(k_ptr + offs_k)
+    v0 = tl.load(v_ptr + offs_v)
+    e0 = tl.exp(g0)
+    u0 = v0 * beta0 - tl.sum((k0 * (beta0 * e0))[:, None] * s0, axis=0)
+    o0 = tl.sum((q0 * e0)[:, None] * s0, axis=0) + tl.sum(q0 * k0) * u0
+    return u0, o0, s0 * e0 + k0[:, None] * u0[None, :], g0
+
+
+@triton.jit(do_not_specialize=["T"])
+def tree_wy_prepare_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, s0_ptr, s0_index_ptr, core_ptr, cum_ptr,
+    rhs_ptr, inv_ptr, akk_ptr, aqk_ptr,
+    T, H, NB,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_gb, stride_gh, stride_gt, stride_bb, stride_bh, stride_bt, stride_ab, stride_ai, stride_aj,
+    stride_sb, stride_sh, stride_sk, stride_si,
+    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    INVERT: tl.constexpr, INDEXED: tl.constexpr,
+):
+    """Block blk = program_id(1) of nodes 1 + blk*BT ..: rhs (beta V less the root state's term) and the outputs'
+    root-state term (into core) for value block program_id(0); the first value block's program also G (cum), the
+    diagonal block's inverse, and the rows of A and QK (decayed, ancestor-masked) over nodes 1 .. block end."""
+    pid_v = tl.program_id(0)
+    blk = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    q_ptr += b * stride_qb + h * stride_qh
+    k_ptr += b * stride_kb + h * stride_kh
+    v_ptr += b * stride_vb + h * stride_vh
+    g_ptr += b * stride_gb + h * stride_gh
+    beta_ptr += b * stride_bb + h * stride_bh
+    anc_ptr += b * stride_ab
+    offs_k = tl.arange(0, DK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    loc = tl.arange(0, BT)
+    if INDEXED:
+        s0_row = tl.load(s0_index_ptr + b * stride_si).to(tl.int64)
+    else:
+        s0_row = b.to(tl.int64)
+    s0 = tl.load(s0_ptr + s0_row * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
+    _, _, s_root, g0 = _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v)
+
+    r0 = 1 + blk * BT
+    rows = r0 + loc
+    rmask = rows < T
+    cum_r = tl.zeros([BT], dtype=tl.float32)
+    for c0 in range(0, r0 + BT, BC):
+        cols = c0 + tl.arange(0, BC)
+        cmask = cols < T
+        a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
+                    mask=rmask[:, None] & cmask[None, :], other=0)
+        g_c = tl.load(g_ptr + cols * stride_gt, mask=cmask, other=0.0)
+        cum_r += tl.sum(tl.where(a != 0, g_c[None, :], 0.0), axis=1)
+    in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=1) != 0
+    beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
+    q_r = tl.load(q_ptr + rows[:, None] * stride_qt + offs_k[None, :], mask=rmask[:, None], other=0.0)
+    k_r = tl.load(k_ptr + rows[:, None] * stride_kt + offs_k[None, :], mask=rmask[:, None], other=0.0)
+    v_r = tl.load(v_ptr + rows[:, None] * stride_vt + offs_v[None, :], mask=rmask[:, None], other=0.0)
+    e_r = tl.exp(cum_r - tl.where(in_root, g0, 0.0))
+    kb_r = k_r * beta_r[:, None]
+    rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s_root, input_precision="ieee")
+    o = tl.dot(q_r * e_r[:, None], s_root, input_precision="ieee")
+    if tl.min(in_root.to(tl.int32), axis=0) == 0:
+        o = tl.where(in_root[:, None], o, tl.dot(q_r * e_r[:, None], s0, input_precision="ieee"))
+    out_mask = rmask[:, None]
+    tl.store(rhs_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], rhs, mask=out_mask)
+    tl.store(core_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], o, mask=out_mask)
+
+    if pid_v == 0:
+        tl.store(cum_ptr + bh * T + rows, cum_r, mask=rmask)
+        square = rmask[:, None] & rmask[None, :]
+        a = tl.load(anc_ptr + rows[:, None] * stride_ai + rows[None, :] * stride_aj, mask=square, other=0)
+        decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
+        strict = loc[:, None] > loc[None, :]
+        sys_a = tl.where(strict, tl.dot(kb_r, tl.trans(k_r), input_precision="ieee") * decay, 0.0)
+        inv = _invert_unit_lower(sys_a, loc, BT, INVERT)
+        tl.store(inv_ptr + (bh * NB + blk) * BT * BT + loc[:, None] * BT + loc[None, :], inv)
+        qk = tl.dot(q_r, tl.trans(k_r), input_precision="ieee") * decay
+        tl.store(aqk_ptr + bh * T * T + rows[:, None] * T + rows[None, :], qk, mask=square)
+        for c0 in range(1, r0, BC):
+            cols = c0 + tl.arange(0, BC)
+            cmask = cols < r0
+            # G of these earlier nodes, summed here from the inputs (their own block's program sums it too).
+            cum_c = tl.zeros([BC], dtype=tl.float32)
+            for j0 in range(0, c0 + BC, BC):
+                js = j0 + tl.arange(0, BC)
+                jmask = js < r0
+                a = tl.load(anc_ptr + cols[:, None] * stride_ai + js[None, :] * stride_aj,
+                            mask=cmask[:, None] & jmask[None, :], other=0)
+                g_j = tl.load(g_ptr + js * stride_gt, mask=jmask, other=0.0)
+                cum_c += tl.sum(tl.where(a != 0, g_j[None, :], 0.0), axis=1)
+            k_c = tl.load(k_ptr + cols[:, None] * stride_kt + offs_k[None, :], mask=cmask[:, None], other=0.0)
+            a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
+                        mask=rmask[:, None] & cmask[None, :], other=0)
+            decay = _exp_where(a != 0, cum_r[:, None] - cum_c[None, :])
+            kk = tl.dot(kb_r, tl.trans(k_c), input_precision="ieee") * decay
+            qk = tl.dot(q_r, tl.trans(k_c), input_precision="ieee") * decay
+            box = rmask[:, None] & cmask[None, :]
+            tl.store(akk_ptr + bh * T * T + rows[:, None] * T + cols[None, :], kk, mask=box)
+            tl.store(aqk_ptr + bh * T * T + rows[:, None] * T + cols[None, :], qk, mask=box)
+
+
+@triton.jit(do_not_specialize=["T"])
+def tree_wy_solve_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, s0_index_ptr, core_ptr, u_ptr, cum_ptr,
+    rhs_ptr, inv_ptr, akk_ptr,
+    T, H, NB,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh,
+    stride_sb, stride_sh, stride_sk, stride_si,
+    DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    INDEXED: tl.constexpr,
+):
+    """The root step, then U block by block: rhs less A's earlier columns times their u, times the inverse."""
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_k = tl.arange(0, DK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    loc = tl.arange(0, BT)
+    if INDEXED:
+        s0_row = tl.load(s0_index_ptr + b * stride_si).to(tl.int64)
+    else:
+        s0_row = b.to(tl.int64)
+    s0 = tl.load(s0_ptr + s0_row * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
+    u0, o0, _, g0 = _root_step(q_ptr + b * stride_qb + h * stride_qh, k_ptr + b * stride_kb + h * stride_kh,
+                               v_ptr + b * stride_vb + h * stride_vh, g_ptr + b * stride_gb + h * stride_gh,
+                               beta_ptr + b * stride_bb + h * stride_bh, s0, offs_k, offs_v)
+    u_ptr += bh * T * DV
+    tl.store(u_ptr + offs_v, u0)
+    tl.store(core_ptr + bh * T * DV + offs_v, o0)
+    tl.store(cum_ptr + bh * T, g0)
+    rhs_ptr += bh * T * DV
+    akk_ptr += bh * T * T
+    for blk in range(0, NB):
+        r0 = 1 + blk * BT
+        rows = r0 + loc
+        rmask = rows < T
+        rhs = tl.load(rhs_ptr + rows[:, None] * DV + offs_v[None, :], mask=rmask[:, None], other=0.0)
+        for c0 in range(1, r0, BC):
+            cols = c0 + tl.arange(0, BC)
+            cmask = cols < r0
+            a = tl.load(akk_ptr + rows[:, None] * T + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+            u_c = tl.load(u_ptr + cols[:, None] * DV + offs_v[None, :], mask=cmask[:, None], other=0.0)
+            rhs -= tl.dot(a, u_c, input_precision="ieee")
+        inv = tl.load(inv_ptr + (bh * NB + blk) * BT * BT + loc[:, None] * BT + loc[None, :])
+        u_r = tl.dot(inv, rhs, input_precision="ieee")
+        tl.store(u_ptr + rows[:, None] * DV + offs_v[None, :], u_r, mask=rmask[:, None])
+        tl.debug_barrier()  # the next blocks read these rows back
+
+
+@triton.jit(do_not_specialize=["T"])
+def tree_wy_output_kernel(
+    core_ptr, u_ptr, aqk_ptr, T,
+    DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+):
+    """Block blk's outputs: the root-state term (in core) plus QK's row times U over nodes 1 .. block end."""
+    pid_v = tl.program_id(0)
+    blk = tl.program_id(1)
+    bh = tl.program_id(2)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    r0 = 1 + blk * BT
+    rows = r0 + tl.arange(0, BT)
+    rmask = rows < T
+    end = tl.minimum(r0 + BT, T)
+    o = tl.load(core_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], mask=rmask[:, None], other=0.0)
+    for c0 in range(1, r0 + BT, BC):
+        cols = c0 + tl.arange(0, BC)
+        cmask = cols < end
+        a = tl.load(aqk_ptr + bh * T * T + rows[:, None] * T + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0)
+        u_c = tl.load(u_ptr + bh * T * DV + cols[:, None] * DV + offs_v[None, :], mask=cmask[:, None], other=0.0)
+        o += tl.dot(a, u_c, input_precision="ieee")
+    tl.store(core_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], o, mask=rmask[:, None])

@@ -129,7 +129,20 @@ def test_interpreted_kernel_equals_the_reference_core_on_random_trees(interprete
 
 
 @in_interpreter
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreted_three_launch_kernel_equals_the_reference_core_on_random_trees(interpreted, case):
+    """TileConfig.phases == 3 (products first, then the substitution, then the outputs) on every tree case; trees
+    past THREE_PHASE_MAX_NODES take the one-launch kernel."""
+    trees, dk, dv = CASES[case]
+    heads = 1 if max(map(len, trees)) > 128 else 2
+    assert_matches_reference(core_inputs(trees, heads=heads, dk=dk, dv=dv, seed=len(case)),
+                             TileConfig(block_t=16, block_c=32, block_v=16, phases=3))
+
+
+@in_interpreter
 @pytest.mark.parametrize("config", [TileConfig(block_t=16, block_c=16, block_v=16),
+                                    TileConfig(block_t=32, block_c=16, block_v=16, phases=3),
+                                    TileConfig(block_t=16, block_c=64, block_v=32, phases=3, invert="rows"),
                                     TileConfig(block_t=32, block_c=16, block_v=32),
                                     TileConfig(block_t=16, block_c=64, block_v=32),
                                     TileConfig(block_t=64, block_c=16, block_v=16),
@@ -172,9 +185,10 @@ def correlated_chain_inputs(nodes: int, dk: int, dv: int, cosine: float, seed: i
 
 
 @in_interpreter
+@pytest.mark.parametrize("phases", [1, 3])
 @pytest.mark.parametrize("block_t", [16, 32, 64])
 @pytest.mark.parametrize("invert", ["blocks", "rows"])
-def test_interpreted_inversions_round_like_substitution_against_float64(interpreted, block_t, invert):
+def test_interpreted_inversions_round_like_substitution_against_float64(interpreted, block_t, invert, phases):
     """Both inversions' error against the reference in float64, on a random tree and on correlated chains.
 
     Measured under the interpreter (max over core and u, relative to the largest magnitude, over the three
@@ -182,7 +196,7 @@ def test_interpreted_inversions_round_like_substitution_against_float64(interpre
     1.3e-6 at BT 16, 32, 64; the float32 reference itself 1.3e-6. The power series (I + N)(I + N^2)...
     (I + N^(BT/2)), N = -A, was tried and dropped: exact on the random tree (2.8e-7) but on the chains 2.3e-5 and
     1.3e-4 at BT 16, 1.7e-1 and 2.9e1 at BT 32, 3.9e6 and 9.5e9 at BT 64 (binomially growing terms that cancel)."""
-    config = TileConfig(block_t=block_t, block_c=32, block_v=16, invert=invert)
+    config = TileConfig(block_t=block_t, block_c=32, block_v=16, invert=invert, phases=phases)
     for args in (core_inputs([random_parents(65, 16, torch.Generator().manual_seed(4))], heads=2, dk=128, dv=16,
                              seed=5),
                  correlated_chain_inputs(64, dk=128, dv=16, cosine=0.8, seed=7),
@@ -218,11 +232,13 @@ def test_interpreted_kernel_reads_each_trees_state_from_a_pool_by_index(interpre
     pool = torch.randn(6, 2, 16, 32, generator=torch.Generator().manual_seed(4)) * 0.3
     packed = torch.tensor([[7, 5], [7, 1], [7, 5]])
     index = packed[:, 1]
-    args[6] = pool
-    got = gdn_tree_kernel.tree_wy_core(*args, s0_index=index)
-    args[6] = pool[index]
-    want = gdn_tree_kernel.tree_wy_core(*args)
-    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    for phases in (1, 3):
+        config = TileConfig(block_v=32, phases=phases)
+        args[6] = pool
+        got = gdn_tree_kernel.tree_wy_core(*args, config=config, s0_index=index)
+        args[6] = pool[index]
+        want = gdn_tree_kernel.tree_wy_core(*args, config=config)
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), phases
     want_ref = _wy_core_reference(*args)
     assert all(((x - y).abs().max() / y.abs().max()).item() <= REL_TOL for x, y in zip(got, want_ref))
 

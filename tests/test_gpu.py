@@ -689,14 +689,17 @@ def test_tree_wy_kernel_equals_the_reference_core_at_27b_heads(case):
 
 
 @needs_tree_kernel
-@pytest.mark.parametrize("tiles", [(16, 32, 8, "rows"), (32, 32, 8, "blocks"), (32, 64, 4, "blocks")])
+@pytest.mark.parametrize("tiles", [(16, 32, 8, "rows", 1), (32, 32, 8, "blocks", 1), (32, 64, 4, "blocks", 1),
+                                   (16, 32, 8, "blocks", 3), (32, 32, 4, "blocks", 3)])
 def test_tree_wy_kernel_equals_the_reference_core_under_the_swept_tilings(tiles):
-    """Tilings the sweep may pick besides the default: the row-by-row inversion, 32-node diagonal blocks."""
+    """Tilings the sweep may pick besides the default: the row-by-row inversion, 32-node diagonal blocks, the
+    three-launch form (its 255-node chain takes it too: up to THREE_PHASE_MAX_NODES)."""
     from target_svc.gdn_tree_kernel import TileConfig, tree_wy_core
     from target_svc.gdn_tree_wy import _wy_core_reference
 
-    block_t, block_c, warps, invert = tiles
-    config = TileConfig(block_t=block_t, block_c=block_c, block_v=64, num_warps=warps, num_stages=1, invert=invert)
+    block_t, block_c, warps, invert, phases = tiles
+    config = TileConfig(block_t=block_t, block_c=block_c, block_v=64, num_warps=warps, num_stages=1, invert=invert,
+                        phases=phases)
     for trees in ([_tree_parents(65, 16, 1), _tree_parents(40, 16, 2)], [list(range(-1, 255))]):
         args = _tree_core_inputs_27b(trees, seed=3)
         want = _wy_core_reference(*args)
@@ -706,20 +709,26 @@ def test_tree_wy_kernel_equals_the_reference_core_under_the_swept_tilings(tiles)
 
 
 @needs_tree_kernel
+@pytest.mark.parametrize("phases", [1, 3])
 @pytest.mark.parametrize("nodes", [16, 65])
-def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes):
+def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes, phases):
     """No host sync, no autotuning: a replay on new inputs equals an eager call bit for bit (the G that the
     programs of one head all write is the same bits)."""
     from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
-    from target_svc.gdn_tree_kernel import tree_wy_core
+    from target_svc.gdn_tree_kernel import TileConfig, tree_wy_core
+
+    config = TileConfig(block_v=64, num_stages=1, phases=phases)
+
+    def core(*args):
+        return tree_wy_core(*args, config=config)
 
     trees = [_tree_parents(nodes, 16, 4), _tree_parents(nodes - 5, 16, 5)]
-    captured = CapturedFunction.capture(tree_wy_core, _tree_core_inputs_27b(trees, seed=6), pool=None)
+    captured = CapturedFunction.capture(core, _tree_core_inputs_27b(trees, seed=6), pool=None)
     for seed in (7, 8):
         fresh = _tree_core_inputs_27b([_tree_parents(nodes, 16, seed), _tree_parents(nodes - 5, 16, seed + 1)],
                                       seed=seed)
         replay = [x.clone() for x in captured(*fresh)]
-        eager = tree_wy_core(*fresh)
+        eager = core(*fresh)
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(replay, eager))
 
