@@ -195,7 +195,7 @@ def forward_costs(runner: TargetRunner, ids: list[str], nodes: int, gen: torch.G
     model.pending_traces = None
     scale = eager_logits.abs().max().item()
     agree = {
-        "max_abs_logit_diff_over_max_logit": (graph_logits - eager_logits).abs().max().item() / scale,
+        "max_abs_logit_diff_over_max_logit": (graph_logits.float() - eager_logits.float()).abs().max().item() / scale,
         "greedy_agreement": (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item(),
     }
     return out, agree

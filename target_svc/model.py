@@ -160,7 +160,8 @@ class TargetModel:
         features_out: Tensor | None = None,
         structure: TreeStructure | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Padded trees [B, Tmax] at ctx_len + depth -> (logits [B, Tmax, V] fp32, features [B, Tmax, F] | None)."""
+        """Padded trees [B, Tmax] at ctx_len + depth -> (logits [B, Tmax, V] in the model dtype, features [B, Tmax, F]
+        | None)."""
         # valid[b] is a prefix mask (nodes 0..T_b-1); node i's K/V go to cache row ctx_len + i.
         # chain=True: every row is a chain (prefill / continuation) and linear-attention states are committed at
         #   once; otherwise the block stays pending until commit_block() knows the accepted paths.
@@ -214,7 +215,11 @@ class TargetModel:
         if logits_at is not None:
             h = h.gather(1, logits_at[:, None, None].expand(bsz, 1, h.shape[-1]))
         logits = t.lm_head(h)
-        logits = logits.float() if logits_out is None else logits_out.copy_(logits)
+        # In the model dtype: argmax picks the same token as on a float32 copy (the conversion is exact and
+        # monotone), and sampling converts the rows it draws from (sampling.choose_tokens); a float32 copy of every
+        # row cost a [B, T, V] write per step and twice the graphs' shared logits buffer.
+        if logits_out is not None:
+            logits = logits_out.copy_(logits)
         features = None
         if feature_layers:
             parts = [feature_set[i] for i in feature_layers]

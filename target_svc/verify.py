@@ -4,7 +4,7 @@ A verify step is two device functions over one packed integer tensor (`VerifyBat
 sizes, context lengths and slots of every row), so that a step needs one host->device copy and one
 device->host copy:
 
-- `verify_forward`: the target forward over the trees -> fp32 logits, the greedy choice per node, features;
+- `verify_forward`: the target forward over the trees -> logits (model dtype), the greedy choice per node, features;
 - `verify_walk`: the acceptance walk against the target's choices -> the packed result (accepted count, bonus
   token, path) and the accepted nodes' feature rows;
 - `commit_path`: the commit of the accepted paths (K/V compaction, linear-attention states). The results are
@@ -78,8 +78,9 @@ def unpack(packed: Tensor, nodes: int) -> tuple[Tensor, Tensor, Tensor, Tensor, 
 
 def verify_forward(model: TargetModel, packed: Tensor, nodes: int, key_len: int, feature_layers: tuple[int, ...],
                    out: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """Forward over the packed trees -> (logits [B, T, V] fp32, greedy choices [B, T], features [B, T, F] | None,
-    the trees' ancestor mask [B, T, T] for the walk); out = (logits, features) buffers to write them into."""
+    """Forward over the packed trees -> (logits [B, T, V] in the model dtype, greedy choices [B, T], features
+    [B, T, F] | None, the trees' ancestor mask [B, T, T] for the walk); out = (logits, features) buffers to write
+    them into."""
     ids, parents, sizes, ctx_lens, slots = unpack(packed, nodes)
     valid = torch.arange(nodes, device=packed.device)[None, :] < sizes[:, None]
     structure = model.tree_structure(parents, sizes)
@@ -130,7 +131,7 @@ def verify_commit(model: TargetModel, packed: Tensor, nodes: int, choices: Tenso
 class VerifyGraphs:
     """verify_forward / verify_commit captured per (batch, nodes, key length) bucket, writing shared buffers.
 
-    A bucket's graph keeps what is alive when its capture ends: with ~100 buckets, per-bucket fp32 logits and
+    A bucket's graph keeps what is alive when its capture ends: with ~100 buckets, per-bucket logits and
     Gated DeltaNet traces would take more memory than a 27B int8 target's cache (measured: the flagship's
     warm-up ran past a 45 GiB cap). So every forward writes its logits and features into two buffers of the
     largest shape, every commit its accepted rows into a third (per-bucket rows would be ~0.3 GiB at the 27B's
@@ -154,7 +155,7 @@ class VerifyGraphs:
         self._traces: dict[VerifyShape, list] = {}   # from a bucket's forward capture until its commit capture
         self.eager_shapes: set[VerifyShape] = set()   # buckets whose capture ran out of memory: they run eagerly
         self._rows = self.batch_buckets[-1] * self.node_buckets[-1]
-        self._logits_out = SharedOutput(self._rows * model.target.vocab_size, torch.float32, model.device)
+        self._logits_out = SharedOutput(self._rows * model.target.vocab_size, model.dtype, model.device)
         self._features_out: SharedOutput | None = None   # sized when the feature layers are known
         self._rows_out: SharedOutput | None = None       # the walks' accepted feature rows, likewise
 
