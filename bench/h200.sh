@@ -3,6 +3,9 @@
 #   tests      GPU equality tests (graphs == eager, Triton weight-only kernels == dequantized reference), the
 #              --gpu-memory-cap allocator bound
 #   testshyb   fla kernels and the fused tree WY kernel == the PyTorch reference
+#   newtests   only the GPU tests of the 2026-12-04 CPU session's changes (tree-layout and K/V-write kernels, the WY
+#              kernel's root step, three launches and pooled states, the compiled hybrid tree glue and commit,
+#              graphs == eager with the shared structure and model-dtype logits): the first thing to run after it
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel)
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8)
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
@@ -55,6 +58,10 @@ for s in $SECTIONS; do
       timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "graph_steps or padded_batch or chain_prefill or kernel_warmup or runs_eagerly or triton or memory_cap or to_host or runners_equal_transformers or drafter_compiled_glue or kv_write or tree_layout" \
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests.log" | head -30 ;;
+    newtests)
+      timeout ${TESTS_S:-540} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "tree_layout or kv_write or tree_wy or tree_forward or hybrid_glue or graph_steps or padded_batch or hybrid_runner_greedy" \
+        > "$R/gpu-tests-new.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-new.log" | head -30 ;;
     testshyb)   # fla kernels, the fused tree WY kernel and the tree-layout kernel == the PyTorch reference, a hybrid runner with kernels on == off
       timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward or hybrid_glue or tree_layout}" > "$R/gpu-tests-fla.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-fla.log" | head -30 ;;
