@@ -1,0 +1,141 @@
+"""The tree-attention kernel's tiling and key split, swept on the GPU at the shapes a step attends with.
+
+A verify step's attention layers run target_svc/tree_attention.py's split kernel (and its merge). On the H200 at
+the 8B shape (bench/results/step-cost-qwen3-8b-cuda-nvidia-h200.md, 20:42) the split kernel cost ~5 us a layer for
+a 1-token decode and ~22 us for a 65-node tree, whose work is a few 64 x 64 x 128 dots per program: this measures
+which tiling and split a block of each size wants. Cases (bf16): Qwen3-8B's heads (32 query / 8 KV, head dim
+128) and the Qwen3.6-27B's gated attention (24 / 4, 256); blocks of 1, 17 and 65 nodes (random trees of depth
+<= 16) after a 512-token context, in the key bucket a captured graph uses (1024); batch 1 and 8. Each config:
+--calls calls captured in one CUDA graph, median of --replays replays per call (bench/gdn_kernels.time_per_call),
+and its agreement with SDPA over the gathered, masked rows (max |diff| / max |ref|).
+
+    python -m bench.tree_attention_kernel                 # the default tiling per case
+    python -m bench.tree_attention_kernel --sweep         # and every tiling of the grid
+
+Prints a markdown table (and writes it with --out-dir).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+
+from bench import common
+from bench.common import random_parents
+from bench.gdn_kernels import agreement, time_per_call
+
+CONTEXT = 512
+KEY_BUCKET = 1024
+SHAPES = {"8b": (32, 8, 128), "27b": (24, 4, 256)}   # query heads, KV heads, head dim
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.tree_attention_kernel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=20, help="back-to-back calls captured in one graph")
+    p.add_argument("--replays", type=int, default=20, help="timed replays (median reported)")
+    p.add_argument("--sweep", action="store_true", help="time every tiling of the grid too")
+    p.add_argument("--shapes", default="8b,27b", help=f"of {', '.join(SHAPES)}")
+    p.add_argument("--nodes", default="1,17,65", help="block sizes")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--out-dir", default=None, help="write tree-attention-kernel-<hardware>.{md,json} there")
+    return p.parse_args(argv)
+
+
+def case_inputs(batch: int, nodes: int, heads: int, kv_heads: int, head_dim: int, seed: int, device: str = "cuda"):
+    """(q, k_cache, v_cache, slots, parents, TreeKeys) of one case: slot b holds CONTEXT rows, then the block."""
+    from ddtree_serve.decoding.tree_mask import ancestor_mask_batch
+    from target_svc.tree_attention import TreeKeys
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch + 1, KEY_BUCKET + 128, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).bfloat16().to(device)
+    v_cache = torch.randn(shape, generator=gen).bfloat16().to(device)
+    q = torch.randn(batch, nodes, heads, head_dim, generator=gen).bfloat16().to(device)
+    parents = torch.tensor([random_parents(nodes, 16, gen) for _ in range(batch)], device=device)
+    sizes = torch.full((batch,), nodes, device=device)
+    ctx = torch.full((batch,), CONTEXT, device=device)
+    slots = torch.arange(batch, device=device)
+    return q, k_cache, v_cache, slots, parents, TreeKeys(ctx, ancestor_mask_batch(parents, sizes).contiguous())
+
+
+def sdpa_reference(q, k_cache, v_cache, slots, parents, keys) -> torch.Tensor:
+    """SDPA over each sequence's gathered rows with the dense tree mask (the model's CPU path), in float32."""
+    import torch.nn.functional as F
+
+    from ddtree_serve.decoding.tree_mask import tree_attention_mask
+
+    batch, nodes, heads, head_dim = q.shape
+    rep = heads // k_cache.shape[2]
+    key_len = CONTEXT + nodes
+    sizes = torch.full((batch,), nodes, device=q.device)
+    mask = tree_attention_mask(keys.ctx_lens, parents, sizes, key_len, keys.ancestors)
+    kk = k_cache[slots, :key_len].float().repeat_interleave(rep, 2).transpose(1, 2)
+    vv = v_cache[slots, :key_len].float().repeat_interleave(rep, 2).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.float().transpose(1, 2), kk, vv, attn_mask=mask[:, None],
+                                         scale=head_dim**-0.5)
+    return out.transpose(1, 2)
+
+
+def sweep_grid(rows: int, head_dim: int):
+    """Tilings of the stacked query rows and the keys, and key splits of the 1024-key bucket."""
+    from target_svc.tree_attention import SplitConfig
+
+    block_ns = (32, 64) if head_dim <= 128 else (32,)
+    for block_m, block_n, splits, warps in itertools.product((16, 32, 64), block_ns, (1, 2, 4, 8, 16), (4, 8)):
+        if block_m > 16 and block_m >= 2 * rows:
+            continue   # a tile mostly padding
+        tiles = -(-KEY_BUCKET // block_n)
+        if splits > tiles:
+            continue
+        per_split = -(-tiles // splits)
+        yield SplitConfig(block_m, block_n, -(-tiles // per_split), per_split * block_n, warps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from target_svc import tree_attention
+
+    if not torch.cuda.is_available() or not tree_attention.available(torch.device("cuda"), 128, torch.bfloat16):
+        print("needs a CUDA device of sm_80+ and triton", file=sys.stderr)
+        return 2
+    table = []
+    for shape, nodes, batch in itertools.product(args.shapes.split(","), map(int, args.nodes.split(",")),
+                                                 map(int, args.batches.split(","))):
+        heads, kv_heads, head_dim = SHAPES[shape]
+        q, k_cache, v_cache, slots, parents, keys = case_inputs(batch, nodes, heads, kv_heads, head_dim,
+                                                                seed=nodes + batch)
+        want = sdpa_reference(q, k_cache, v_cache, slots, parents, keys)
+        scale = head_dim**-0.5
+        rows = heads // kv_heads * nodes
+        name = f"{shape} b{batch} {nodes} nodes"
+        default = tree_attention.choose_config(batch, kv_heads, rows, KEY_BUCKET, head_dim)
+        configs = [("default", default)] + ([("", c) for c in sweep_grid(rows, head_dim)] if args.sweep else [])
+        for tag, cfg in configs:
+            label = (f"{tag + ' ' if tag else ''}BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} "
+                     f"warps {cfg.num_warps}")
+            try:
+                def call(cfg=cfg):
+                    return tree_attention.tree_attention(q, k_cache, v_cache, slots, keys, KEY_BUCKET, scale, cfg)
+
+                err = agreement((call(),), (want,))
+                ms, mode = time_per_call(call, args.calls, args.replays)
+                table.append([name, label, f"{ms * 1000:.1f}", f"{err:.1e}", mode])
+            except Exception as exc:  # a tiling that does not compile or fit: reported, the sweep goes on
+                table.append([name, label, "", "", f"{type(exc).__name__}: {str(exc)[:80]}"])
+                torch.cuda.synchronize()
+            print(" | ".join(table[-1]), flush=True)
+    md = common.md_table(["case", "tiling", "us per call", "agreement", "mode"], table)
+    print(md, flush=True)
+    if args.out_dir:
+        meta = {"command": common.command_line("bench.tree_attention_kernel"), "when": common.now_utc(),
+                "hardware": common.hardware("cuda", "bfloat16", None), "torch": torch.__version__}
+        common.write_outputs(args.out_dir, f"tree-attention-kernel-{common.hardware_tag(meta['hardware'])}",
+                             {"meta": meta, "rows": table}, md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
