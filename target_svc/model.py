@@ -438,7 +438,19 @@ class TargetModel:
         src, dst = compaction_indices_batch(path, path_len, ctx_lens)
         self.cache.move_rows(slots, src, dst)
         accepted = None   # what the WY commits of all layers share (one ancestor mask per forward)
+        landing = None    # one-node blocks: where each row's new states go (see below)
         for state, trace in zip(self.cache.linear, traces or []):
+            if not isinstance(trace, GdnTreeWYTrace) and trace.final_state is not None:
+                # A one-node block (a decode step): the states after its root are the forward's, written in place.
+                # A row that accepted nothing keeps its states: its new ones land in the scratch slot, which no
+                # sequence holds, rather than the old ones being gathered to be written back (two 3 MB copies a
+                # layer at the 27B's heads, on an `ar` step's path: its next forward waits for this commit).
+                if landing is None:
+                    landing = torch.where(path_len.to(slots.device) > 0, slots,
+                                          torch.full_like(slots, self.cache.spec.scratch_slot))
+                state.conv[landing] = trace.node_conv[:, 0]
+                state.rec[landing] = trace.final_state
+                continue
             if isinstance(trace, GdnTreeWYTrace):
                 if accepted is None:
                     accepted = accepted_path(trace.anc, path, path_len)

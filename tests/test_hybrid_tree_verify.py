@@ -115,3 +115,33 @@ def test_every_tree_node_equals_step_by_step_decoding_then_commit_continues_it(h
             want_logits, want_features = _hf_step_by_step(ref, prompts[b], steps)
             torch.testing.assert_close(logits[b, node], want_logits, atol=ATOL, rtol=0, msg=f"seq {b} node {node}")
             torch.testing.assert_close(features[b, node], want_features, atol=ATOL, rtol=0, msg=f"seq {b} node {node}")
+
+
+def test_a_one_node_commit_writes_the_forwards_states_and_a_row_that_accepted_nothing_keeps_its_own(tmp_path):
+    """commit_block of a decode step's traces (the states its forward computed, as fla's kernel path leaves them):
+    the states of rows with an accepted root are the forward's; a row with path_len 0 keeps its slot's states
+    (its new ones land in the scratch slot), as gdn_commit_path decides."""
+    from target_svc.gated_deltanet import gdn_commit_path, gdn_step_forward_lean
+
+    model = TargetModel(load_target(make_tiny_qwen3_5(tmp_path / "q35", seed=5, multimodal_wrapper=False)),
+                        max_batch=3, max_seq_len=32, max_tree_nodes=4)
+    gen = torch.Generator().manual_seed(2)
+    slots = torch.tensor([2, 0])
+    for state in model.cache.linear:
+        state.conv.copy_(torch.randn(state.conv.shape, generator=gen))
+        state.rec.copy_(torch.randn(state.rec.shape, generator=gen) * 0.3)
+    before = [(s.conv.clone(), s.rec.clone()) for s in model.cache.linear]
+    traces, want = [], []
+    path, path_len = torch.zeros(2, 1, dtype=torch.long), torch.tensor([1, 0])
+    for i, state in zip(model.linear_index, model.cache.linear):
+        gdn = model.target.layers[i].linear_attn
+        x = torch.randn(2, 1, model.target.hidden_size, generator=gen)
+        _, trace = gdn_step_forward_lean(gdn, x, torch.ones(2, 1, dtype=torch.bool), state.conv[slots],
+                                         state.rec[slots])
+        traces.append(trace)
+        want.append(gdn_commit_path(trace, path, path_len, state.conv[slots], state.rec[slots]))
+    model.commit_block(path, path_len, slots, torch.tensor([5, 3]), traces)
+    for state, (conv, rec), (conv0, rec0) in zip(model.cache.linear, want, before):
+        assert torch.equal(state.conv[slots], conv) and torch.equal(state.rec[slots], rec)
+        assert torch.equal(state.rec[1], rec0[1]) and torch.equal(state.conv[1], conv0[1])   # a slot not in the block
+    assert not torch.equal(want[0][1][0], before[0][1][2])   # the accepted row's state did change
