@@ -435,8 +435,9 @@ class TargetModel:
             if traces is None and self.linear_index:
                 raise RuntimeError("no pending tree block to commit")
             self.pending_traces = None
-        src, dst = compaction_indices_batch(path, path_len, ctx_lens)
-        self.cache.move_rows(slots, src, dst)
+        if path.shape[1] > 1:   # one column: every row's root stays where it was written (row ctx_len)
+            src, dst = compaction_indices_batch(path, path_len, ctx_lens)
+            self.cache.move_rows(slots, src, dst)
         accepted = None   # what the WY commits of all layers share (one ancestor mask per forward)
         landing = None    # one-node blocks: where each row's new states go (see below)
         for state, trace in zip(self.cache.linear, traces or []):
