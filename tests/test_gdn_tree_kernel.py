@@ -1,7 +1,7 @@
 """The fused tree WY core (target_svc/gdn_tree_kernel.py) equals the PyTorch reference core of gdn_tree_wy.py.
 
-The kernel runs here under Triton's interpreter on the CPU, where Triton is installed (CI has none: those tests
-are skipped); tests/test_gpu.py runs it compiled at the 27B's head dims. The interpreter must be on before Triton
+The kernel runs here under Triton's interpreter on the CPU, where Triton is installed (scripts/test.sh installs it;
+without it those tests are skipped); tests/test_gpu.py runs it compiled at the 27B's head dims. The interpreter must be on before Triton
 is imported (triton.language's own helpers, tl.zeros, tl.sum, are jit functions built at import), and in a whole
 session something imports Triton first: so the `test_interpreted_*` tests run only in a process started with
 TRITON_INTERPRET=1, which test_kernel_cases_under_tritons_interpreter starts for them (this file, -k interpreted).
@@ -58,7 +58,7 @@ def interpreted():
         yield
 
 
-@pytest.mark.skipif(not HAS_TRITON or IN_INTERPRETER, reason="needs the triton package (not in CI)")
+@pytest.mark.skipif(not HAS_TRITON or IN_INTERPRETER, reason="needs the triton package (scripts/test.sh installs it)")
 def test_kernel_cases_under_tritons_interpreter():
     """This file's test_interpreted_* tests in a fresh process with the interpreter on: all run, all pass."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)

@@ -2,14 +2,12 @@
 Triton is installed), compaction moves, linear-state reset."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from target_svc.gated_deltanet import LinearAttnStateShape
 from target_svc.kv_cache import KV_WRITE_ENV_VAR, CacheSpec, KVCache, kv_write_kernel_available
-from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted
+from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted, needs_triton
 
 LINEAR = LinearAttnStateShape(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4, conv_kernel=3)
 
@@ -142,7 +140,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+@needs_triton
 def test_the_write_kernel_under_tritons_interpreter_writes_what_index_put_writes() -> None:
     """Rows of two slots, a value tensor sliced out of a fused projection, node widths of one partial block, one
     block and two."""

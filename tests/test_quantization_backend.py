@@ -143,6 +143,10 @@ def test_an_explicit_tile_config_is_a_frozen_value():
 
 # ---- the kernels under Triton's interpreter (where Triton is installed; never in CI) -----------------------------
 
+# The interpreter tests need the triton package (scripts/test.sh installs it; a bare `pytest` without it skips them).
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs the triton package (scripts/test.sh installs it)")
+
 # Run first in each interpreted subprocess: Triton 3.6's interpreter turns a scalar loop bound into a Python int with
 # int() of a one-element array, which numpy >= 2.4 refuses; Triton 3.8 squeezes it first, as here.
 INTERPRETER_PATCH = """
@@ -178,7 +182,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+@needs_triton
 def test_the_kernels_under_tritons_interpreter_equal_the_dequantized_reference_in_fp16():
     """fp16 only: Triton 3.6's interpreter multiplies bf16 dot operands as raw bits (the GPU tests cover bf16)."""
     _run_interpreted(INTERPRETED)
@@ -208,7 +212,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+@needs_triton
 def test_the_gemv_kernel_under_tritons_interpreter_equals_the_dequantized_reference():
     """1 to 4 rows, K not a multiple of BLOCK_K, with and without bias, split K off, on, and past K; fp16, bf16."""
     _run_interpreted(INTERPRETED_GEMV, {"DDTREE_INT8_GEMV": "on"})

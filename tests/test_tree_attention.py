@@ -2,12 +2,10 @@
 Triton's interpreter where the triton package is installed (on the GPU: tests/test_gpu.py)."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from target_svc.tree_attention import MAX_BLOCK_NODES, choose_config
-from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted
+from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted, needs_triton
 
 
 @pytest.mark.parametrize("batch, num_kv, rep, nodes, key_len, head_dim", [
@@ -61,7 +59,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+@needs_triton
 def test_the_kernel_under_tritons_interpreter_equals_sdpa_over_the_masked_rows():
     """Decode and tree blocks, GQA and not, one slice, the chosen split and an uneven one (fp16: see
     test_quantization_backend on the interpreter's bf16)."""
@@ -99,7 +97,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+@needs_triton
 def test_the_target_model_with_the_kernel_forced_on_gives_the_logits_of_sdpa(tmp_path):
     """TargetModel's dispatch end to end under Triton's interpreter (float32): a padded prefill chain and a tree
     block over two slots of different context lengths, the kernel against SDPA over the gathered masked rows."""

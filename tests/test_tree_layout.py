@@ -2,8 +2,6 @@
 windows: under Triton's interpreter where the triton package is installed (on the GPU: tests/test_gpu.py)."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from target_svc import tree_layout
 from target_svc.model import TargetModel
 from target_svc.loader import load_target
 from tests.fixtures import make_tiny_qwen3_5
-from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted
+from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted, needs_triton
 
 
 def test_the_kernel_takes_trees_of_two_to_max_nodes_only():
@@ -83,7 +81,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+@needs_triton
 def test_the_kernel_under_tritons_interpreter_equals_the_pytorch_structure_and_windows():
     """2 to 128 nodes, chains, deep and shallow trees, padding, batches; windows of 2 and 4 taps; malformed parents."""
     _run_interpreted(INTERPRETER_PATCH + INTERPRETED_LAYOUT)
@@ -112,7 +110,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (not in CI)")
+@needs_triton
 def test_a_hybrid_verify_with_the_kernel_forced_on_gives_the_same_logits_and_walk(tmp_path):
     """TargetModel.tree_structure's kernel route end to end under Triton's interpreter: the attention keys, the
     Gated DeltaNet windows and the walk all read the kernel's integers, so every output is the same bits."""
