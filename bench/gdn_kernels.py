@@ -106,6 +106,33 @@ def agreement(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> 
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------------
+def sweep_row(case: str, label: str, call: Callable[[], object], error: Callable[[object], float], calls: int,
+              replays: int, unit: float = 1.0, digits: int = 4) -> list[str]:
+    """One row of a kernel sweep, [case, label, time per call (ms x unit), agreement, mode], printed as it comes;
+    a configuration that does not compile or fit is reported in the row and the sweep goes on."""
+    try:
+        err = error(call())
+        ms, mode = time_per_call(call, calls, replays)
+        row = [case, label, f"{ms * unit:.{digits}f}", f"{err:.1e}", mode]
+    except Exception as exc:  # noqa: BLE001 - reported, the sweep goes on
+        row = [case, label, "", "", f"{type(exc).__name__}: {str(exc)[:80]}"]
+        torch.cuda.synchronize()
+    print(" | ".join(row), flush=True)
+    return row
+
+
+def finish_sweep(module: str, stem: str, headers: list[str], rows: list[list[str]], dtype: str,
+                 out_dir: str | None) -> None:
+    """Prints a sweep's markdown table and, with out_dir, writes <stem>-<hardware>.{md,json} with command and date."""
+    md = common.md_table(headers, rows)
+    print(md, flush=True)
+    if out_dir:
+        meta = {"command": common.command_line(module), "when": common.now_utc(),
+                "hardware": common.hardware("cuda", dtype, None), "torch": torch.__version__}
+        common.write_outputs(out_dir, f"{stem}-{common.hardware_tag(meta['hardware'])}", {"meta": meta, "rows": rows},
+                             md)
+
+
 def delta_inputs(batch: int, tokens: int, seed: int, device: str) -> tuple[torch.Tensor, ...]:
     """q, k, v, g, beta, state as the reference hands them to the recurrence (fp32, from bf16 conv outputs)."""
     from target_svc.gated_deltanet import _l2norm

@@ -19,9 +19,8 @@ import sys
 
 import torch
 
-from bench import common
 from bench.common import random_parents
-from bench.gdn_kernels import agreement, time_per_call
+from bench.gdn_kernels import agreement, finish_sweep, sweep_row, time_per_call
 
 KEY_HEADS, VALUE_HEADS, HEAD_DIM = 16, 48, 128
 
@@ -111,23 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             label = "kernel, default tiles" if cfg is None else (
                 f"kernel BT {cfg.block_t} {cfg.invert} BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps} "
                 f"stages {cfg.num_stages}" + (f" {cfg.phases} launches" if cfg.phases > 1 else ""))
-            try:
-                got = gdn_tree_kernel.tree_wy_core(*inputs, config=cfg)
-                err = agreement(got[:2], want[:2])
-                ms, mode = time_per_call(lambda cfg=cfg: gdn_tree_kernel.tree_wy_core(*inputs, config=cfg),
-                                         args.calls, args.replays)
-                rows.append([name, label, f"{ms:.4f}", f"{err:.1e}", mode])
-            except Exception as exc:  # a tiling that does not compile or fit: reported, the sweep goes on
-                rows.append([name, label, "", "", f"{type(exc).__name__}: {str(exc)[:80]}"])
-                torch.cuda.synchronize()
-            print(" | ".join(rows[-1]), flush=True)
-    md = common.md_table(["case", "core", "ms per call", "agreement", "mode"], rows)
-    print(md, flush=True)
-    if args.out_dir:
-        meta = {"command": common.command_line("bench.gdn_tree_kernel"), "when": common.now_utc(),
-                "hardware": common.hardware("cuda", "float32", None), "torch": torch.__version__}
-        common.write_outputs(args.out_dir, f"gdn-tree-kernel-{common.hardware_tag(meta['hardware'])}",
-                             {"meta": meta, "rows": rows}, md)
+            rows.append(sweep_row(name, label, lambda cfg=cfg: gdn_tree_kernel.tree_wy_core(*inputs, config=cfg),
+                                  lambda got: agreement(got[:2], want[:2]), args.calls, args.replays))
+    finish_sweep("bench.gdn_tree_kernel", "gdn-tree-kernel", ["case", "core", "ms per call", "agreement", "mode"], rows,
+                 "float32", args.out_dir)
     return 0
 
 

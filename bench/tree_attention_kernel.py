@@ -22,9 +22,8 @@ import sys
 
 import torch
 
-from bench import common
 from bench.common import random_parents
-from bench.gdn_kernels import agreement, time_per_call
+from bench.gdn_kernels import agreement, finish_sweep, sweep_row
 
 CONTEXT = 512
 KEY_BUCKET = 1024
@@ -116,24 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         for tag, cfg in configs:
             label = (f"{tag + ' ' if tag else ''}BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} "
                      f"warps {cfg.num_warps}")
-            try:
-                def call(cfg=cfg):
-                    return tree_attention.tree_attention(q, k_cache, v_cache, slots, keys, KEY_BUCKET, scale, cfg)
+            def call(cfg=cfg):
+                return tree_attention.tree_attention(q, k_cache, v_cache, slots, keys, KEY_BUCKET, scale, cfg)
 
-                err = agreement((call(),), (want,))
-                ms, mode = time_per_call(call, args.calls, args.replays)
-                table.append([name, label, f"{ms * 1000:.1f}", f"{err:.1e}", mode])
-            except Exception as exc:  # a tiling that does not compile or fit: reported, the sweep goes on
-                table.append([name, label, "", "", f"{type(exc).__name__}: {str(exc)[:80]}"])
-                torch.cuda.synchronize()
-            print(" | ".join(table[-1]), flush=True)
-    md = common.md_table(["case", "tiling", "us per call", "agreement", "mode"], table)
-    print(md, flush=True)
-    if args.out_dir:
-        meta = {"command": common.command_line("bench.tree_attention_kernel"), "when": common.now_utc(),
-                "hardware": common.hardware("cuda", "bfloat16", None), "torch": torch.__version__}
-        common.write_outputs(args.out_dir, f"tree-attention-kernel-{common.hardware_tag(meta['hardware'])}",
-                             {"meta": meta, "rows": table}, md)
+            table.append(sweep_row(name, label, call, lambda got: agreement((got,), (want,)), args.calls,
+                                   args.replays, unit=1000.0, digits=1))
+    finish_sweep("bench.tree_attention_kernel", "tree-attention-kernel",
+                 ["case", "tiling", "us per call", "agreement", "mode"], table, "bfloat16", args.out_dir)
     return 0
 
 

@@ -80,6 +80,72 @@ def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr):
     return inv
 
 
+@triton.jit
+def _tree_head(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
+               stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab):
+    """The inputs' pointers moved to tree b, head h (the ancestor mask's to tree b)."""
+    return (q_ptr + b * stride_qb + h * stride_qh, k_ptr + b * stride_kb + h * stride_kh,
+            v_ptr + b * stride_vb + h * stride_vh, g_ptr + b * stride_gb + h * stride_gh,
+            beta_ptr + b * stride_bb + h * stride_bh, anc_ptr + b * stride_ab)
+
+
+@triton.jit
+def _load_s0(s0_ptr, s0_index_ptr, b, h, offs_k, offs_v, stride_sb, stride_sh, stride_sk, stride_si,
+             INDEXED: tl.constexpr):
+    """Tree b's initial state, head h, value block offs_v: s0[s0_index[b]] of a pool (INDEXED) or s0[b]."""
+    if INDEXED:
+        row = tl.load(s0_index_ptr + b * stride_si).to(tl.int64)
+    else:
+        row = b.to(tl.int64)
+    return tl.load(s0_ptr + row * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
+
+
+@triton.jit
+def _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v):
+    """(u_0, o_0, S_r, g_0, e_0) of node 0 from S_0's value block (see tree_wy_core_kernel)."""
+    g0 = tl.load(g_ptr)
+    beta0 = tl.load(beta_ptr)
+    q0 = tl.load(q_ptr + offs_k)
+    k0 = tl.load(k_ptr + offs_k)
+    v0 = tl.load(v_ptr + offs_v)
+    e0 = tl.exp(g0)
+    u0 = v0 * beta0 - tl.sum((k0 * (beta0 * e0))[:, None] * s0, axis=0)
+    o0 = tl.sum((q0 * e0)[:, None] * s0, axis=0) + tl.sum(q0 * k0) * u0
+    return u0, o0, s0 * e0 + k0[:, None] * u0[None, :], g0
+
+
+@triton.jit
+def _block_terms(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0, s_root, g0,
+                 stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj,
+                 BT: tl.constexpr, BC: tl.constexpr):
+    """What a block of nodes needs before any earlier block's u: (G of its rows, q, k and beta k rows, its right-hand
+    side less the root state's term, its outputs' root-state term). Rows past T load as zeros (k = v = beta = 0:
+    they solve to u = 0 and are never stored); rows outside the root's subtree (padding) use S_0 and G."""
+    # G (the root's gate included): the rows' ancestors all precede them, so no column past the block is needed.
+    cum_r = tl.zeros([BT], dtype=tl.float32)
+    for c0 in range(0, r0 + BT, BC):
+        cols = c0 + tl.arange(0, BC)
+        cmask = cols < T
+        a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
+                    mask=rmask[:, None] & cmask[None, :], other=0)
+        g_c = tl.load(g_ptr + cols * stride_gt, mask=cmask, other=0.0)
+        cum_r += tl.sum(tl.where(a != 0, g_c[None, :], 0.0), axis=1)
+    # Rows past T count as the root's: nothing of theirs is stored.
+    in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=1) != 0
+    beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
+    q_r = tl.load(q_ptr + rows[:, None] * stride_qt + offs_k[None, :], mask=rmask[:, None], other=0.0)
+    k_r = tl.load(k_ptr + rows[:, None] * stride_kt + offs_k[None, :], mask=rmask[:, None], other=0.0)
+    v_r = tl.load(v_ptr + rows[:, None] * stride_vt + offs_v[None, :], mask=rmask[:, None], other=0.0)
+    e_r = tl.exp(cum_r - tl.where(in_root, g0, 0.0))  # e^{G_i - g_0} against S_r; e^{G_i} against S_0
+    kb_r = k_r * beta_r[:, None]  # the reference's k_beta
+    # A node outside the root's subtree is padding: k = beta = 0, so its right-hand side has no state term.
+    rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s_root, input_precision="ieee")
+    o = tl.dot(q_r * e_r[:, None], s_root, input_precision="ieee")
+    if tl.min(in_root.to(tl.int32), axis=0) == 0:  # padding in this block: its outputs start from S_0
+        o = tl.where(in_root[:, None], o, tl.dot(q_r * e_r[:, None], s0, input_precision="ieee"))
+    return cum_r, q_r, k_r, kb_r, rhs, o
+
+
 # T changes with every tree size: not specialised on it, so one compile serves all T.
 @triton.jit(do_not_specialize=["T"])
 def tree_wy_core_kernel(
@@ -98,12 +164,9 @@ def tree_wy_core_kernel(
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    q_ptr += b * stride_qb + h * stride_qh
-    k_ptr += b * stride_kb + h * stride_kh
-    v_ptr += b * stride_vb + h * stride_vh
-    g_ptr += b * stride_gb + h * stride_gh
-    beta_ptr += b * stride_bb + h * stride_bh
-    anc_ptr += b * stride_ab
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
+        stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab)
     core_ptr += bh * T * DV
     u_ptr += bh * T * DV
     cum_ptr += bh * T
@@ -112,11 +175,8 @@ def tree_wy_core_kernel(
     offs_v = pid_v * BV + tl.arange(0, BV)
     loc = tl.arange(0, BT)
     # S_0's value block stays in registers: every block of nodes reads it.
-    if INDEXED:
-        s0_row = tl.load(s0_index_ptr + b * stride_si).to(tl.int64)
-    else:
-        s0_row = b.to(tl.int64)
-    s0 = tl.load(s0_ptr + s0_row * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
+    s0 = _load_s0(s0_ptr, s0_index_ptr, b, h, offs_k, offs_v, stride_sb, stride_sh, stride_sk, stride_si,
+                  INDEXED)
     strict = loc[:, None] > loc[None, :]
 
     # Node 0, the root of every real node, as one recurrent step: u_0 = beta_0 v_0 - S_0^T (beta_0 e^{g_0} k_0),
@@ -124,47 +184,17 @@ def tree_wy_core_kernel(
     # e^{G_i} S_0 plus the root's term is e^{G_i - g_0} S_r: the blocks start at node 1 from S_r, so a tree of
     # 4^k + 1 nodes (a budget-4^k tree, a 16-token chain plus its root) takes 4^k / BT blocks, not one more for its
     # last node. Nodes outside the root's subtree (padding) keep S_0 and G.
-    g0 = tl.load(g_ptr)
-    beta0 = tl.load(beta_ptr)
-    q0 = tl.load(q_ptr + offs_k)
-    k0 = tl.load(k_ptr + offs_k)
-    v0 = tl.load(v_ptr + offs_v)
-    e0 = tl.exp(g0)
-    u0 = v0 * beta0 - tl.sum((k0 * (beta0 * e0))[:, None] * s0, axis=0)
-    o0 = tl.sum((q0 * e0)[:, None] * s0, axis=0) + tl.sum(q0 * k0) * u0
+    u0, o0, s_root, g0 = _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v)
     tl.store(u_ptr + offs_v, u0)
     tl.store(core_ptr + offs_v, o0)
     tl.store(cum_ptr, g0)
-    s_root = s0 * e0 + k0[:, None] * u0[None, :]
 
     for r0 in range(1, T, BT):
         rows = r0 + loc
         rmask = rows < T
-
-        # G of the block's nodes (the root's gate included): their ancestors all precede them.
-        cum_r = tl.zeros([BT], dtype=tl.float32)
-        for c0 in range(0, r0 + BT, BC):
-            cols = c0 + tl.arange(0, BC)
-            cmask = cols < T
-            a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
-                        mask=rmask[:, None] & cmask[None, :], other=0)
-            g_c = tl.load(g_ptr + cols * stride_gt, mask=cmask, other=0.0)
-            cum_r += tl.sum(tl.where(a != 0, g_c[None, :], 0.0), axis=1)
-        # Rows past T count as the root's: nothing of theirs is stored.
-        in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=1) != 0
-
-        # Padded rows (past T) load as zeros: k = v = beta = G = 0, so they solve to u = 0 and are never stored.
-        beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
-        q_r = tl.load(q_ptr + rows[:, None] * stride_qt + offs_k[None, :], mask=rmask[:, None], other=0.0)
-        k_r = tl.load(k_ptr + rows[:, None] * stride_kt + offs_k[None, :], mask=rmask[:, None], other=0.0)
-        v_r = tl.load(v_ptr + rows[:, None] * stride_vt + offs_v[None, :], mask=rmask[:, None], other=0.0)
-        e_r = tl.exp(cum_r - tl.where(in_root, g0, 0.0))  # e^{G_i - g_0} against S_r; e^{G_i} against S_0
-        kb_r = k_r * beta_r[:, None]  # the reference's k_beta
-        # A node outside the root's subtree is padding: k = beta = 0, so its right-hand side has no state term.
-        rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s_root, input_precision="ieee")
-        o = tl.dot(q_r * e_r[:, None], s_root, input_precision="ieee")
-        if tl.min(in_root.to(tl.int32), axis=0) == 0:  # padding in this block: its outputs start from S_0
-            o = tl.where(in_root[:, None], o, tl.dot(q_r * e_r[:, None], s0, input_precision="ieee"))
+        cum_r, q_r, k_r, kb_r, rhs, o = _block_terms(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0, s_root, g0,
+            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, BT, BC)
 
         # Ancestors in earlier blocks, the root aside: solved already (rows 1 .. r0 - 1 of u and cum).
         for c0 in range(1, r0, BC):
@@ -207,20 +237,6 @@ def tree_wy_core_kernel(
 # [BH, T, T] (float32: 34 KB a head at 65 nodes).
 
 
-@triton.jit
-def _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v):
-    """(u_0, o_0, S_r, g_0, e_0) of node 0 from S_0's value block (see tree_wy_core_kernel)."""
-    g0 = tl.load(g_ptr)
-    beta0 = tl.load(beta_ptr)
-    q0 = tl.load(q_ptr + offs_k)
-    k0 = tl.load(k_ptr + offs_k)
-    v0 = tl.load(v_ptr + offs_v)
-    e0 = tl.exp(g0)
-    u0 = v0 * beta0 - tl.sum((k0 * (beta0 * e0))[:, None] * s0, axis=0)
-    o0 = tl.sum((q0 * e0)[:, None] * s0, axis=0) + tl.sum(q0 * k0) * u0
-    return u0, o0, s0 * e0 + k0[:, None] * u0[None, :], g0
-
-
 @triton.jit(do_not_specialize=["T"])
 def tree_wy_prepare_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, s0_ptr, s0_index_ptr, core_ptr, cum_ptr,
@@ -240,44 +256,22 @@ def tree_wy_prepare_kernel(
     bh = tl.program_id(2)
     b = bh // H
     h = bh % H
-    q_ptr += b * stride_qb + h * stride_qh
-    k_ptr += b * stride_kb + h * stride_kh
-    v_ptr += b * stride_vb + h * stride_vh
-    g_ptr += b * stride_gb + h * stride_gh
-    beta_ptr += b * stride_bb + h * stride_bh
-    anc_ptr += b * stride_ab
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
+        stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab)
     offs_k = tl.arange(0, DK)
     offs_v = pid_v * BV + tl.arange(0, BV)
     loc = tl.arange(0, BT)
-    if INDEXED:
-        s0_row = tl.load(s0_index_ptr + b * stride_si).to(tl.int64)
-    else:
-        s0_row = b.to(tl.int64)
-    s0 = tl.load(s0_ptr + s0_row * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
+    s0 = _load_s0(s0_ptr, s0_index_ptr, b, h, offs_k, offs_v, stride_sb, stride_sh, stride_sk, stride_si,
+                  INDEXED)
     _, _, s_root, g0 = _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v)
 
     r0 = 1 + blk * BT
     rows = r0 + loc
     rmask = rows < T
-    cum_r = tl.zeros([BT], dtype=tl.float32)
-    for c0 in range(0, r0 + BT, BC):
-        cols = c0 + tl.arange(0, BC)
-        cmask = cols < T
-        a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
-                    mask=rmask[:, None] & cmask[None, :], other=0)
-        g_c = tl.load(g_ptr + cols * stride_gt, mask=cmask, other=0.0)
-        cum_r += tl.sum(tl.where(a != 0, g_c[None, :], 0.0), axis=1)
-    in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=1) != 0
-    beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
-    q_r = tl.load(q_ptr + rows[:, None] * stride_qt + offs_k[None, :], mask=rmask[:, None], other=0.0)
-    k_r = tl.load(k_ptr + rows[:, None] * stride_kt + offs_k[None, :], mask=rmask[:, None], other=0.0)
-    v_r = tl.load(v_ptr + rows[:, None] * stride_vt + offs_v[None, :], mask=rmask[:, None], other=0.0)
-    e_r = tl.exp(cum_r - tl.where(in_root, g0, 0.0))
-    kb_r = k_r * beta_r[:, None]
-    rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s_root, input_precision="ieee")
-    o = tl.dot(q_r * e_r[:, None], s_root, input_precision="ieee")
-    if tl.min(in_root.to(tl.int32), axis=0) == 0:
-        o = tl.where(in_root[:, None], o, tl.dot(q_r * e_r[:, None], s0, input_precision="ieee"))
+    cum_r, q_r, k_r, kb_r, rhs, o = _block_terms(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0, s_root, g0,
+        stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, BT, BC)
     out_mask = rmask[:, None]
     tl.store(rhs_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], rhs, mask=out_mask)
     tl.store(core_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], o, mask=out_mask)
@@ -334,11 +328,8 @@ def tree_wy_solve_kernel(
     offs_k = tl.arange(0, DK)
     offs_v = pid_v * BV + tl.arange(0, BV)
     loc = tl.arange(0, BT)
-    if INDEXED:
-        s0_row = tl.load(s0_index_ptr + b * stride_si).to(tl.int64)
-    else:
-        s0_row = b.to(tl.int64)
-    s0 = tl.load(s0_ptr + s0_row * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
+    s0 = _load_s0(s0_ptr, s0_index_ptr, b, h, offs_k, offs_v, stride_sb, stride_sh, stride_sk, stride_si,
+                  INDEXED)
     u0, o0, _, g0 = _root_step(q_ptr + b * stride_qb + h * stride_qh, k_ptr + b * stride_kb + h * stride_kh,
                                v_ptr + b * stride_vb + h * stride_vh, g_ptr + b * stride_gb + h * stride_gh,
                                beta_ptr + b * stride_bb + h * stride_bh, s0, offs_k, offs_v)
