@@ -37,7 +37,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "") == "1"
 in_interpreter = pytest.mark.skipif(
     not (HAS_TRITON and IN_INTERPRETER),
-    reason="run under Triton's interpreter by test_kernel_cases_under_tritons_interpreter (needs triton)")
+    reason="runs in test_kernel_cases_under_tritons_interpreter's own process, with the interpreter on")
 
 
 @pytest.fixture(scope="module")
