@@ -61,7 +61,7 @@ for s in $SECTIONS; do
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests.log" | head -30 ;;
     newtests)
-      timeout ${TESTS_S:-540} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "tree_layout or kv_write or tree_wy or tree_forward or hybrid_glue or graph_steps or padded_batch or hybrid_runner_greedy" \
+      timeout ${TESTS_S:-540} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "tree_layout or kv_write or tree_wy or tree_forward or hybrid_glue or graph_steps or padded_batch or hybrid_runner_greedy or runners_equal_transformers" \
         > "$R/gpu-tests-new.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-new.log" | head -30 ;;
     testshyb)   # fla kernels, the fused tree WY kernel and the tree-layout kernel == the PyTorch reference, a hybrid runner with kernels on == off
