@@ -140,9 +140,11 @@ class DrafterRunner:
 
     def cache_usage(self) -> tuple[int, int, int, int]:
         """(running sequences, max_batch, used tokens, capacity tokens)."""
-        with self._lock:
-            capacity = self.cfg.max_batch * self.cfg.max_seq_len
-            return len(self._slot), self.cfg.max_batch, sum(self._len.values()), capacity
+        # Without the runner's lock: Info and the metrics read this on the event loop, which must never wait for
+        # a draft or a store in progress on the model thread (a wait there holds up every push and Draft behind
+        # it). list() snapshots the dicts in one C call under the GIL; a count a step stale is fine here.
+        lens = list(self._len.values())
+        return len(self._slot), self.cfg.max_batch, sum(lens), self.cfg.max_batch * self.cfg.max_seq_len
 
     # ------------------------------------------------------------------------------------------------------------
     # Context

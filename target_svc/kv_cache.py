@@ -118,7 +118,9 @@ class KVCache:
 
     def used_tokens(self) -> int:
         """Committed tokens over all live slots."""
-        return sum(self.ctx_len[s] for s in self.slot_of.values())
+        # list() snapshots the slots in one C call under the GIL: Info reads this on the event loop while the model
+        # thread may be adding or releasing a sequence (iterating the dict itself could then raise).
+        return sum(self.ctx_len[s] for s in list(self.slot_of.values()))
 
     def write_kv(self, layer: int, slots: Tensor, rows: Tensor, k: Tensor, v: Tensor) -> None:
         """Writes k/v [B, T, n_kv, head_dim] of full-attention layer `layer` to rows[B, T] of slots[B]."""

@@ -209,3 +209,19 @@ def test_the_block_forward_writes_its_log_probs_into_a_given_buffer(dirs):
         got = r._draft_logprobs(packed, 16, BS - 1, out=out)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+def test_cache_usage_never_waits_for_the_model_threads_lock(dirs):
+    """Info and the metrics read the usage on the event loop: a draft or a store holding the runner's lock (on the
+    model thread) must not hold them up."""
+    import threading
+
+    r = _runner(dirs, "mixed", max_batch=2, max_seq_len=64)
+    r.add_context("a", 0, torch.randn(5, r.feature_dim))
+    answer = []
+    with r._lock:   # as the model thread holds it through a draft
+        reader = threading.Thread(target=lambda: answer.append(r.cache_usage()))
+        reader.start()
+        reader.join(timeout=5)
+        assert not reader.is_alive()
+    assert answer == [(1, 2, 5, 2 * 64)]
