@@ -106,6 +106,17 @@ def agreement(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> 
 
 
 # ---- inputs --------------------------------------------------------------------------------------------------------
+def sweep_parser(module: str, description: str | None, out_stem: str) -> argparse.ArgumentParser:
+    """The arguments every kernel sweep takes: --calls, --replays, --sweep, --out-dir (add the sweep's own)."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=20, help="back-to-back calls captured in one graph")
+    p.add_argument("--replays", type=int, default=20, help="timed replays (median reported)")
+    p.add_argument("--sweep", action="store_true", help="time every tiling of the sweep grid too")
+    p.add_argument("--out-dir", default=None, help=f"write {out_stem}-<hardware>.{{md,json}} there")
+    return p
+
+
 def sweep_row(case: str, label: str, call: Callable[[], object], error: Callable[[object], float], calls: int,
               replays: int, unit: float = 1.0, digits: int = 4) -> list[str]:
     """One row of a kernel sweep, [case, label, time per call (ms x unit), agreement, mode], printed as it comes;

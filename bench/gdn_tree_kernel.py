@@ -20,21 +20,16 @@ import sys
 import torch
 
 from bench.common import random_parents
-from bench.gdn_kernels import agreement, finish_sweep, sweep_row, time_per_call
+from bench.gdn_kernels import agreement, finish_sweep, sweep_parser, sweep_row, time_per_call
 
 KEY_HEADS, VALUE_HEADS, HEAD_DIM = 16, 48, 128
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gdn_tree_kernel", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=20, help="back-to-back calls captured in one graph")
-    p.add_argument("--replays", type=int, default=20, help="timed replays (median reported)")
-    p.add_argument("--sweep", action="store_true", help="time every tiling of the sweep grid too")
+    p = sweep_parser("bench.gdn_tree_kernel", __doc__, "gdn-tree-kernel")
     # 64-node blocks at Dk 128: ptxas (sm_90) spills 64 KB and more per thread and takes about a minute per
     # variant (several at 4 warps), so they are swept only when asked for.
     p.add_argument("--block-t", default="16,32", help="diagonal block sizes of the sweep grid (of 16, 32, 64)")
-    p.add_argument("--out-dir", default=None, help="write gdn-tree-kernel-<hardware>.{md,json} there")
     return p.parse_args(argv)
 
 

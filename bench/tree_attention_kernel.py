@@ -23,7 +23,7 @@ import sys
 import torch
 
 from bench.common import random_parents
-from bench.gdn_kernels import agreement, finish_sweep, sweep_row
+from bench.gdn_kernels import agreement, finish_sweep, sweep_parser, sweep_row
 
 CONTEXT = 512
 KEY_BUCKET = 1024
@@ -31,15 +31,10 @@ SHAPES = {"8b": (32, 8, 128), "27b": (24, 4, 256)}   # query heads, KV heads, he
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.tree_attention_kernel", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=20, help="back-to-back calls captured in one graph")
-    p.add_argument("--replays", type=int, default=20, help="timed replays (median reported)")
-    p.add_argument("--sweep", action="store_true", help="time every tiling of the grid too")
+    p = sweep_parser("bench.tree_attention_kernel", __doc__, "tree-attention-kernel")
     p.add_argument("--shapes", default="8b,27b", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--nodes", default="1,17,65", help="block sizes")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--out-dir", default=None, help="write tree-attention-kernel-<hardware>.{md,json} there")
     return p.parse_args(argv)
 
 
