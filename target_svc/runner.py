@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +91,8 @@ class VerifyItem:
     """One draft tree: node 0 is the pending bonus token; parents[0] = -1, 0 <= parents[i] < i."""
 
     seq_id: str
-    tokens: Tensor | list[int]  # LongTensor[T] or the ids as a list (the server's: no tensor per request)
-    parents: Tensor | list[int]
+    tokens: Tensor | Sequence[int]  # LongTensor[T], or the ids as they came (the server's: no tensor per request)
+    parents: Tensor | Sequence[int]
 
 
 @dataclass
@@ -132,8 +132,8 @@ class _Sequence:
     pending_token: int
 
 
-def _int_list(values: Tensor | list[int]) -> list[int]:
-    """A verify item's ids as a flat list of ints (a tensor of any integer dtype, or a list)."""
+def _int_list(values: Tensor | Sequence[int]) -> list[int]:
+    """A verify item's ids as a flat list of ints (a tensor of any integer dtype, or a sequence of ints)."""
     if isinstance(values, Tensor):
         return values.reshape(-1).long().tolist()
     return [int(v) for v in values]

@@ -318,7 +318,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         for it in request.items:
             if len(it.tokens) == 0 or len(it.tokens) != len(it.parents):
                 raise ValueError(f"sequence {it.seq_id}: tree needs >= 1 node and one parent per token")
-            items.append(VerifyItem(seq_id=it.seq_id, tokens=list(it.tokens), parents=list(it.parents)))
+            items.append(VerifyItem(seq_id=it.seq_id, tokens=it.tokens, parents=it.parents))
         t1 = time.perf_counter_ns()
         outputs = await self.model_thread.run(self.runner.verify, items)
         t2, forward_done = time.perf_counter_ns(), time.time_ns()
