@@ -36,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--baseline", action="append", default=[], metavar="NAME=DIR",
                    help="another checkout of ddtree-serve, its services and client timed alongside over TCP "
                         "(repeatable; the first is the reference of the ratios)")
+    p.add_argument("--event-loops", default="auto",
+                   help="comma-separated event loops of this tree's stacks (auto, uvloop, asyncio), e.g. "
+                        "asyncio,uvloop: one stack per loop, services and client on it, timed in alternating rounds")
     p.add_argument("--calls", type=int, default=130, help="timed calls per call kind and round")
     p.add_argument("--warmup", type=int, default=30, help="untimed calls before each kind")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each round times every variant once")
@@ -54,6 +57,7 @@ class Variant:
     tree: Path
     stack: object
     unix: bool
+    event_loop: str = ""   # this tree's stacks: the loop of its services and client ("" = an older checkout's)
 
     def address(self, name: str) -> str:
         return self.stack.link_address(name) if self.unix else self.stack.address(name)
@@ -87,8 +91,9 @@ def tiny_checkpoints(root: Path) -> tuple[str, str]:
     return str(target), str(make_tiny_drafter(root / "drafter", target, seed=7))
 
 
-def start_stack(model: str, drafter: str, args, tree: Path | None):
-    """The three services with metrics on (as the other benches run them); from `tree` when given."""
+def start_stack(model: str, drafter: str, args, tree: Path | None, event_loop: str = ""):
+    """The three services with metrics on (as the other benches run them); from `tree` when given, else this tree's
+    on `event_loop`."""
     from launch.local_stack import LocalStack
 
     stack_class = LocalStack
@@ -98,9 +103,10 @@ def start_stack(model: str, drafter: str, args, tree: Path | None):
         subprocess.run([sys.executable, "-P", "-c", "import ddtree_serve.proto"], env=dict(os.environ,
                        PYTHONPATH=tree_pythonpath(tree)), check=True)
     model_args = ["--max-batch", "4", "--max-seq-len", "512"]
+    loop = ["--event-loop", event_loop] if event_loop else []
     stack = stack_class(model=model, drafter=drafter, mode="ddtree", budget=16, device=args.device, dtype=args.dtype,
                         metrics=True, threads=args.threads, unix_sockets=tree is None, step_sockets=tree is None,
-                        extra={"target": model_args, "drafter": model_args})
+                        extra={"target": model_args + loop, "drafter": model_args + loop, "gateway": loop})
     stack.start(timeout_s=600)
     return stack
 
@@ -147,7 +153,8 @@ def run_client(variant: Variant, calls: int, warmup: int, dim: int) -> dict:
     """One client process from the variant's tree; returns its {call: {rtt_s, server_s}}."""
     spec = {"target": variant.address("target"), "drafter": variant.address("drafter"),
             "gateway": "" if variant.unix else variant.stack.gateway, "secret": variant.stack.secret,
-            "feature_dim": dim, "calls": calls, "warmup": warmup}
+            "feature_dim": dim, "calls": calls, "warmup": warmup,
+            **({"event_loop": variant.event_loop} if variant.event_loop else {})}
     env = dict(os.environ, PYTHONPATH=tree_pythonpath(variant.tree))
     out = subprocess.run([sys.executable, "-P", str(CLIENT), json.dumps(spec)], env=env, capture_output=True,
                          text=True, timeout=1800)
@@ -180,9 +187,12 @@ def main(argv=None) -> None:
         for name, base in baselines(args.baseline):
             stacks.append(start_stack(model, drafter, args, base))
             variants.append(Variant(f"{name} tcp", base, stacks[-1], unix=False))
-        stacks.append(start_stack(model, drafter, args, None))
-        variants += [Variant("head tcp", common.REPO, stacks[-1], unix=False),
-                     Variant("head unix", common.REPO, stacks[-1], unix=True)]
+        loops = [x.strip() for x in args.event_loops.split(",") if x.strip()]
+        for loop in loops:
+            stacks.append(start_stack(model, drafter, args, None, loop))
+            suffix = f" {loop}" if len(loops) > 1 else ""
+            variants += [Variant(f"head tcp{suffix}", common.REPO, stacks[-1], unix=False, event_loop=loop),
+                         Variant(f"head unix{suffix}", common.REPO, stacks[-1], unix=True, event_loop=loop)]
         dim = feature_dim(stacks[-1])
         raw: dict[str, dict[str, dict[str, list[float]]]] = {v.label: {} for v in variants}
         for r in range(args.rounds):
@@ -236,13 +246,15 @@ def report(args, hw: dict, date: str, model: str, drafter: str, variants: list[V
           f"{args.rounds} rounds, variants alternating; services with metrics on",
           "- Variants: " + "; ".join(
               f"`{v.label}` = {'the checkout ' + str(v.tree) if v.tree != common.REPO else 'this tree'}"
-              f" ({v.commit()}) over {'Unix sockets' if v.unix else 'TCP loopback'}" for v in variants),
+              f" ({v.commit()}) over {'Unix sockets' if v.unix else 'TCP loopback'}"
+              + (f", {v.event_loop} event loop" if v.event_loop else "") for v in variants),
           "- Cells: median / p90 round trip in µs; (hop) = median round trip less the server's median handler time "
           "(Verify, Draft report it); the gateway listens on TCP only", "",
           common.md_table(["call", *labels, *(f"{lb} / {ref}" for lb in labels[1:])], table)]
     data = {"command": command, "date": date, "hardware": hw, "model": model, "drafter": drafter,
             "calls": args.calls, "warmup": args.warmup, "rounds": args.rounds,
-            "variants": [{"label": v.label, "tree": str(v.tree), "commit": v.commit(), "unix": v.unix}
+            "variants": [{"label": v.label, "tree": str(v.tree), "commit": v.commit(), "unix": v.unix,
+                          "event_loop": v.event_loop}
                          for v in variants], "rows": rows}
     common.write_outputs(args.out_dir, f"rpc-hop-{common.hardware_tag(hw)}", data, "\n".join(md))
 

@@ -60,6 +60,7 @@ class Spec:
     calls: int = 300
     warmup: int = 30
     timeout_s: float = 30.0
+    event_loop: str = ""    # the client's loop (ddtree_serve.plumbing.event_loop); "" = asyncio (older checkouts)
 
 
 class Timings:
@@ -245,5 +246,14 @@ async def measure(spec: Spec) -> dict:
     return out.calls
 
 
+def run(spec: Spec) -> dict:
+    """measure(spec) on the spec's event loop, as the gateway of that stack would run it."""
+    if not spec.event_loop:
+        return asyncio.run(measure(spec))
+    from ddtree_serve.plumbing.event_loop import run as run_on
+
+    return run_on(measure(spec), spec.event_loop)
+
+
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(measure(Spec(**json.loads(sys.argv[1]))))))
+    print(json.dumps(run(Spec(**json.loads(sys.argv[1])))))

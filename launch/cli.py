@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddtree_serve.plumbing import event_loop
 from ddtree_serve.transport import TRANSPORTS
 from launch.client_commands import build_request, cmd_generate, generate_once, print_stats, print_text, up_state_file
 
@@ -46,6 +47,9 @@ def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--log-level", default=os.environ.get("DDTREE_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper, help="log level ($DDTREE_LOG_LEVEL)")
     p.add_argument("--threads", type=_int_in(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--event-loop", choices=event_loop.EVENT_LOOPS, default=event_loop.default_event_loop(),
+                   help="the service's event loop: auto (uvloop when installed, else asyncio), uvloop, asyncio "
+                        "($DDTREE_EVENT_LOOP)")
     g = p.add_argument_group("security")
     g.add_argument("--secret-file", help="internal shared secret (else $DDTREE_INTERNAL_SECRET); target and drafter "
                                          "refuse calls without it, the gateway and target send it")
@@ -58,6 +62,16 @@ def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--tls-server-name", help="name the internal services' certificates are issued to")
     g.add_argument("--reflection", action="store_true", default=None,
                    help="gRPC server reflection (default: on for the gateway only)")
+
+
+def _run_service(main, args) -> None:
+    """Runs a service's main coroutine on its --event-loop (uvloop asked for and missing: a one-line error)."""
+    try:
+        event_loop.loop_factory(args.event_loop)
+    except RuntimeError as exc:
+        main.close()
+        args.parser.exit(2, f"{args.parser.prog}: error: {exc}\n")
+    event_loop.run(main, args.event_loop)
 
 
 def _security(args, public: bool = False) -> None:
@@ -107,8 +121,8 @@ def cmd_target(args) -> None:
     _set_threads(args.threads)
     cfg = target_config(args)
     try:
-        asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection,
-                          unix_socket=args.unix_socket))
+        _run_service(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file,
+                               reflection=args.reflection, unix_socket=args.unix_socket), args)
     except MemoryPlanError as exc:  # a configuration that cannot hold one sequence: one line, not a traceback
         args.parser.exit(1, f"{args.parser.prog}: error: {exc}\n")
 
@@ -123,8 +137,8 @@ def cmd_drafter(args) -> None:
                               dtype=args.dtype, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                               enforce_eager=args.enforce_eager, lazy_graphs=args.lazy_graphs, lease_s=args.lease_s,
                               step_socket=args.step_socket)
-    asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection,
-                      unix_socket=args.unix_socket))
+    _run_service(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, reflection=args.reflection,
+                           unix_socket=args.unix_socket), args)
 
 
 def _read_pairs(args):
@@ -166,8 +180,8 @@ def cmd_gateway(args) -> None:
     from gateway.backends import AttachRefused
 
     try:
-        asyncio.run(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, http_port=args.http_port,
-                          api_key=args.api_key, reflection=args.reflection, unix_socket=args.unix_socket))
+        _run_service(serve(cfg, args.host, args.port, args.metrics_port, args.ready_file, http_port=args.http_port,
+                               api_key=args.api_key, reflection=args.reflection, unix_socket=args.unix_socket), args)
     except AttachRefused as exc:
         # A misconfigured pair fails at start-up with one line, as a vLLM server refuses a bad config.
         log.error("%s", exc)

@@ -1,6 +1,7 @@
 """Through the three real services: greedy output equals transformers' generate(), for every mode, batched."""
 from __future__ import annotations
 
+import importlib.util
 import time
 import urllib.request
 from pathlib import Path
@@ -107,12 +108,16 @@ def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed
         checkpoints, steps_over):
     """Draft, Verify and the feature pushes travel as stream messages by default (--unary-steps: unary calls;
     --step-transport socket: frames on the services' step sockets); every way the output is transformers' and
-    the metrics count each step call under Verify / Draft / PushFeatures."""
+    the metrics count each step call under Verify / Draft / PushFeatures. The unary run's services are on asyncio's
+    own event loop, the others on the default (uvloop where installed)."""
     target, drafter = checkpoints("qwen3")
     batch = MIXED_BATCH[:4]
     prompts = prompts_for(target, [n for n, *_ in batch], seed=13)
+    loop = "asyncio" if steps_over == "unary" else "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    on_loop = ["--event-loop", loop]
     stack = start_stack(target, drafter, metrics=True, step_sockets=steps_over == "sockets",
-                        extra={"gateway": ["--unary-steps"]} if steps_over == "unary" else {})
+                        extra={"gateway": ["--unary-steps", *on_loop] if steps_over == "unary" else on_loop,
+                               "target": on_loop, "drafter": on_loop})
     try:
         results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, batch)])
         served = _rpc_calls(stack.metrics_ports["target"], "server")
@@ -123,6 +128,7 @@ def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed
     finally:
         stack.stop()
     assert len(sockets) == (2 if steps_over == "sockets" else 0)
+    assert f"{loop} event loop" in target_log and f"{loop} event loop" in gateway_log
     assert ("pushes on the step socket" in target_log) == (steps_over == "sockets")
     assert "serves no step socket" not in gateway_log   # Draft and Verify went over them too
     for prompt, (_, max_tokens, mode, _), result in zip(prompts, batch, results):

@@ -14,6 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ddtree_serve.plumbing.event_loop import running_loop_name
+
 log = logging.getLogger(__name__)
 
 # gRPC messages default to 4 MiB; verify/prefill batches and feature rows can be larger.
@@ -217,8 +219,8 @@ async def run_service(label: str, service_name: str, servicer, add_to_server: Ca
 
         # Same interface as the gRPC port: --host 127.0.0.1 keeps /metrics on loopback too.
         log.info("%s metrics on %s:%d", label, host, start_metrics_server(metrics_port, registry, host=host))
-    log.info("%s listening on %s:%d%s (pid %d)", label, host, bound,
-             f" and {unix_address(unix_socket)}" if unix_socket else "", os.getpid())
+    log.info("%s listening on %s:%d%s (pid %d, %s event loop)", label, host, bound,
+             f" and {unix_address(unix_socket)}" if unix_socket else "", os.getpid(), running_loop_name())
     try:
         await start()
     except BaseException:
