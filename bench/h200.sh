@@ -3,9 +3,10 @@
 #   tests      GPU equality tests (graphs == eager, Triton weight-only kernels == dequantized reference), the
 #              --gpu-memory-cap allocator bound
 #   testshyb   fla kernels and the fused tree WY kernel == the PyTorch reference
-#   newtests   only the GPU tests of the 2026-12-04 CPU session's changes (tree-layout and K/V-write kernels, the WY
-#              kernel's root step, three launches and pooled states, the compiled hybrid tree glue and commit,
-#              graphs == eager with the shared structure and model-dtype logits): the first thing to run after it
+#   newtests   only the GPU tests of the CPU sessions' changes not yet run on a GPU (tree-layout and K/V-write
+#              kernels, the WY kernel's root step, three launches and pooled states, the compiled hybrid tree glue
+#              and commit, graphs == eager with the shared structure and model-dtype logits; 2026-12-05: cuda-ipc
+#              early pushes behind the interprocess event, the services over cuda-ipc with and without them)
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel)
 #   attnsweep  the tree-attention kernel's tilings and key splits for decode and verify blocks at the 8B and 27B heads
 #              (bench.tree_attention_kernel --sweep)
@@ -61,7 +62,7 @@ for s in $SECTIONS; do
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests.log" | head -30 ;;
     newtests)
-      timeout ${TESTS_S:-540} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "tree_layout or kv_write or tree_wy or tree_forward or hybrid_glue or graph_steps or padded_batch or hybrid_runner_greedy or runners_equal_transformers" \
+      timeout ${TESTS_S:-540} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "early_push or services_equal or tree_layout or kv_write or tree_wy or tree_forward or hybrid_glue or graph_steps or padded_batch or hybrid_runner_greedy or runners_equal_transformers" \
         > "$R/gpu-tests-new.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-new.log" | head -30 ;;
     testshyb)   # fla kernels, the fused tree WY kernel and the tree-layout kernel == the PyTorch reference, a hybrid runner with kernels on == off

@@ -85,8 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- services ---------------------------------------------------------------------------------------------------
 # A step's segments between the processes (gateway/step_timeline.py), in the order of the critical path.
-SEGMENTS = ("feature_push", "push_staging", "push_trip", "drafter_store_and_draft", "draft_request", "draft_handler", "draft_answer",
-            "gateway_tree", "verify_request", "target_handler", "verify_answer", "gateway_between_steps")
+SEGMENTS = ("feature_push", "push_staging", "push_trip", "drafter_store_and_draft", "verify_done_to_draft",
+            "draft_request", "draft_handler", "draft_answer", "gateway_tree", "verify_request", "target_handler", "verify_answer", "gateway_between_steps")
 
 
 def breakdown(before: dict, after: dict) -> dict:

@@ -11,11 +11,13 @@ never stored.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
 from ddtree_serve.plumbing.cuda_graphs import GraphCache, SharedOutput, key_buckets, pick_bucket, power_of_two_buckets
+from ddtree_serve.plumbing.host_copy import to_host
 from drafter_svc.dflash_model import ContextKV, DFlashDraftModel, load_target_embeddings
 
 
@@ -60,6 +62,31 @@ class DraftGraphs:
             return pick_bucket(self.batch_buckets, batch), pick_bucket(self.key_buckets, key_len)
         except ValueError:
             return None
+
+
+@dataclass
+class DeferredRows:
+    """A sequence's rows from an early push: the target sent them while its verify still ran, so only its device
+    knows how many were accepted. rows holds an upper bound R of them at positions start..; header (int64) is
+    (n, next token): the first n rows are the context, the next token the next draft's bonus."""
+
+    seq_id: str
+    start: int
+    rows: torch.Tensor     # [R, F]
+    header: torch.Tensor   # int64 [2]
+
+
+@dataclass
+class DeferredDraft:
+    """What add_deferred_and_draft made of one sequence: its context length and bonus token (read back from the
+    header), its draft (None when the bonus token was not one), or the error that rejected it."""
+
+    seq_id: str
+    context_len: int = 0
+    bonus_token: int = -1
+    logprobs: torch.Tensor | None = None   # [depth, K] on the host
+    token_ids: torch.Tensor | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -237,6 +264,113 @@ class DrafterRunner:
             offset += int(f.shape[0])
         store(x_in, index[0], index[1])
 
+    @torch.inference_mode()
+    def add_deferred_and_draft(self, entries: list[DeferredRows], top_k: int, ready=None
+                               ) -> tuple[list[DeferredDraft], float]:
+        """Stores an early push's rows and drafts each of its sequences, with no host wait in between: the rows past
+        each header's n go to the scratch slot, and the drafts start at context start + n from the header's bonus
+        token, all on the device. `ready` (a CUDA event) is waited for on the device before the rows are read.
+        Returns the sequences' results (in entries' order) and the draft's own seconds (CUDA: between device events
+        after `ready`, so not the wait for the target's verify)."""
+        if not entries:
+            return [], 0.0
+        dev = self.device
+        out = [DeferredDraft(e.seq_id) for e in entries]
+        with self._lock:
+            held: list[tuple[int, DeferredRows, int, int]] = []   # (index, entry, slot, rows kept)
+            for i, e in enumerate(entries):
+                try:
+                    width = self._claim_deferred(e)
+                except (ValueError, RuntimeError) as exc:
+                    out[i].error = exc
+                    continue
+                held.append((i, e, self._slot[e.seq_id], width))
+            if not held:
+                return out, 0.0
+            timer = _DeviceTimer(dev)
+            if ready is not None:
+                torch.cuda.current_stream(dev).wait_event(ready)
+            timer.start()
+            headers = torch.stack([e.header.to(dev, torch.long) for _, e, _, _ in held])   # [B, 2]
+            self._store_deferred(held, headers)
+            # The drafts: (bonus, context length, slot) per sequence, from the headers on the device.
+            starts, slots = torch.tensor([[e.start, slot] for _, e, slot, _ in held],
+                                         dtype=torch.long).T.to(dev, non_blocking=True)
+            bonus = headers[:, 1].clamp(0, self.embed_weight.shape[0] - 1)   # checked on the host below
+            packed = torch.stack([bonus, starts + headers[:, 0].clamp(min=0), slots], dim=1)
+            lmax = max(e.start + w for _, e, _, w in held)
+            depth = self.block_size - 1
+            k = min(top_k, self.vocab_size)
+            shape = self.graphs.shape_for(len(held), lmax) if self.graphs is not None else None
+            if shape is None:
+                logprobs = self._draft_logprobs(packed, lmax, depth)
+            else:
+                batch, keys = shape
+                pad = self._pack([], batch)[len(held):].to(dev, non_blocking=True)
+                logprobs = self._block_graph(batch, keys)(torch.cat([packed, pad]))
+            values, ids = torch.topk(logprobs[:len(held), :depth], k, dim=-1, sorted=True)
+            timer.stop()
+            values, ids, headers = to_host(values, ids, headers)
+            for b, (i, e, _, width) in enumerate(held):
+                n, token = int(headers[b, 0]), int(headers[b, 1])
+                if not 0 <= n <= width:
+                    # Rows were stored for positions the sequence does not hold: it cannot draft any more.
+                    self._len[e.seq_id] = e.start
+                    out[i].error = ValueError(f"sequence {e.seq_id!r}: an early push says {n} rows of at most "
+                                              f"{width}")
+                    continue
+                self._len[e.seq_id] = e.start + n
+                out[i].context_len, out[i].bonus_token = e.start + n, token
+                if 0 <= token < self.embed_weight.shape[0]:
+                    out[i].logprobs, out[i].token_ids = values[b].float(), ids[b].to(torch.int32)
+            return out, timer.seconds()
+
+    def _store_deferred(self, held: list[tuple[int, DeferredRows, int, int]], headers: torch.Tensor) -> None:
+        """The context K/V of each held sequence's first n rows (n from its header, on the device); its other rows,
+        and a graph bucket's padding, go to the scratch slot, which nothing reads."""
+        dev, scratch = self.device, self.cfg.max_batch
+        n_rows = sum(w for *_, w in held)
+        bucket = self.graphs.rows_bucket(n_rows) if self.graphs is not None else None
+        pad = (bucket or n_rows) - n_rows
+        # (position, slot, sequence, row within it) of every row, padding rows last (row n_rows: never kept)
+        index = [[e.start + r, slot, b, r] for b, (_, e, slot, w) in enumerate(held) for r in range(w)]
+        index += [[0, scratch, 0, n_rows]] * pad
+        pos, slot, seq, row = torch.tensor(index, dtype=torch.long).T.to(dev, non_blocking=True)
+        slots = torch.where(row < headers[seq, 0], slot, torch.full_like(slot, scratch))
+        if bucket is None:
+            self._store_rows(torch.cat([e.rows[:w].to(device=dev, dtype=self.dtype) for _, e, _, w in held]), pos,
+                             slots)
+            return
+        store = self._store_graph(bucket)
+        x_in = store.static_inputs[0]
+        offset = 0
+        for _, e, _, w in held:
+            x_in[offset:offset + w].copy_(e.rows[:w], non_blocking=True)
+            offset += w
+        store(x_in, pos, slots)
+
+    def _claim_deferred(self, e: DeferredRows) -> int:
+        """Checks an early push's entry and reserves its slot; returns how many of its rows can be kept (its upper
+        bound, cut to the context limit)."""
+        if e.rows.dim() != 2 or e.rows.shape[1] != self.feature_dim:
+            raise ValueError(f"features must be [n, {self.feature_dim}], got {tuple(e.rows.shape)}")
+        if tuple(e.header.shape) != (2,):
+            raise ValueError(f"an early push's header must hold 2 values, not {tuple(e.header.shape)}")
+        held = self._len.get(e.seq_id)
+        if e.start != (held or 0):
+            raise ValueError(f"sequence {e.seq_id!r}: context rows start at {e.start}, expected {held or 0}")
+        width = min(int(e.rows.shape[0]), self.cfg.max_seq_len - e.start)
+        if width <= 0:
+            raise RuntimeError(f"capacity exceeded: sequence {e.seq_id!r} holds {e.start} context rows "
+                               f"(max_seq_len {self.cfg.max_seq_len})")
+        if held is None:
+            if not self._free:
+                raise RuntimeError(f"capacity exceeded: all {self.cfg.max_batch} drafter slots are in use")
+            self._free.sort()
+            self._slot[e.seq_id] = self._free.pop(0)
+            self._len[e.seq_id] = 0
+        return width
+
     def _store_rows(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
         """Context K/V of feature rows x [N, F] at positions pos [N] into cache slots [N] (no host sync)."""
         ctx = self.model.project_context(x.unsqueeze(0), pos.unsqueeze(0))
@@ -364,3 +498,31 @@ class DrafterRunner:
         # Only the positions the trees can use go through the head and the softmax.
         logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
         return torch.log_softmax(logits.float(), dim=-1, out=out)
+
+
+class _DeviceTimer:
+    """Seconds between start() and stop() of the work queued on a device's stream (CUDA events), or of the host's
+    wall clock elsewhere; read after the work is done."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._t0 = self._t1 = 0.0
+        if self.cuda:
+            self._stream = torch.cuda.current_stream(device)
+            self._start, self._stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record(self._stream)
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._stop.record(self._stream)
+        self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self._stop.synchronize()
+            return self._start.elapsed_time(self._stop) / 1e3
+        return self._t1 - self._t0

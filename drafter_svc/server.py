@@ -23,7 +23,7 @@ from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes, rows_view
 from ddtree_serve.transport.nccl_protocol import (NcclLinkLost, NcclSetupError, device_uuid, missing_nccl_package,
                                                   nccl_refusal)
-from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
+from drafter_svc.runner import DeferredRows, DraftItem, DrafterConfig, DrafterRunner
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         # costs the same at K = 1 and 64).
         self.recent_top_ks: deque[int] = deque(maxlen=RECENT_DRAFTS)
         self.prefetched: dict[str, PrefetchedDraft] = {}
+        self.ipc_events: dict[bytes, torch.cuda.Event] = {}   # early pushes' ready events, opened once per handle
         # seq id -> (wall clock of its latest push's arrival, the target's stamp as it sent it): step segments
         self.features_arrived: dict[str, tuple[int, int]] = {}
         self.nccl = None                        # NcclReceiver, made on the first JoinNccl (imports no cupy before)
@@ -166,7 +167,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             await self._notify_rows_changed()
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         stored = received = 0
-        entries, next_tokens = [], {}
+        entries, next_tokens, deferred = [], {}, []
         for rows in request.rows:
             # Bytes received count every payload that crossed over, stored or dropped, so the target's "send"
             # and the drafter's "recv" counters meet.
@@ -175,6 +176,13 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 continue  # the sequence finished while its last features were in flight
             self.leases.touch([rows.seq_id])
             try:
+                if rows.HasField("header_offset"):   # an early push: its rows counted on the target's device
+                    if shared is None:
+                        raise ValueError("an early push's rows must be in a shared buffer")
+                    deferred.append(DeferredRows(rows.seq_id, rows.start, self.opened_buffers.rows(
+                        shared, rows.shared_offset, rows.num_rows, request.feature_dim, rows.dtype),
+                        self.opened_buffers.header(shared, rows.header_offset)))
+                    continue
                 if shared is not None:
                     data = self.opened_buffers.rows(shared, rows.shared_offset, rows.num_rows, request.feature_dim,
                                                     rows.dtype)
@@ -190,8 +198,17 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 next_tokens[rows.seq_id] = (rows.start + rows.num_rows, rows.next_token)
         # All sequences' rows in one projection, the prefetched drafts and the wait for the buffer's reads in one
         # trip to the model thread.
-        errors, drafts, draft_s = await self.model_thread.run(self._store_and_prefetch, entries, next_tokens,
-                                                              buffer.device if buffer is not None else None)
+        errors, drafts, draft_s = await self.model_thread.run(
+            self._store_and_prefetch, entries, next_tokens, buffer.device if buffer is not None else None, deferred,
+            request.ready_event)
+        for d in deferred:
+            if errors[d.seq_id] is not None:
+                self._reject(d.seq_id, errors[d.seq_id])
+                continue
+            held = self.runner.context_len(d.seq_id)
+            stored += (held - d.start) * d.rows.shape[1] * d.rows.element_size()
+            self.rows_held[d.seq_id] = held
+            self.features_arrived[d.seq_id] = (arrived, request.sent_unix_ns)
         for seq_id, start, data in entries:
             if errors[seq_id] is not None:
                 self._reject(seq_id, errors[seq_id])
@@ -218,30 +235,65 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return to_host(*self.runner.draft(items, top_k, depth))
 
     def _store_and_prefetch(self, entries: list, next_tokens: dict[str, tuple[int, int]],
-                            buffer_device: torch.device | None) -> tuple[dict, dict[str, PrefetchedDraft], float]:
-        """Model thread: stores the rows, drafts the sequences whose next bonus token came along, and (for a
-        shared/nccl buffer) waits until the buffer's reads are done, since the answer lets it be overwritten."""
+                            buffer_device: torch.device | None, deferred: list[DeferredRows] = (),
+                            ready_event: bytes = b"") -> tuple[dict, dict[str, PrefetchedDraft], float]:
+        """Model thread: stores the rows, drafts the sequences whose next bonus token came along (an early push's:
+        all of them, the rows and the draft queued behind the target's ready event), and (for a shared/nccl buffer)
+        waits until the buffer's reads are done, since the answer lets it be overwritten."""
         errors = self.runner.add_contexts(entries) if entries else {}
+        drafts, seconds = {}, 0.0
+        if deferred:
+            seconds = self._draft_deferred(deferred, ready_event, buffer_device, errors, drafts)
         items = [DraftItem(seq_id, bonus, context_len) for seq_id, (context_len, bonus) in next_tokens.items()
                  if errors.get(seq_id) is None and self.runner.context_len(seq_id) == context_len]
-        drafts, seconds = {}, 0.0
         if items:
             t0 = time.perf_counter()
             try:
-                first_ask = max(self.recent_top_ks, default=1)
-                top_k = min(max(self.last_top_k.get(it.seq_id, first_ask) for it in items), MAX_TOP_K,
-                            self.runner.vocab_size)
+                top_k = self._prefetch_top_k([it.seq_id for it in items])
                 logprobs, ids = to_host(*self.runner.draft(items, top_k))
                 logprobs, ids = logprobs.float(), ids.to(torch.int32)
                 made = time.time_ns()
-                drafts = {it.seq_id: PrefetchedDraft(it.context_len, it.bonus_token, logprobs[b], ids[b], made)
-                          for b, it in enumerate(items)}
+                drafts.update((it.seq_id, PrefetchedDraft(it.context_len, it.bonus_token, logprobs[b], ids[b], made))
+                              for b, it in enumerate(items))
             except (ValueError, KeyError, RuntimeError) as exc:   # the Draft will say what is wrong, if still so
                 log.debug("no prefetched draft for this push: %s", exc)
-            seconds = time.perf_counter() - t0
+            seconds += time.perf_counter() - t0
         if buffer_device is not None:
             self.runner.synchronize(buffer_device)
         return errors, drafts, seconds
+
+    def _draft_deferred(self, deferred: list[DeferredRows], ready_event: bytes, device: torch.device | None,
+                        errors: dict, drafts: dict[str, PrefetchedDraft]) -> float:
+        """Model thread: an early push's rows stored and drafted in one go (runner.add_deferred_and_draft), behind
+        its ready event; fills errors and drafts; returns the draft's own seconds."""
+        try:
+            ready = self._ipc_event(ready_event, device) if ready_event else None
+        except (ValueError, RuntimeError) as exc:   # its rows cannot be read safely: none of them is stored
+            errors.update((d.seq_id, ValueError(f"early push: {exc}")) for d in deferred)
+            return 0.0
+        top_k = self._prefetch_top_k([d.seq_id for d in deferred])
+        results, seconds = self.runner.add_deferred_and_draft(list(deferred), top_k, ready)
+        made = time.time_ns()
+        for r in results:
+            errors[r.seq_id] = r.error
+            if r.error is None and r.logprobs is not None:
+                drafts[r.seq_id] = PrefetchedDraft(r.context_len, r.bonus_token, r.logprobs, r.token_ids, made)
+        return seconds
+
+    def _prefetch_top_k(self, seq_ids: list[str]) -> int:
+        """The K of a draft nobody asked for yet: each sequence's last asked K, else the widest recently asked."""
+        first_ask = max(self.recent_top_ks, default=1)
+        return min(max(self.last_top_k.get(s, first_ask) for s in seq_ids), MAX_TOP_K, self.runner.vocab_size)
+
+    def _ipc_event(self, handle: bytes, device: torch.device | None):
+        """The target's interprocess event of an early push (opened once per handle; CUDA only)."""
+        event = self.ipc_events.get(handle)
+        if event is None:
+            if device is None or device.type != "cuda":
+                raise ValueError("an early push's ready event needs its rows in a CUDA buffer")
+            event = torch.cuda.Event.from_ipc_handle(device, handle)
+            self.ipc_events[handle] = event
+        return event
 
     def _reject(self, seq_id: str, exc: Exception) -> None:
         # one bad sequence must not hold up the rows of the others in the same push

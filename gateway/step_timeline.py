@@ -47,8 +47,12 @@ def step_segments(gw: GatewayStamps, draft: common_pb2.Timings | None, verify: c
     - gateway_between_steps: the last Verify answer's arrival -> this step's first call (post-processing)
     - feature_push: the last Verify forward done on the target -> its features' push arrived at the drafter; split
       into push_staging (forward done -> the push sent: the target's loop, staging, the message) and push_trip
-      (sent -> arrived: the socket and the drafter's loop), when the push carried the target's stamp
+      (sent -> arrived: the socket and the drafter's loop), when the push carried the target's stamp. An early
+      push (transport/shared.py) leaves before the forward is done: these two are then absent (negative), and
+      drafter_store_and_draft below starts while the target still verifies
     - drafter_store_and_draft: those features arrived -> the draft made from them
+    - verify_done_to_draft: the last Verify forward done on the target -> the draft made (push, store, draft: the
+      critical path from one forward to the next step's tree, however the push went)
     - draft_request / draft_answer: the Draft's trip to the drafter and back; draft_handler: between (waiting for
       features, slicing the ready draft)
     - gateway_tree: the Draft answer arrived -> the Verify sent (unpacking, tree build, request)
@@ -66,6 +70,7 @@ def step_segments(gw: GatewayStamps, draft: common_pb2.Timings | None, verify: c
         if previous is not None:
             put("feature_push", previous.forward_done, draft.features_received_unix_ns)
             put("push_staging", previous.forward_done, draft.features_sent_unix_ns)
+            put("verify_done_to_draft", previous.forward_done, draft.draft_made_unix_ns)
         put("push_trip", draft.features_sent_unix_ns, draft.features_received_unix_ns)
         put("drafter_store_and_draft", draft.features_received_unix_ns, draft.draft_made_unix_ns)
         put("draft_request", gw.draft_sent, draft.received_unix_ns)

@@ -109,7 +109,8 @@ def target_config(args):
                               allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s,
                               quantize=args.quantize, gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_cap_gb=args.gpu_memory_cap,
-                              kernel_warmup_passes=args.kernel_warmup_passes, step_socket=args.step_socket)
+                              kernel_warmup_passes=args.kernel_warmup_passes, step_socket=args.step_socket,
+                              early_push=not args.no_early_push)
 
 
 def cmd_target(args) -> None:
@@ -366,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, 50051)
     _add_model_args(p)
     p.add_argument("--max-tree-nodes", type=_int_in(2), default=257, help="largest verify block (root + budget)")
+    p.add_argument("--no-early-push", action="store_true",
+                   help="push a verify's features after its results reach the host (by default, over shm/cuda-ipc, "
+                        "they go out as soon as the verify is queued and the drafter's store and draft queue behind "
+                        "it on the device)")
     p.add_argument("--prefill-chunk", type=_int_in(0), default=512,
                    help="prompt positions per prefill forward (0: whole prompts at once); bounds prefill memory")
     p.add_argument("--allow-drafter", action="append",

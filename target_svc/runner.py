@@ -11,6 +11,7 @@ from torch import Tensor
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
 from ddtree_serve.plumbing.host_copy import PendingHostCopy, start_host_copy, to_host
+from ddtree_serve.transport.base import EarlyRows
 from target_svc.loader import LoadedTarget, load_target
 from target_svc.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -286,8 +287,11 @@ class TargetRunner:
             raise
 
     @torch.inference_mode()
-    def verify(self, items: list[VerifyItem]) -> list[VerifyOutput]:
-        """Verifies one tree per sequence in one forward, commits the accepted paths, returns the bonus tokens."""
+    def verify(self, items: list[VerifyItem], early: Callable[[list[EarlyRows]], set[str]] | None = None
+               ) -> list[VerifyOutput]:
+        """Verifies one tree per sequence in one forward, commits the accepted paths, returns the bonus tokens.
+        early: handed each sequence's rows as soon as the verify is queued, before its results reach the host (an
+        early feature push); it returns the sequences it pushed, whose outputs then carry no features."""
         if not items:
             return []
         trees = self._check_trees(items)
@@ -311,6 +315,12 @@ class TargetRunner:
         walked = self._forward_commit(batch, packed_dev, graphed, choose, self.feature_layers,
                                       max(tr.max_depth for tr in trees) + 1, copy_result=True)
         rows = walked.rows
+        pushed: set[str] = set()
+        if early is not None and rows is not None:
+            # At most the deepest path's rows: the accepted ones come first, their count rides in the header.
+            pushed = early([EarlyRows(it.seq_id, ctx_host[b], rows[b, : min(rows.shape[1], tr.max_depth + 1)],
+                                      walked.result[b, :2], walked.rows_ready)
+                            for b, (it, tr) in enumerate(zip(items, trees))])
         (packed_host,) = walked.result_host.wait()  # the one device->host copy of the step, waited for without the GIL
         packed = packed_host.tolist()
 
@@ -323,7 +333,8 @@ class TargetRunner:
             tokens = tr.tokens
             outputs.append(VerifyOutput(
                 seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=[tokens[i] for i in nodes[1:]],
-                next_token=next_token, context_len=ctx, features=None if rows is None else rows[b, :n],
+                next_token=next_token, context_len=ctx,
+                features=None if rows is None or it.seq_id in pushed else rows[b, :n],
                 features_ready=walked.rows_ready,
             ))
         return outputs

@@ -19,6 +19,7 @@ from ddtree_serve.plumbing.step_socket import StepMethod
 from ddtree_serve.plumbing.step_stream import answer_each
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
+from ddtree_serve.transport.base import EarlyRows
 from ddtree_serve.transport.nccl_protocol import NcclSetupError, device_uuid, missing_nccl_package, nccl_refusal
 from target_svc.kernel_warmup import WarmupSpec, default_passes, run_passes
 from target_svc.memory_plan import GIB, MemoryPlan
@@ -45,6 +46,7 @@ class TargetServerConfig(ModelServiceConfig):
     kv_cache_memory_gb: float | None = None       # GiB for the cache, given directly
     gpu_memory_cap_gb: float | None = None        # CUDA: GiB this process's allocator may hold, taken as the card
     kernel_warmup_passes: int | None = None       # CUDA: kernel_warmup.py passes before loading (None: by model)
+    early_push: bool = True   # a verify's features go out while it runs (shared-buffer transports; transport/shared.py)
 
 
 WARMUP_LOG_S = 15.0   # a long warm-up (the 27B's ~120 buckets take minutes) logs its progress this often
@@ -279,6 +281,13 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.sender.submit(rows)
         return sum(r.data.numel() * r.data.element_size() for r in rows)
 
+    def _early_push(self, items: list[VerifyItem]) -> EarlyPush | None:
+        """The runner's early-push hook for one Verify (None: off, or no sequence of it pushes features)."""
+        if not self.cfg.early_push or self.sender is None:
+            return None
+        wanted = {it.seq_id for it in items} & self.feature_seqs
+        return EarlyPush(self.sender, asyncio.get_running_loop(), wanted) if wanted else None
+
     @grpc_errors
     async def Prefill(self, request, context):
         require_ready(self.ready)
@@ -320,11 +329,12 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                 raise ValueError(f"sequence {it.seq_id}: tree needs >= 1 node and one parent per token")
             items.append(VerifyItem(seq_id=it.seq_id, tokens=it.tokens, parents=it.parents))
         t1 = time.perf_counter_ns()
-        outputs = await self.model_thread.run(self.runner.verify, items)
+        early = self._early_push(items)
+        outputs = await self.model_thread.run(self.runner.verify, items, early)
         t2, forward_done = time.perf_counter_ns(), time.time_ns()
-        nbytes = self._push([FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features, o.next_token,
-                                         o.features_ready)
-                             for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
+        plain = [FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features, o.next_token,
+                             o.features_ready) for o in outputs if o.features is not None and o.seq_id in self.feature_seqs]
+        nbytes = self._push(plain) + (early.nbytes if early is not None else 0)
         if nbytes:
             # One turn of the event loop lets the sender put the push on the wire before this answer: the push
             # (-> the drafter's next draft) is the step's critical path, the answer has time to spare. (The sender
@@ -333,6 +343,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         if self.metrics is not None:
             self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9,
                                          num_tokens=sum(len(it.tokens) for it in items))
+            self.metrics.observe_verify_pushes(len(early.pushed) if early is not None else 0, len(plain))
         results = [target_pb2.VerifyResult(seq_id=o.seq_id, accepted_nodes=o.accepted_nodes,
                                            accepted_tokens=o.accepted_tokens, next_token=o.next_token,
                                            context_len=o.context_len) for o in outputs]
@@ -364,6 +375,31 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             except KeyError:
                 pass  # idempotent: an abort may race with a normal finish
         return released
+
+
+class EarlyPush:
+    """Called by the runner on the model thread once a verify is queued: stages the rows of the sequences that
+    push features (sender.stage_early) and hands the push to the event loop; returns the sequences it pushed (none
+    when the transport cannot: they then go as a plain push after the verify)."""
+
+    def __init__(self, sender: FeatureSender, loop: asyncio.AbstractEventLoop, seq_ids: set[str]) -> None:
+        self.sender, self.loop, self.seq_ids = sender, loop, seq_ids
+        self.nbytes = 0
+        self.pushed: set[str] = set()
+
+    def __call__(self, rows: list[EarlyRows]) -> set[str]:
+        rows = [r for r in rows if r.seq_id in self.seq_ids]
+        try:
+            staged = self.sender.stage_early(rows) if rows else None
+        except Exception:  # noqa: BLE001 - the verify must not fail for it: the rows go the plain way
+            log.exception("early feature push failed to stage; the rows go after the verify")
+            return set()
+        if staged is None:
+            return set()
+        self.loop.call_soon_threadsafe(self.sender.send_staged, staged)
+        self.nbytes = sum(r.data.numel() * r.data.element_size() for r in rows)
+        self.pushed = {r.seq_id for r in rows}
+        return self.pushed
 
 
 def memory_plan_proto(plan: MemoryPlan) -> common_pb2.MemoryPlan:

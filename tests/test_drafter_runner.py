@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter_svc.runner import DrafterConfig, DrafterRunner, DraftItem
+from drafter_svc.runner import DeferredRows, DrafterConfig, DrafterRunner, DraftItem
 from tests.fixtures import make_tiny_qwen3
 from tests.fixtures.tiny_drafter import make_tiny_drafter
 
@@ -225,3 +225,54 @@ def test_cache_usage_never_waits_for_the_model_threads_lock(dirs):
         reader.join(timeout=5)
         assert not reader.is_alive()
     assert answer == [(1, 2, 5, 2 * 64)]
+
+
+def test_an_early_push_stores_the_headers_rows_and_drafts_as_a_plain_push_then_a_draft_would(dirs):
+    """add_deferred_and_draft: of each sequence's R rows only the header's first n are context, the draft starts
+    at start + n from the header's bonus token; cache, lengths and drafts equal add_context + draft."""
+    plain, early = _runner(dirs, "full"), _runner(dirs, "full")
+    g = torch.Generator().manual_seed(11)
+    prompt = {s: torch.randn(n, plain.feature_dim, generator=g) for s, n in (("a", 5), ("b", 3))}
+    step = {s: torch.randn(6, plain.feature_dim, generator=g) for s in prompt}   # R = 6 rows each
+    accepted, bonus = {"a": 4, "b": 1}, {"a": 9, "b": 13}
+    for r in (plain, early):
+        for s, f in prompt.items():
+            r.add_context(s, 0, f)
+    for s in prompt:
+        plain.add_context(s, prompt[s].shape[0], step[s][:accepted[s]])
+    want = plain.draft([DraftItem(s, bonus[s], prompt[s].shape[0] + accepted[s]) for s in prompt], top_k=4)
+    results, seconds = early.add_deferred_and_draft(
+        [DeferredRows(s, prompt[s].shape[0], step[s], torch.tensor([accepted[s], bonus[s]])) for s in prompt], 4)
+    assert seconds >= 0
+    for b, (s, res) in enumerate(zip(prompt, results)):
+        assert res.error is None and res.seq_id == s
+        assert res.context_len == early.context_len(s) == plain.context_len(s) == prompt[s].shape[0] + accepted[s]
+        assert res.bonus_token == bonus[s]
+        torch.testing.assert_close(res.logprobs, want[0][b].float(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(res.token_ids, want[1][b].to(torch.int32))
+        slot_p, slot_e, n = plain._slot[s], early._slot[s], res.context_len
+        for kc_p, kc_e in zip(plain.k_cache, early.k_cache):
+            torch.testing.assert_close(kc_e[slot_e, :, :n], kc_p[slot_p, :, :n], rtol=1e-6, atol=1e-6)
+    # the next step goes on from there, the plain way
+    nxt = torch.randn(2, plain.feature_dim, generator=g)
+    for r in (plain, early):
+        r.add_context("a", r.context_len("a"), nxt)
+    a = [DraftItem("a", 3, plain.context_len("a"))]
+    torch.testing.assert_close(early.draft(a, top_k=3)[0], plain.draft(a, top_k=3)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_an_early_push_whose_header_is_out_of_range_fails_that_sequence_alone(dirs):
+    r = _runner(dirs, "full")
+    f = torch.randn(4, r.feature_dim)
+    r.add_context("a", 0, f)
+    results, _ = r.add_deferred_and_draft([
+        DeferredRows("a", 4, f, torch.tensor([5, 3])),          # 5 accepted of at most 4 rows
+        DeferredRows("b", 0, f, torch.tensor([2, 3])),          # a new sequence, fine
+        DeferredRows("c", 7, f, torch.tensor([1, 3])),          # starts where nothing is held
+        DeferredRows("d", 0, f, torch.tensor([1, 10 ** 9])),    # a bonus token outside the vocabulary
+    ], top_k=2)
+    a, b, c, d = results
+    assert isinstance(a.error, ValueError) and r.context_len("a") == 4   # its rows past the context are not held
+    assert b.error is None and b.context_len == 2 and b.logprobs is not None
+    assert isinstance(c.error, ValueError) and "expected 0" in str(c.error)
+    assert d.error is None and d.context_len == 1 and d.logprobs is None   # stored, but nothing to draft from

@@ -62,18 +62,35 @@ def _transport_bytes(metrics_port: int) -> dict[tuple[str, str], float]:
     return found
 
 
-def test_shared_memory_transport_is_lossless_and_moves_every_byte(checkpoints):
+def _counter(metrics_port: int, family: str, label: str) -> dict[str, float]:
+    """A counter family's values by one label."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {line.split(f'{label}="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(family + "{")}
+
+
+def _verify_pushes(metrics_port: int) -> dict[str, float]:
+    """ddtree_target_verify_feature_pushes_total by `when` (early | after_verify)."""
+    return _counter(metrics_port, "ddtree_target_verify_feature_pushes_total", "when")
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early-pushes", "pushes-after-verify"])
+def test_shared_memory_transport_is_lossless_and_moves_every_byte(checkpoints, early):
     """Context features through a shared-memory staging buffer (the CPU twin of cuda-ipc), prompts prefilled in
-    chunks across steps and within a forward: same tokens."""
+    chunks across steps and within a forward: same tokens. By default a verify's rows go out as an early push
+    (their count in a header the drafter reads from the buffer); --no-early-push sends them after the verify."""
     target, drafter = checkpoints("qwen3_5")
     batch = MIXED_BATCH[:5]
     prompts = prompts_for(target, [n for n, *_ in batch], seed=12)
     # Chunked prefill too: the gateway prefills at most 12 prompt tokens per step (prompts of 3-30 tokens take 1-3
     # steps while the others decode) and the target runs them in forwards of 8 positions.
     stack = start_stack(target, drafter, transport="shm", metrics=True,
-                        extra={"target": ["--prefill-chunk", "8"], "gateway": ["--max-prefill-tokens", "12"]})
+                        extra={"target": ["--prefill-chunk", "8", *([] if early else ["--no-early-push"])],
+                               "gateway": ["--max-prefill-tokens", "12"]})
     try:
         results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, batch)])
+        pushes = _verify_pushes(stack.metrics_ports["target"])
+        prefetched = _counter(stack.metrics_ports["drafter"], "ddtree_drafter_prefetched_drafts_total", "outcome")
         # The target counts a push once the drafter has acknowledged it, the drafter on receipt: the last push
         # may sit between the two when the streams end, so read until both sides agree (or 10 s pass).
         deadline = time.monotonic() + 10
@@ -90,6 +107,12 @@ def test_shared_memory_transport_is_lossless_and_moves_every_byte(checkpoints):
             assert result["stats"].draft_tokens >= result["stats"].steps > 0
     assert set(sent) == {("shm", "send")} and set(received) == {("shm", "recv")}
     assert sent[("shm", "send")] == received[("shm", "recv")] > 0
+    # Every verify of a drafting sequence pushed its rows the chosen way.
+    assert pushes.get("early", 0) > 0 if early else pushes.get("early", 0) == 0
+    assert pushes.get("after_verify", 0) == 0 if early else pushes.get("after_verify", 0) > 0
+    # and the drafter drafted from them before the Draft asked: most Drafts found theirs ready (a sequence's first
+    # Draft after its prompt may have asked for another K).
+    assert prefetched.get("hit", 0) > prefetched.get("miss", 0)
 
 
 def _rpc_calls(metrics_port: int, side: str) -> dict[str, float]:

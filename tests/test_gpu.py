@@ -283,11 +283,14 @@ def test_cuda_compiled_hybrid_glue_equals_the_plain_functions(checkpoints, dtype
     assert not fell_back, f"torch.compile failed for {fell_back}"
 
 
-@pytest.mark.parametrize("transport", ["inline", "cuda-ipc"])
+@pytest.mark.parametrize("transport", ["inline", "cuda-ipc", "cuda-ipc --no-early-push"])
 def test_cuda_services_equal_transformers_greedy(checkpoints, transport):
+    """Through the services on the GPU; cuda-ipc's verify rows go as early pushes (the drafter's store and draft
+    queued behind the target's interprocess event) unless --no-early-push."""
     target, drafter = checkpoints("qwen3")
     prompts = prompts_for(target, [5, 13, 8], seed=6)
-    stack = start_stack(target, drafter, device="cuda", transport=transport)
+    transport, *flags = transport.split()
+    stack = start_stack(target, drafter, device="cuda", transport=transport, extra={"target": flags})
     try:
         results = run_streams(stack.gateway, [make_request(p, 40, mode) for p, mode in
                                               zip(prompts, ["ddtree", "dflash", "ar"])])
@@ -324,6 +327,51 @@ def test_cuda_ipc_buffer_opened_in_another_process_reads_what_was_staged(tmp_pat
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip()) == sum(range(12))
     staging.close()
+
+
+def test_cuda_ipc_early_push_is_read_only_after_the_targets_event(tmp_path):
+    """An early push leaves the target before its rows exist: here they are written behind a ~10 s kernel. The
+    other process opens the buffer and the interprocess event, waits on the event on its stream and reads the
+    rows and the header as written, not the zeros that were there when the message was made."""
+    import subprocess
+    import sys
+
+    from ddtree_serve.transport.base import EarlyRows
+    from ddtree_serve.transport.shared import SharedBufferFeatureSender
+
+    sender = SharedBufferFeatureSender(drafter_address="unix:/nonexistent/ddtree.sock", name="cuda-ipc",
+                                       staging_bytes=1 << 20)
+    rows = torch.zeros(3, 4, dtype=torch.bfloat16, device="cuda")
+    header = torch.zeros(2, dtype=torch.long, device="cuda")
+    sender._buffer_for(rows.device)   # noqa: SLF001 - opened before the slow kernel, as after a first push
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e10))   # noqa: SLF001 - ~10 s of clock cycles on the compute stream
+    rows.copy_(torch.arange(12, dtype=torch.bfloat16, device="cuda").view(3, 4))
+    header.copy_(torch.tensor([2, 77], device="cuda"))
+    ready = torch.cuda.Event()
+    ready.record()
+    push = sender.stage_early([EarlyRows("s", 0, rows, header, ready)])
+    assert push is not None and push.batch.ready_event
+    (tmp_path / "batch.bin").write_bytes(push.batch.SerializeToString())
+    script = (
+        "import sys, torch\n"
+        "from ddtree_serve.proto import drafter_pb2\n"
+        "from ddtree_serve.transport import OpenedBuffers\n"
+        "batch = drafter_pb2.FeatureBatch.FromString(open(sys.argv[1], 'rb').read())\n"
+        "opened = OpenedBuffers()\n"
+        "m = batch.rows[0]\n"
+        "data = opened.rows(batch.shared, m.shared_offset, m.num_rows, batch.feature_dim, m.dtype)\n"
+        "head = opened.header(batch.shared, m.header_offset)\n"
+        "torch.cuda.current_stream(data.device).wait_event(torch.cuda.Event.from_ipc_handle(data.device, "
+        "batch.ready_event))\n"
+        "print(data.float().sum().item(), head.tolist())\n")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "batch.bin")], capture_output=True,
+                         text=True, timeout=300)
+    torch.cuda.synchronize()
+    sender._release()   # noqa: SLF001
+    assert out.returncode == 0, out.stderr
+    total, head = out.stdout.split(maxsplit=1)
+    assert float(total) == sum(range(12)) and head.strip() == "[2, 77]"
 
 
 # ---- the nccl transport: target on cuda:0, drafter on cuda:1 ------------------------------------------------------

@@ -163,3 +163,45 @@ def test_a_push_submitted_to_an_idle_sender_is_staged_at_once_and_one_behind_ano
     staged, kept = asyncio.run(go())
     assert torch.equal(staged, torch.arange(12.0).view(3, 4))
     assert torch.equal(kept, torch.arange(12.0).view(3, 4))
+
+
+def test_an_early_push_stages_rows_and_headers_in_its_own_region_and_holds_it_until_answered() -> None:
+    """stage_early (the model thread's call) copies each sequence's rows and its (accepted, next token) header into
+    a free early region past the plain pushes' part of the buffer; the drafter reads them through the message's
+    offsets; with every early region taken the rows go the plain way (None), and an answered push frees its own."""
+    from ddtree_serve.transport.base import EarlyRows
+    from ddtree_serve.transport.shared import EARLY_REGIONS, SharedBufferFeatureSender
+
+    sender = SharedBufferFeatureSender(drafter_address="unix:/nonexistent/ddtree.sock", name="shm",
+                                       staging_bytes=1 << 16)
+    opened = OpenedBuffers()
+    try:
+        rows = [EarlyRows("a", 5, torch.arange(12.0).view(3, 4), torch.tensor([2, 41])),
+                EarlyRows("b", 0, torch.full((2, 4), -1.0), torch.tensor([1, 7]))]
+        pushes = [sender.stage_early(rows) for _ in range(EARLY_REGIONS)]
+        assert sender.stage_early(rows) is None                        # every region holds an unanswered push
+        assert len({p.region for p in pushes}) == EARLY_REGIONS
+        batch = pushes[0].batch
+        assert [(m.seq_id, m.start, m.num_rows) for m in batch.rows] == [("a", 5, 3), ("b", 0, 2)]
+        for m, r in zip(batch.rows, rows):
+            assert m.shared_offset >= sender._plain_bytes                  # noqa: SLF001 - past the plain part
+            assert torch.equal(opened.rows(batch.shared, m.shared_offset, m.num_rows, 4, m.dtype), r.data)
+            assert opened.header(batch.shared, m.header_offset).tolist() == r.header.tolist()
+        assert batch.ready_event == b""                                 # shm: written before the message goes
+        sender._free_region(pushes[1].region)                           # noqa: SLF001 - as its answer does
+        assert sender.stage_early(rows).region == pushes[1].region
+        cuda_like = [EarlyRows("a", 0, torch.zeros(1, 4), torch.zeros(2, dtype=torch.long))]
+        assert SharedBufferFeatureSender(drafter_address="x", name="cuda-ipc").stage_early(cuda_like) is None
+    finally:
+        opened.close()
+        sender._release()                                               # noqa: SLF001
+
+
+def test_a_header_view_is_refused_off_its_grid_or_past_the_buffer() -> None:
+    from ddtree_serve.transport.shared_buffer import header_view
+
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    assert header_view(buffer, 48).shape == (2,)
+    for offset in (-16, 8, 56, 64):
+        with pytest.raises(ValueError, match="header"):
+            header_view(buffer, offset)

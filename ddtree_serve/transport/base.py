@@ -39,6 +39,18 @@ class FeatureRows:
         return msg
 
 
+@dataclass
+class EarlyRows:
+    """One sequence's rows of a verify still running on the device (an early push): data holds an upper bound of
+    them, the accepted ones first; header (int64 [2], on the device) is (accepted rows, next token)."""
+
+    seq_id: str
+    start: int
+    data: torch.Tensor     # [R, F]
+    header: torch.Tensor   # int64 [2]
+    ready: torch.cuda.Event | None = None   # CUDA: recorded once data and header are written
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Wire name of a feature dtype."""
     for name, dt in _WIRE_DTYPES.items():
@@ -83,6 +95,16 @@ class FeatureSender(abc.ABC):
 
     name: str
     step_socket: str = ""   # the drafter's step socket the pushes go to ("": its gRPC stream)
+
+    def stage_early(self, rows: list[EarlyRows]) -> object | None:
+        """Any thread: stages rows of a verify still running so that they go out before its host knows their count
+        (see shared.py); returns the staged push for send_staged(), or None when this transport cannot (then the
+        rows go as a plain push after the verify)."""
+        return None
+
+    def send_staged(self, staged: object) -> None:
+        """The event loop: queues a push stage_early made (in submission order with the others)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def submit(self, rows: list[FeatureRows]) -> None:

@@ -49,6 +49,7 @@ class PushSender(FeatureSender):
         self._queue: asyncio.Queue[list[FeatureRows] | None] | None = None
         self._task: asyncio.Task | None = None
         self._sending = False   # a submission is being delivered (its rows may still be read by the drafter)
+        self._closed = False    # close() began: nothing new is staged or queued
 
     def _ensure_started(self) -> None:
         if self._task is None:
@@ -130,6 +131,7 @@ class PushSender(FeatureSender):
             await self._queue.join()
 
     async def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._queue.put_nowait(None)
             await self._task

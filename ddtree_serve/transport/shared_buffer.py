@@ -25,6 +25,7 @@ from ddtree_serve.transport.base import FeatureRows, dtype_name, wire_dtype
 
 SHARED_KINDS = SHARED_BUFFER_TRANSPORTS
 ROW_ALIGN = 256                # byte alignment of every run of rows (any dtype view is aligned)
+HEADER_BYTES = 16              # an early push's per-sequence header: accepted rows, next token (int64 each)
 OPENED_BUFFERS = 4             # buffers a drafter keeps open (a restarted target brings a new one)
 SHM_PREFIX = "ddtree-"
 # The only shm names a drafter opens: the ones StagingBuffer makes. Anything else (another program's segment,
@@ -78,6 +79,15 @@ def rows_view(buffer: torch.Tensor, offset: int, num_rows: int, feature_dim: int
         raise ValueError(f"rows at byte {offset} ({num_rows}x{feature_dim} {dtype}) fall outside the "
                          f"{buffer.numel()}-byte shared buffer")
     return buffer[offset:offset + nbytes].view(torch_dtype).view(num_rows, feature_dim)
+
+
+def header_view(buffer: torch.Tensor, offset: int) -> torch.Tensor:
+    """The (accepted rows, next token) int64 pair an early push's target wrote at `offset` of a uint8 buffer (a
+    view, validated)."""
+    if offset < 0 or offset % HEADER_BYTES or offset + HEADER_BYTES > buffer.numel():
+        raise ValueError(f"an early push's header at byte {offset} falls outside the {buffer.numel()}-byte shared "
+                         f"buffer or off its {HEADER_BYTES}-byte grid")
+    return buffer[offset:offset + HEADER_BYTES].view(torch.int64)
 
 
 def copy_piece(buffer: torch.Tensor, piece: Piece, rows: FeatureRows) -> int:
@@ -200,6 +210,16 @@ class OpenedBuffers:
             size = os.fstat(fd).st_size
             if size < offset + view.numel() * view.element_size():
                 raise ValueError(f"shared memory {desc.shm_name!r} shrank to {size} bytes under its mapping")
+            return view.clone()
+        return view
+
+    def header(self, desc: drafter_pb2.SharedBuffer, offset: int) -> torch.Tensor:
+        """An early push's header in a described buffer (shm: a copy, read after the size check)."""
+        view = header_view(self.get(desc), offset)
+        fd = self._fds.get(desc.buffer_id)
+        if fd is not None:
+            if os.fstat(fd).st_size < offset + HEADER_BYTES:
+                raise ValueError(f"shared memory {desc.shm_name!r} shrank under its mapping")
             return view.clone()
         return view
 

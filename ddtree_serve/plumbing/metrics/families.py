@@ -332,6 +332,17 @@ class TargetMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
                                    "Verify graph buckets of the warm-up, by state (pending, captured, eager).",
                                    ["model_name", "state"], registry=r)
         self.set_graph_buckets(0, 0, 0)
+        self.verify_pushes = Counter("ddtree_target_verify_feature_pushes_total",
+                                     "Verified sequences' feature pushes, by when they went (early: while the verify "
+                                     "ran, transport/shared.py; after_verify: once its results were on the host).",
+                                     ["model_name", "when"], registry=r)
+
+    def observe_verify_pushes(self, early: int, after_verify: int) -> None:
+        """One Verify's feature pushes: sequences pushed early and after the verify."""
+        if early:
+            self.verify_pushes.labels(self.model_name, "early").inc(early)
+        if after_verify:
+            self.verify_pushes.labels(self.model_name, "after_verify").inc(after_verify)
 
     def set_graph_buckets(self, pending: int, captured: int, eager: int) -> None:
         """The warm-up's progress: buckets still to capture, captured, and left eager (capture ran out of memory)."""
