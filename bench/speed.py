@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kernel-warmup-passes", type=int, default=None,
                    help="the target's kernel warm-up passes before it loads (default: the target's own; 0 skips them: "
                         "they bound device memory outside the allocator, which a speed run does not need)")
+    p.add_argument("--no-early-push", action="store_true",
+                   help="the target pushes a verify's features after its results reach the host (the comparison for "
+                        "the default early pushes over cuda-ipc/shm; target --no-early-push)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     p.add_argument("--log-dir", default="", help="keep the services' logs here (default: a temporary folder)")
     p.add_argument("--calibrated", metavar="PROFILE",
@@ -86,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- services ---------------------------------------------------------------------------------------------------
 # A step's segments between the processes (gateway/step_timeline.py), in the order of the critical path.
 SEGMENTS = ("feature_push", "push_staging", "push_trip", "drafter_store_and_draft", "verify_done_to_draft",
-            "draft_request", "draft_handler", "draft_answer", "gateway_tree", "verify_request", "target_handler", "verify_answer", "gateway_between_steps")
+            "draft_request", "draft_handler", "draft_reply", "draft_answer", "gateway_tree", "verify_request", "target_handler",
+            "verify_answer", "gateway_between_steps")
 
 
 def breakdown(before: dict, after: dict) -> dict:
@@ -246,8 +250,9 @@ def main(argv=None) -> None:
                                drafter_device=args.drafter_device,
                                gateway_args=calib.gateway_args if calib else None, transport=args.transport,
                                step_sockets=args.step_transport == "socket", log_dir=args.log_dir,
-                               target_args=None if args.kernel_warmup_passes is None
-                               else ["--kernel-warmup-passes", str(args.kernel_warmup_passes)])
+                               target_args=([] if args.kernel_warmup_passes is None
+                                            else ["--kernel-warmup-passes", str(args.kernel_warmup_passes)])
+                               + (["--no-early-push"] if args.no_early_push else []))
     runs: list[dict] = []
     try:
         common.wait_for_graphs(stack)   # nothing timed, the reference run included, while graphs capture

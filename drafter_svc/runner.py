@@ -287,27 +287,28 @@ class DrafterRunner:
                 held.append((i, e, self._slot[e.seq_id], width))
             if not held:
                 return out, 0.0
+            depth, k = self.block_size - 1, min(top_k, self.vocab_size)
+            lmax = max(e.start + w for _, e, _, w in held)
+            shape = self.graphs.shape_for(len(held), lmax) if self.graphs is not None else None
+            # Every host -> device copy before the wait: a copy from pageable memory may wait for the stream, and
+            # the stream is about to wait for the target's verify.
+            store_index, bucket = self._deferred_store_index(held)
+            starts, slots = torch.tensor([[e.start, slot] for _, e, slot, _ in held],
+                                         dtype=torch.long).T.to(dev, non_blocking=True)
+            pad = self._pack([], shape[0])[len(held):].to(dev, non_blocking=True) if shape is not None else None
             timer = _DeviceTimer(dev)
             if ready is not None:
                 torch.cuda.current_stream(dev).wait_event(ready)
             timer.start()
             headers = torch.stack([e.header.to(dev, torch.long) for _, e, _, _ in held])   # [B, 2]
-            self._store_deferred(held, headers)
+            self._store_deferred(held, headers, store_index, bucket)
             # The drafts: (bonus, context length, slot) per sequence, from the headers on the device.
-            starts, slots = torch.tensor([[e.start, slot] for _, e, slot, _ in held],
-                                         dtype=torch.long).T.to(dev, non_blocking=True)
             bonus = headers[:, 1].clamp(0, self.embed_weight.shape[0] - 1)   # checked on the host below
             packed = torch.stack([bonus, starts + headers[:, 0].clamp(min=0), slots], dim=1)
-            lmax = max(e.start + w for _, e, _, w in held)
-            depth = self.block_size - 1
-            k = min(top_k, self.vocab_size)
-            shape = self.graphs.shape_for(len(held), lmax) if self.graphs is not None else None
             if shape is None:
                 logprobs = self._draft_logprobs(packed, lmax, depth)
             else:
-                batch, keys = shape
-                pad = self._pack([], batch)[len(held):].to(dev, non_blocking=True)
-                logprobs = self._block_graph(batch, keys)(torch.cat([packed, pad]))
+                logprobs = self._block_graph(*shape)(torch.cat([packed, pad]))
             values, ids = torch.topk(logprobs[:len(held), :depth], k, dim=-1, sorted=True)
             timer.stop()
             values, ids, headers = to_host(values, ids, headers)
@@ -325,21 +326,25 @@ class DrafterRunner:
                     out[i].logprobs, out[i].token_ids = values[b].float(), ids[b].to(torch.int32)
             return out, timer.seconds()
 
-    def _store_deferred(self, held: list[tuple[int, DeferredRows, int, int]], headers: torch.Tensor) -> None:
-        """The context K/V of each held sequence's first n rows (n from its header, on the device); its other rows,
-        and a graph bucket's padding, go to the scratch slot, which nothing reads."""
-        dev, scratch = self.device, self.cfg.max_batch
+    def _deferred_store_index(self, held: list[tuple[int, DeferredRows, int, int]]
+                              ) -> tuple[torch.Tensor, int | None]:
+        """On the device: (position, slot, sequence, row within it) of every row of an early push, a graph
+        bucket's padding rows last (row index past every n: never kept); and that bucket (None: eager)."""
         n_rows = sum(w for *_, w in held)
         bucket = self.graphs.rows_bucket(n_rows) if self.graphs is not None else None
-        pad = (bucket or n_rows) - n_rows
-        # (position, slot, sequence, row within it) of every row, padding rows last (row n_rows: never kept)
         index = [[e.start + r, slot, b, r] for b, (_, e, slot, w) in enumerate(held) for r in range(w)]
-        index += [[0, scratch, 0, n_rows]] * pad
-        pos, slot, seq, row = torch.tensor(index, dtype=torch.long).T.to(dev, non_blocking=True)
-        slots = torch.where(row < headers[seq, 0], slot, torch.full_like(slot, scratch))
+        index += [[0, self.cfg.max_batch, 0, n_rows]] * ((bucket or n_rows) - n_rows)
+        return torch.tensor(index, dtype=torch.long).T.to(self.device, non_blocking=True), bucket
+
+    def _store_deferred(self, held: list[tuple[int, DeferredRows, int, int]], headers: torch.Tensor,
+                        index: torch.Tensor, bucket: int | None) -> None:
+        """The context K/V of each held sequence's first n rows (n from its header, on the device); its other rows,
+        and a graph bucket's padding, go to the scratch slot, which nothing reads."""
+        pos, slot, seq, row = index
+        slots = torch.where(row < headers[seq, 0], slot, torch.full_like(slot, self.cfg.max_batch))
         if bucket is None:
-            self._store_rows(torch.cat([e.rows[:w].to(device=dev, dtype=self.dtype) for _, e, _, w in held]), pos,
-                             slots)
+            self._store_rows(torch.cat([e.rows[:w].to(device=self.device, dtype=self.dtype) for _, e, _, w in held]),
+                             pos, slots)
             return
         store = self._store_graph(bucket)
         x_in = store.static_inputs[0]

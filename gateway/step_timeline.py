@@ -54,7 +54,7 @@ def step_segments(gw: GatewayStamps, draft: common_pb2.Timings | None, verify: c
     - verify_done_to_draft: the last Verify forward done on the target -> the draft made (push, store, draft: the
       critical path from one forward to the next step's tree, however the push went)
     - draft_request / draft_answer: the Draft's trip to the drafter and back; draft_handler: between (waiting for
-      features, slicing the ready draft)
+      features, slicing the ready draft); draft_reply: the draft made -> its answer sent (the drafter's loop)
     - gateway_tree: the Draft answer arrived -> the Verify sent (unpacking, tree build, request)
     - verify_request / verify_answer: the Verify's trips; target_handler: between (the forward included)
     """
@@ -75,6 +75,7 @@ def step_segments(gw: GatewayStamps, draft: common_pb2.Timings | None, verify: c
         put("drafter_store_and_draft", draft.features_received_unix_ns, draft.draft_made_unix_ns)
         put("draft_request", gw.draft_sent, draft.received_unix_ns)
         put("draft_handler", draft.received_unix_ns, draft.replied_unix_ns)
+        put("draft_reply", draft.draft_made_unix_ns, draft.replied_unix_ns)
         put("draft_answer", draft.replied_unix_ns, gw.draft_received)
         put("gateway_tree", gw.draft_received, gw.verify_sent)
     if verify is not None:

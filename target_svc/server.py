@@ -333,7 +333,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         outputs = await self.model_thread.run(self.runner.verify, items, early)
         t2, forward_done = time.perf_counter_ns(), time.time_ns()
         plain = [FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features, o.next_token,
-                             o.features_ready) for o in outputs if o.features is not None and o.seq_id in self.feature_seqs]
+                             o.features_ready)
+                 for o in outputs if o.features is not None and o.seq_id in self.feature_seqs]
         nbytes = self._push(plain) + (early.nbytes if early is not None else 0)
         if nbytes:
             # One turn of the event loop lets the sender put the push on the wire before this answer: the push

@@ -132,6 +132,24 @@ def test_features_arriving_after_release_are_dropped_but_counted_as_received(sta
     assert _received_feature_bytes(s.metrics_ports["drafter"]) - before == len(payload)
 
 
+def test_an_early_push_without_a_shared_buffer_turns_its_sequence_autoregressive(stack):
+    """Rows with a header offset (an early push) make sense only in a shared buffer: inline ones are rejected,
+    the sequence is marked broken, and its next Draft says so instead of waiting for rows."""
+    s, _ = stack
+
+    async def call():
+        async with s.internal_channel("drafter") as channel:
+            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+            await stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=8, rows=[drafter_pb2.FeatureRows(
+                seq_id="early-inline", start=0, num_rows=1, dtype="float32", data=bytes(32), header_offset=0)]),
+                timeout=30)
+            return await stub.Draft(drafter_pb2.DraftRequest(items=[drafter_pb2.DraftItem(
+                seq_id="early-inline", bonus_token=1, context_len=1)], top_k=2), timeout=30)
+
+    reply = asyncio.run(call())
+    assert "must be in a shared buffer" in reply.results[0].error
+
+
 def test_a_shared_buffer_the_drafter_cannot_open_is_failed_precondition(stack):
     s, _ = stack
 
@@ -329,10 +347,11 @@ def test_cancelled_stream_frees_its_cache_and_others_finish_unchanged(stack):
     assert mi.pairs[0].drafter_cache.running_sequences == 0
 
 
-@pytest.mark.parametrize("step_sockets", [False, True], ids=["streams", "step-sockets"])
-def test_drafter_dying_mid_stream_falls_back_to_autoregressive_losslessly(checkpoints, step_sockets):
+@pytest.mark.parametrize("step_sockets, transport", [(False, "inline"), (True, "inline"), (True, "shm")],
+                         ids=["streams", "step-sockets", "step-sockets-shm-early-pushes"])
+def test_drafter_dying_mid_stream_falls_back_to_autoregressive_losslessly(checkpoints, step_sockets, transport):
     target, drafter = checkpoints("llama")
-    s = start_stack(target, drafter, step_sockets=step_sockets)
+    s = start_stack(target, drafter, step_sockets=step_sockets, transport=transport)
     try:
         prompt = prompts_for(target, [7], seed=13)[0]
 

@@ -15,8 +15,9 @@ def test_every_segment_of_a_speculative_step_is_the_gap_between_its_two_stamps()
     verify = common_pb2.Timings(received_unix_ns=108 * MS, forward_done_unix_ns=116 * MS, replied_unix_ns=117 * MS)
     segments = {k: round(v * 1000, 6) for k, v in step_segments(gw, draft, verify, previous).items()}
     assert segments == {"gateway_between_steps": 1, "feature_push": 1, "drafter_store_and_draft": 3,
-                        "verify_done_to_draft": 4, "draft_request": 1, "draft_handler": 2, "draft_answer": 1, "gateway_tree": 1,
-                        "verify_request": 1, "target_handler": 9, "verify_answer": 1}
+                        "verify_done_to_draft": 4, "draft_request": 1, "draft_handler": 2, "draft_reply": 1,
+                        "draft_answer": 1,
+                        "gateway_tree": 1, "verify_request": 1, "target_handler": 9, "verify_answer": 1}
     # The step's own segments tile it: from the Draft sent to the Verify answer received.
     own = ("draft_request", "draft_handler", "draft_answer", "gateway_tree", "verify_request", "target_handler",
            "verify_answer")
