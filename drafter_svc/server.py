@@ -76,9 +76,9 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         # Verify answer's trip to the gateway and the Draft request's trip here).
         self.last_top_k: dict[str, int] = {}
         # A sequence that has not asked yet (its first push: the prompt's rows and first token) is drafted with the
-        # widest top-k of the last RECENT_DRAFTS Drafts of any sequence: its first Draft then hits whether the
-        # gateway drafts with one budget or mixes them (a narrower ask is a slice of a wider draft; the top-k kernel
-        # costs the same at K = 1 and 64).
+        # top-k the gateway named for it in its Prefill (FeatureRows.draft_top_k, set as last_top_k on arrival);
+        # without one (an older gateway), with the widest top-k of the last RECENT_DRAFTS Drafts of any sequence,
+        # which misses when the window holds no ask as wide as this sequence's (long requests of other budgets).
         self.recent_top_ks: deque[int] = deque(maxlen=RECENT_DRAFTS)
         self.prefetched: dict[str, PrefetchedDraft] = {}
         self.ipc_events: dict[bytes, torch.cuda.Event] = {}   # early pushes' ready events, opened once per handle
@@ -194,6 +194,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 self._reject(rows.seq_id, exc)
                 continue
             entries.append((rows.seq_id, rows.start, data))
+            if rows.HasField("draft_top_k") and rows.draft_top_k > 0:   # the K its Drafts will ask for
+                self.last_top_k[rows.seq_id] = rows.draft_top_k
             if rows.HasField("next_token") and (rows.seq_id in self.last_top_k or self.recent_top_ks):
                 next_tokens[rows.seq_id] = (rows.start + rows.num_rows, rows.next_token)
         # All sequences' rows in one projection, the prefetched drafts and the wait for the buffer's reads in one

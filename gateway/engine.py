@@ -140,7 +140,8 @@ class PairEngine(BackgroundTask):
         request = target_pb2.PrefillRequest(items=[
             target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids[s.prefilled:s.prefilled + n],
                                    sampling=sampling_to_proto(s), push_features=s.speculative, start=s.prefilled,
-                                   more=s.prefilled + n < len(s.prompt_ids)) for s, n in chunks])
+                                   more=s.prefilled + n < len(s.prompt_ids), draft_top_k=self._draft_top_k(s))
+            for s, n in chunks])
         try:
             response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -175,8 +176,8 @@ class PairEngine(BackgroundTask):
             for s in drafting:
                 s.drafting = False
             return {}, None
-        top_k = max((budgets[s.seq_id] if s.mode == "ddtree" else 1) for s in drafting)
-        top_k = max(1, min(top_k, self.vocab_size, MAX_TOP_K))
+        top_k = max(max(1, min(budgets[s.seq_id] if s.mode == "ddtree" else 1, self.vocab_size, MAX_TOP_K))
+                    for s in drafting)
         depth = max(self._max_depth(s) for s in drafting)
         request = drafter_pb2.DraftRequest(
             items=[drafter_pb2.DraftItem(seq_id=s.seq_id, bonus_token=s.bonus, context_len=s.context_len)
@@ -224,6 +225,12 @@ class PairEngine(BackgroundTask):
         s.drafting = False
         if self.metrics is not None:
             self.metrics.observe_drafter_fallback()
+
+    def _draft_top_k(self, s: Sequence) -> int:
+        """The top-K this sequence's Drafts ask for at most (0: it does not draft)."""
+        if not s.speculative:
+            return 0
+        return max(1, min(s.budget if s.mode == "ddtree" else 1, self.vocab_size, MAX_TOP_K))
 
     def _max_depth(self, s: Sequence) -> int:
         """Draft depth this step: the block, the tokens still wanted, and the context limit all bound it."""

@@ -303,8 +303,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         outputs = await self.model_thread.run(self.runner.prefill, items)
         t2 = time.perf_counter_ns()
         self.feature_seqs.update(it.seq_id for it in items if it.want_features)
+        top_k = {it.seq_id: it.draft_top_k for it in request.items}
         nbytes = self._push([FeatureRows(o.seq_id, o.context_len - o.features.shape[0], o.features,
-                                         next_token=o.next_token if o.next_token >= 0 else None)
+                                         next_token=o.next_token if o.next_token >= 0 else None,
+                                         draft_top_k=top_k.get(o.seq_id) or None)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
         if self.metrics is not None:
             self.metrics.observe_forward("prefill", len(items), (t2 - t1) / 1e9,

@@ -436,9 +436,9 @@ def test_a_push_carrying_the_next_token_answers_the_next_draft_with_the_same_dra
             dim = len(info.target_layer_ids) * info.hidden_size
             first, second = torch.randn(3, dim).numpy().tobytes(), torch.randn(2, dim).numpy().tobytes()
 
-            def push(seq_id, start, n, data, **next_token):
+            def push(seq_id, start, n, data, **fields):
                 return stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=dim, rows=[drafter_pb2.FeatureRows(
-                    seq_id=seq_id, start=start, num_rows=n, dtype="float32", data=data, **next_token)]), timeout=30)
+                    seq_id=seq_id, start=start, num_rows=n, dtype="float32", data=data, **fields)]), timeout=30)
 
             def draft(seq_id, bonus, context_len, top_k=4):
                 return stub.Draft(drafter_pb2.DraftRequest(items=[drafter_pb2.DraftItem(
@@ -459,13 +459,19 @@ def test_a_push_carrying_the_next_token_answers_the_next_draft_with_the_same_dra
             hits = _prefetch_hits(s.metrics_ports["drafter"])
             await draft("prefetch-c", 9, 3)
             first_hit = _prefetch_hits(s.metrics_ports["drafter"]) - hits
-            await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=["prefetch-a", "prefetch-b", "prefetch-c"]),
-                               timeout=30)
-            return a.results[0], b.results[0], hit, first_hit
+            # The gateway's word wins over the recent asks: a prompt's push naming K = 6 is drafted that wide.
+            await push("prefetch-d", 0, 3, first, next_token=9, draft_top_k=6)
+            hits = _prefetch_hits(s.metrics_ports["drafter"])
+            await draft("prefetch-d", 9, 3, top_k=6)
+            hinted_hit = _prefetch_hits(s.metrics_ports["drafter"]) - hits
+            await stub.Release(drafter_pb2.DrafterReleaseRequest(
+                seq_ids=["prefetch-a", "prefetch-b", "prefetch-c", "prefetch-d"]), timeout=30)
+            return a.results[0], b.results[0], hit, first_hit, hinted_hit
 
-    a, b, hit, first_hit = asyncio.run(call())
+    a, b, hit, first_hit, hinted_hit = asyncio.run(call())
     assert hit == 1   # a was answered from its prefetched draft, b by a forward
     assert first_hit == 1   # drafted at top-k 4 (the widest recent ask), not 1 (the latest)
+    assert hinted_hit == 1  # drafted at the hinted 6, wider than any recent ask
     assert (a.depth, a.k) == (b.depth, b.k) == (3, 4)
     (a_logprobs, a_ids), (b_logprobs, b_ids) = draft_arrays(a), draft_arrays(b)
     assert a_ids.tolist() == b_ids.tolist()

@@ -24,6 +24,7 @@ class FeatureRows:
     # CUDA: an event recorded once data is written (a verify's rows are ready before its commit has run); None:
     # ready once the work queued so far is done
     ready: torch.cuda.Event | None = None
+    draft_top_k: int | None = None   # the top-K the sequence's Drafts ask for (a prompt's push: the gateway's hint)
 
     @property
     def num_rows(self) -> int:
@@ -36,6 +37,8 @@ class FeatureRows:
                                       **fields)
         if self.next_token is not None and row_end == self.num_rows:
             msg.next_token = self.next_token
+            if self.draft_top_k:
+                msg.draft_top_k = self.draft_top_k
         return msg
 
 
