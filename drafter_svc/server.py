@@ -219,10 +219,14 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 self.rows_held[seq_id] = start + data.shape[0]
                 self.features_arrived[seq_id] = (arrived, request.sent_unix_ns)
         self.prefetched.update((seq_id, d) for seq_id, d in drafts.items() if seq_id not in self.released)
-        if drafts and self.metrics is not None:
-            self.metrics.observe_draft(len(drafts), draft_s)
         await self._notify_rows_changed()
+        if drafts:
+            # A Draft may be waiting for these: one turn of the loop lets it answer (the step's critical path)
+            # before this push's answer and the metrics below.
+            await asyncio.sleep(0)
         if self.metrics is not None:
+            if drafts:
+                self.metrics.observe_draft(len(drafts), draft_s)
             self.metrics.observe_transport_received(transport, received)
         return drafter_pb2.PushFeaturesResponse(bytes=stored)
 

@@ -337,8 +337,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         plain = [FeatureRows(o.seq_id, o.context_len - len(o.accepted_nodes), o.features, o.next_token,
                              o.features_ready)
                  for o in outputs if o.features is not None and o.seq_id in self.feature_seqs]
-        nbytes = self._push(plain) + (early.nbytes if early is not None else 0)
-        if nbytes:
+        plain_bytes = self._push(plain)
+        nbytes = plain_bytes + (early.nbytes if early is not None else 0)
+        if plain_bytes:
             # One turn of the event loop lets the sender put the push on the wire before this answer: the push
             # (-> the drafter's next draft) is the step's critical path, the answer has time to spare. (The sender
             # polls its staging copy without yielding first, so that turn normally runs through to the write.)

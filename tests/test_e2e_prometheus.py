@@ -186,11 +186,12 @@ def test_promql_mean_acceptance_length_equals_client_stats(checkpoints) -> None:
             settle('sum(ddtree_rpc_server_calls_total{job="ddtree-gateway",method="Gateway/GenerateStream",code="OK"})',
                    1)
             settle('sum(ddtree_target_forward_seconds_count{op="verify"})', stats.steps)
-            # Every step's draft was answered once: from the draft made when its features arrived (hit), or by a
-            # forward on request (the first step's, since no top-k was known yet). The last push's draft may run
-            # for nothing when the request ends (one forward more), or be dropped after the release.
+            # Every step's draft was answered once, from the draft made when its features arrived (a hit): the
+            # first step's too, made on the prompt's push with the top-k the gateway named in its Prefill. The last
+            # push's draft may run for nothing when the request ends (one forward more), or be dropped after the
+            # release.
             settle("sum(ddtree_drafter_prefetched_drafts_total)", stats.steps)
-            assert prom.scalar('sum(ddtree_drafter_prefetched_drafts_total{outcome="hit"})') == stats.steps - 1
+            assert prom.scalar('sum(ddtree_drafter_prefetched_drafts_total{outcome="hit"})') == stats.steps
             forwards = prom.wait_for("sum(ddtree_drafter_forward_seconds_count)", lambda v: v >= stats.steps)
             assert stats.steps <= forwards <= stats.steps + 1
             # Context features: what the target sent is what the drafter received. The target counts a push when
