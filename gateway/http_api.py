@@ -39,6 +39,7 @@ HTTP_FOR_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 OPEN_PATHS = ("/health", "/metrics")  # no API key needed, as in vLLM: probes and scrapers
+MAX_SAMPLES = 16   # n per request: each sample is a sequence of its own (a cache slot, a share of each step)
 
 
 # ---- request schemas (fields OpenAI defines that we honour, plus the ddtree extensions) ---------------------------
@@ -179,8 +180,8 @@ class HttpFront:
         if body.model and body.model != self.model_id:
             raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_id}`.",
                            "not_found_error", code="model_not_found", param="model")
-        if body.n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
+        if not 1 <= body.n <= MAX_SAMPLES:
+            raise ApiError(400, f"n must be in [1, {MAX_SAMPLES}], got {body.n}", param="n")
         if body.logprobs:
             raise ApiError(400, "logprobs are not supported", param="logprobs")
         if body.presence_penalty or body.frequency_penalty:
@@ -228,75 +229,118 @@ class HttpFront:
                 "e2e_seconds": round(time.perf_counter() - seq.arrival, 4)}
 
     @staticmethod
-    def _usage(seq) -> dict:
-        return {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
-                "total_tokens": len(seq.prompt_ids) + len(seq.output_ids)}
+    def _usage(seqs: list) -> dict:
+        """Token counts of a request's samples: the prompt once, every sample's completion."""
+        prompt, completion = len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     async def _run(self, req, chat: bool, body: _Common) -> Any:
-        """Answers one generation request: a JSON body, or server-sent events when body.stream."""
-        gen = self.servicer.stream(req)
-        try:
-            first = await gen.__anext__()  # validation errors surface here, before any byte is sent
-        except BaseException:
-            await gen.aclose()
-            raise
+        """Answers one generation request (body.n samples of it): a JSON body, or server-sent events when
+        body.stream."""
+        gens = [self.servicer.stream(r) for r in _samples(req, body.n)]
+        # Every sample admitted at once; validation errors surface here, before any byte is sent.
+        firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            for g in gens:
+                await g.aclose()
+            raise failed
         created = int(time.time())
-        rid = ("chatcmpl-" if chat else "cmpl-") + first[0].request_id
+        rid = ("chatcmpl-" if chat else "cmpl-") + firsts[0][0].request_id
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(gen, first, rid, created, chat, include_usage),
+            return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, (seq, event) = [first[1].text], first
-        async with contextlib.aclosing(gen):
-            while not event.finished:
-                seq, event = await gen.__anext__()
-                text.append(event.text)
-        content = "".join(text)
-        choice = {"index": 0, "finish_reason": event.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-        else:
-            choice["text"] = content
+        tasks = [asyncio.ensure_future(_collect(g, f)) for g, f in zip(gens, firsts)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:   # one sample failed, or the client left: the others are cancelled (caches freed)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        choices, seqs = [], []
+        for i, (seq, finish_reason, content) in enumerate(results):
+            choice = {"index": i, "finish_reason": finish_reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": content}
+            else:
+                choice["text"] = content
+            if len(results) > 1:
+                choice["ddtree"] = self._ddtree_stats(seq)
+            choices.append(choice)
+            seqs.append(seq)
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                             "model": self.model_id, "choices": [choice], "usage": self._usage(seq),
-                             "ddtree": self._ddtree_stats(seq)})
+                             "model": self.model_id, "choices": choices, "usage": self._usage(seqs),
+                             "ddtree": self._ddtree_stats(seqs[0])})
 
-    async def _sse(self, gen, first, rid: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        """The event stream: one chunk per engine emission, the finish reason, optional usage, then [DONE]."""
+    async def _sse(self, gens, firsts, rid: str, created: int, chat: bool, include_usage: bool
+                   ) -> AsyncIterator[str]:
+        """The event stream: one chunk per engine emission of each sample (its index), each sample's finish
+        reason, optional usage, then [DONE]."""
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> str:
+        def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+                choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
             payload = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
+            return payload
+
+        def line(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        async with contextlib.aclosing(gen):
+        # One task per sample feeds a queue, so the samples' chunks go out as they come.
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, gen, first) -> None:
             try:
-                if chat:
-                    yield chunk(None, None, role=True)
                 seq, event = first
                 while True:
-                    if event.text:
-                        yield chunk(event.text, None)
+                    events.put_nowait((index, seq, event, None))
                     if event.finished:
-                        break
+                        return
                     seq, event = await gen.__anext__()
-                final = json.loads(chunk(None, event.finish_reason)[len("data: "):])
-                final["ddtree"] = self._ddtree_stats(seq)
-                yield f"data: {json.dumps(final)}\n\n"
+            except Exception as exc:  # noqa: BLE001 - handed to the stream, which reports it
+                events.put_nowait((index, None, None, exc))
+
+        pumps = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
+        try:
+            try:
+                if chat:
+                    for i in range(len(gens)):
+                        yield line(chunk(i, None, None, role=True))
+                finished: dict[int, Any] = {}
+                while len(finished) < len(gens):
+                    index, seq, event, exc = await events.get()
+                    if exc is not None:
+                        raise exc
+                    if event.text:
+                        yield line(chunk(index, event.text, None))
+                    if event.finished:
+                        finished[index] = seq
+                        final = chunk(index, None, event.finish_reason)
+                        final["ddtree"] = self._ddtree_stats(seq)
+                        yield line(final)
                 if include_usage:
-                    yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': self.model_id, 'choices': [], 'usage': self._usage(seq)})}\n\n"  # noqa: E501
+                    seqs = [finished[i] for i in range(len(gens))]
+                    yield line({"id": rid, "object": obj, "created": created, "model": self.model_id,
+                                "choices": [], "usage": self._usage(seqs)})
             except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream, as vLLM does
                 err = api_error_for(exc)
                 log.warning("stream %s failed: %s", rid, err.message)
-                yield f"data: {json.dumps(err.body())}\n\n"
+                yield line(err.body())
             yield "data: [DONE]\n\n"
+        finally:   # done, failed, or the client went away: unfinished samples are cancelled (their caches freed)
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            for g in gens:
+                await g.aclose()
 
     # ---- the app ------------------------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -412,3 +456,26 @@ class HttpFront:
             req.token_ids.ids.extend(prompt)
         await self._finish_prompt(req, body.max_tokens if body.max_tokens is not None else 16)
         return await self._run(req, chat=False, body=body)
+
+
+def _samples(req: gateway_pb2.GenerateRequest, n: int) -> list[gateway_pb2.GenerateRequest]:
+    """The request n times; with a seed, sample i draws from seed + i (each reproducible, none the same)."""
+    out = [req]
+    for i in range(1, n):
+        sample = gateway_pb2.GenerateRequest()
+        sample.CopyFrom(req)
+        if req.sampling.has_seed:
+            sample.sampling.seed = (req.sampling.seed + i) % (1 << 64)
+        out.append(sample)
+    return out
+
+
+async def _collect(gen, first) -> tuple[Any, str, str]:
+    """(the sequence, its finish reason, its whole text) of one sample's stream."""
+    seq, event = first
+    text = [event.text]
+    async with contextlib.aclosing(gen):
+        while not event.finished:
+            seq, event = await gen.__anext__()
+            text.append(event.text)
+    return seq, event.finish_reason, "".join(text)

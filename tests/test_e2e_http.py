@@ -114,9 +114,70 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_cut_the_text(oai, mode
     assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
 
 
+def test_n_seeded_samples_are_n_choices_each_the_single_request_of_its_seed(oai, model_id):
+    """n samples of one request: choice i is what the request alone gives with seed + i (so they differ and each
+    is reproducible); usage counts the prompt once and every sample's tokens."""
+    args = dict(model=model_id, messages=CHAT, max_tokens=16, temperature=1.0, seed=77)
+    both = oai.chat.completions.create(n=3, **args)
+    alone = [oai.chat.completions.create(**{**args, "seed": 77 + i}).choices[0].message.content for i in range(3)]
+    assert [c.index for c in both.choices] == [0, 1, 2]
+    assert [c.message.content for c in both.choices] == alone
+    assert len(set(alone)) > 1
+    single = oai.chat.completions.create(**args)
+    assert both.usage.prompt_tokens == single.usage.prompt_tokens
+    assert both.usage.completion_tokens == sum(
+        oai.chat.completions.create(**{**args, "seed": 77 + i}).usage.completion_tokens for i in range(3))
+
+
+def test_n_streamed_samples_interleave_by_index_and_each_ends_with_its_finish_reason(oai, model_id):
+    stream = oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=12, temperature=0, n=2,
+                                    stream=True, stream_options={"include_usage": True},
+                                    extra_body={"ignore_eos": True})
+    texts, reasons, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    greedy = oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    assert texts == {0: greedy, 1: greedy}   # greedy: both samples are the one answer
+    assert reasons == {0: "length", 1: "length"}
+    assert usage.completion_tokens == 24 and usage.prompt_tokens == 3
+
+
+def _running_requests(stack) -> float:
+    root = stack.http_url.removesuffix("/v1")
+    text = urllib.request.urlopen(f"{root}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running{"))
+
+
+def test_a_client_leaving_an_n_sample_stream_frees_every_sample(oai, stack, model_id):
+    """Closing a stream of n = 3 long samples mid-way cancels all three: the running batch empties within 2 s
+    (finishing them takes ~5 s on a 2-core box; cancelled, ~0.1 s), and the next request is answered as before."""
+    import time
+
+    stream = oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=480, temperature=0, n=3,
+                                    stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 4:
+            break
+    stream.close()
+    left = time.monotonic()
+    while _running_requests(stack) and time.monotonic() < left + 2:
+        time.sleep(0.05)
+    assert _running_requests(stack) == 0
+    again = oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    assert again.choices[0].finish_reason in ("length", "stop")
+
+
 @pytest.mark.parametrize("kwargs, error, fragment", [
     ({"max_tokens": 10**6}, openai.BadRequestError, "context limit"),
-    ({"n": 2}, openai.BadRequestError, "n=1"),
+    ({"n": 17}, openai.BadRequestError, "n must be in [1, 16]"),
+    ({"n": 0}, openai.BadRequestError, "n must be in [1, 16]"),
     ({"temperature": -1}, openai.BadRequestError, "temperature"),
     ({"model": "gpt-4o"}, openai.NotFoundError, "does not exist"),
 ])
