@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 RECENT_DRAFTS = 64        # Drafts whose widest top-k a sequence's first, unasked-for draft is made with
 RELEASED_MEMORY = 65536   # released ids remembered, so late feature pushes don't resurrect a sequence
+OPENED_EVENTS = 4         # targets' interprocess ready events kept open (the newest)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         # which misses when the window holds no ask as wide as this sequence's (long requests of other budgets).
         self.recent_top_ks: deque[int] = deque(maxlen=RECENT_DRAFTS)
         self.prefetched: dict[str, PrefetchedDraft] = {}
-        self.ipc_events: dict[bytes, torch.cuda.Event] = {}   # early pushes' ready events, opened once per handle
+        self.ipc_events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()   # early pushes' ready events by handle
         # seq id -> (wall clock of its latest push's arrival, the target's stamp as it sent it): step segments
         self.features_arrived: dict[str, tuple[int, int]] = {}
         self.nccl = None                        # NcclReceiver, made on the first JoinNccl (imports no cupy before)
@@ -299,6 +300,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 raise ValueError("an early push's ready event needs its rows in a CUDA buffer")
             event = torch.cuda.Event.from_ipc_handle(device, handle)
             self.ipc_events[handle] = event
+            while len(self.ipc_events) > OPENED_EVENTS:   # one per target sender: a restarted target brings a new one
+                self.ipc_events.popitem(last=False)
         return event
 
     def _reject(self, seq_id: str, exc: Exception) -> None:
