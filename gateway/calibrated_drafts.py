@@ -267,6 +267,17 @@ class CalibrationDraw:
     ranks: np.ndarray         # int [n]
     table: np.ndarray         # float32 [n, k]
 
+    def __post_init__(self) -> None:
+        # Where each column's id comes from when the drafter did not draft the true token (the usual case): the
+        # drafter's column c before the rank, c - 1 after it; the true token at the rank. Made now, while the
+        # Draft is in flight, so that placing it is one gather.
+        col = np.arange(self.k)[None, :]
+        rank = self.ranks[:, None]
+        self.rows = np.arange(len(self.ranks))[:, None]
+        self.source = np.minimum(col - (col > rank), self.k - 1)
+        self.at_rank = col == rank
+        self.true_column = self.true_tokens[:, None]
+
 
 def draw_calibration(future_tokens: list[int], depth: int, k: int, profile: CalibrationProfile | ReplayProfile,
                      rng: random.Random) -> CalibrationDraw | None:
@@ -289,10 +300,15 @@ def place_calibration(draw: CalibrationDraw, logprobs: torch.Tensor, ids: torch.
     # In numpy throughout, on host copies: this runs for every sequence of every step on the gateway's event loop,
     # where torch's per-op overhead on [15, 64] tensors cost ~0.5 ms a draft.
     out_lp, out_ids = logprobs.float().numpy(force=True).copy(), ids.numpy(force=True).copy()
-    ranks = draw.ranks[:, None]
+    out_lp[:n] = draw.table
     rows = out_ids[:n]
+    is_true = rows == draw.true_column
+    if not is_true.any():   # no true token drafted: the gather made ready in the draw (the same lists as below)
+        out_ids[:n] = np.where(draw.at_rank, draw.true_column, rows[draw.rows, draw.source])
+        return (torch.from_numpy(out_lp).to(logprobs.device, logprobs.dtype),
+                torch.from_numpy(out_ids).to(ids.device, ids.dtype))
+    ranks = draw.ranks[:, None]
     true = draw.true_tokens.astype(rows.dtype)[:, None]
-    is_true = rows == true
     row = np.arange(n)[:, None]
     # Each row's other ids in their order, then the true token where it was drafted (a stable sort moves it last).
     others = rows[row, np.argsort(is_true, axis=1, kind="stable")]
@@ -307,7 +323,6 @@ def place_calibration(draw: CalibrationDraw, logprobs: torch.Tensor, ids: torch.
             filler += 1
         new[d, k - 1] = filler
     out_ids[:n] = new
-    out_lp[:n] = draw.table
     return (torch.from_numpy(out_lp).to(logprobs.device, logprobs.dtype),
             torch.from_numpy(out_ids).to(ids.device, ids.dtype))
 

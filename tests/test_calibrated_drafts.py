@@ -5,11 +5,12 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from gateway.calibrated_drafts import (CalibrationProfile, DraftCalibrator, ReferenceStore, WatchedReferences,
-                                       chain_tau, rewrite, simulated_tree_tau)
+from gateway.calibrated_drafts import (CalibrationDraw, CalibrationProfile, DraftCalibrator, ReferenceStore,
+                                       WatchedReferences, chain_tau, place_calibration, rewrite, simulated_tree_tau)
 from tests.conftest import make_request, prompts_for, run_streams, start_stack
 
 
@@ -48,6 +49,20 @@ def test_rewrite_puts_the_true_token_at_the_sampled_rank_and_keeps_the_other_ids
             assert kept == drafted[:len(kept)] and len(kept) >= 7   # the drafter's order; at most one filler
             assert new_lp[d].tolist() == pytest.approx(profile.logprobs_for(d, 8))
         assert torch.equal(new_ids[5], ids[5]) and torch.equal(new_lp[5], lp[5])  # no future token: unchanged
+
+
+def test_a_draft_without_the_true_tokens_gets_each_inserted_at_its_rank_before_the_drafters_own_order():
+    """The usual case (a random drafter never drafts the reference's tokens): row d is the drafter's row with
+    true token d inserted at its drawn rank and the last id dropped; an absent rank leaves the row as drafted."""
+    lp, ids = drafter_lists(5, 8, seed=4)                 # ids < 50
+    true = [60, 61, 62, 63, 64]
+    draw = CalibrationDraw(5, 8, np.array(true), np.array([0, 3, 7, 8, 5]), np.zeros((5, 8), dtype=np.float32))
+    new_lp, new_ids = place_calibration(draw, lp, ids)
+    for d, rank in enumerate(draw.ranks):
+        row = ids[d].tolist()
+        want = row if rank >= 8 else row[:rank] + [true[d]] + row[rank:7]
+        assert new_ids[d].tolist() == want
+    assert torch.equal(new_lp, torch.zeros(5, 8))
 
 
 def test_rewrite_truncates_and_extends_the_profile_k():
