@@ -1,4 +1,5 @@
-"""The gateway's per-step tree build on the host: build_step_trees before (build_ddtree_reference) and now.
+"""The gateway's per-step tree build on the host: build_step_trees before (build_ddtree_reference), the Python
+heap (build_ddtree_host(native=False)) and now (its heap in C where a compiler is, ddtree_native.py).
 
 Each engine step the gateway turns the drafter's top-k into one DDTree per sequence, on the critical path. This
 times `gateway.step_trees.build_step_trees` against the code it replaced (the drafts stacked, then
@@ -27,7 +28,9 @@ import torch
 
 from bench import common
 from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding import ddtree_native
 from ddtree_serve.decoding.ddtree import DraftTree, build_ddtree_reference
+from ddtree_serve.decoding.ddtree_host import build_ddtree_host
 from ddtree_serve.plumbing.messages import draft_result
 from ddtree_serve.proto import drafter_pb2, target_pb2
 from gateway.engine import draft_tensors
@@ -85,6 +88,13 @@ def reference_step_trees(seqs: list[Sequence], drafts: Drafts, max_depths: dict[
             for s, lp, tk in zip(seqs, logprobs, ids)}
 
 
+def python_heap_step_trees(seqs: list[Sequence], drafts: Drafts, max_depths: dict[str, int]
+                           ) -> dict[str, DraftTree]:
+    """The DDTree part of build_step_trees with the Python heap (as before the C one)."""
+    return {s.seq_id: build_ddtree_host(*drafts[s.seq_id], s.budget, max_depths[s.seq_id], s.bonus, native=False)
+            for s in seqs}
+
+
 def assert_same_trees(a: dict[str, DraftTree], b: dict[str, DraftTree]) -> None:
     for sid, ta in a.items():
         tb = b[sid]
@@ -120,9 +130,12 @@ def measure(batch: int, budget: int, args: argparse.Namespace) -> dict:
                   for _ in range(args.draft_sets)]
     blobs = [draft_response(seqs, d) for d in draft_sets]
     max_depths = {s.seq_id: args.depth for s in seqs}
-    builders: dict[str, Builder] = {"reference": reference_step_trees, "host": build_step_trees}
+    builders: dict[str, Builder] = {"reference": reference_step_trees, "python heap": python_heap_step_trees,
+                                    "host": build_step_trees}
     for d in draft_sets:
-        assert_same_trees(reference_step_trees(seqs, d, max_depths), build_step_trees(seqs, d, max_depths))
+        want = reference_step_trees(seqs, d, max_depths)
+        assert_same_trees(want, build_step_trees(seqs, d, max_depths))
+        assert_same_trees(want, python_heap_step_trees(seqs, d, max_depths))
     n_sets, names = len(draft_sets), list(builders)
 
     step: dict[str, list[float]] = {f"{kind} {name}": [] for kind in ("build", "lists") for name in names}
@@ -153,6 +166,7 @@ def measure(batch: int, budget: int, args: argparse.Namespace) -> dict:
     for kind in ("in_a_step", "back_to_back"):
         r = out[kind]
         r["build_speedup"] = round(r["build reference"]["median_us"] / r["build host"]["median_us"], 2)
+        r["c_heap_speedup"] = round(r["build python heap"]["median_us"] / r["build host"]["median_us"], 2)
     return out
 
 
@@ -173,11 +187,13 @@ def main(argv=None) -> None:
         return f"{r[key]['median_us']} / {r[key]['p90_us']}"
 
     rows = [[r["batch"], r["budget"], r["mean_draft_nodes"], r["mean_tree_depth"],
-             cell(r["in_a_step"], "build reference"), cell(r["in_a_step"], "build host"), r["in_a_step"]["build_speedup"],
-             cell(r["back_to_back"], "build reference"), cell(r["back_to_back"], "build host"),
-             r["back_to_back"]["build_speedup"], cell(r["in_a_step"], "lists reference"), cell(r["in_a_step"], "lists host")]
+             cell(r["in_a_step"], "build reference"), cell(r["in_a_step"], "build python heap"),
+             cell(r["in_a_step"], "build host"), r["in_a_step"]["build_speedup"], r["in_a_step"]["c_heap_speedup"],
+             cell(r["back_to_back"], "build python heap"), cell(r["back_to_back"], "build host"),
+             r["back_to_back"]["c_heap_speedup"], cell(r["in_a_step"], "lists host")]
             for r in results]
-    lines = ["# The gateway's per-step DDTree build on the host: build_step_trees, reference heap vs build_ddtree_host",
+    lines = ["# The gateway's per-step DDTree build on the host: build_step_trees (C heap where built), its Python "
+             "heap, and the reference heap",
              "", f"- Command: `{data['command']}`", f"- Date: {data['date']}",
              f"- Hardware: {hw['cpu_model']} ({hw['usable_cpus']} usable CPUs); torch {hw['torch']} "
              f"({hw['torch_threads_per_service']} threads), Python {hw['python']}",
@@ -186,11 +202,14 @@ def main(argv=None) -> None:
              f"untimed then {args.steps} timed steps, each running the gateway's host work around one build of each "
              f"builder in turn (DraftResponse -> draft_tensors, build, VerifyRequest). Back to back: {args.steps} "
              f"timed builds per builder in blocks of {args.block}, builders alternating",
-             "- Cells: median / p90 µs per step (all sequences of the batch); speedup = reference / host medians; "
-             "lists = tokens.tolist() and parents.tolist() of every tree (the VerifyRequest's), in a step", "",
-             common.md_table(["batch", "budget", "nodes/tree", "depth", "in a step: reference", "host", "speedup",
-                              "back to back: reference", "host", "speedup", "lists (reference trees)",
-                              "lists (host trees)"], rows)]
+             "- C heap: " + ("built" if ddtree_native.library() is not None
+                             else "NOT built (no compiler): host = the Python heap"),
+             "- Cells: median / p90 µs per step (all sequences of the batch); speedups = reference / host and "
+             "Python heap / host medians; lists = tokens.tolist() and parents.tolist() of every tree (the "
+             "VerifyRequest's), in a step", "",
+             common.md_table(["batch", "budget", "nodes/tree", "depth", "in a step: reference", "python heap",
+                              "host", "x reference", "x python heap", "back to back: python heap", "host",
+                              "x python heap", "lists"], rows)]
     print("\n".join(lines))
     common.write_outputs(args.out_dir, f"tree-build-{common.hardware_tag(hw)}", data, "\n".join(lines))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 from transformers import AutoTokenizer
 
+from ddtree_serve.decoding import ddtree_native
 from ddtree_serve.decoding.config import default_budget
 from ddtree_serve.plumbing.messages import sampling_from_proto
 from ddtree_serve.plumbing.request_context import get_request_id, set_request_id
@@ -378,6 +379,8 @@ async def serve(cfg: GatewayConfig, host: str, port: int, metrics_port: int | No
     async def start() -> None:
         if http is not None:  # HTTP first, so /health answers 503 while the pairs connect
             await http.start()
+        # The C tree builder compiles (once per source, cached) now, off the loop, not in the first step.
+        await asyncio.to_thread(ddtree_native.library)
         await servicer.connect()
 
     async def on_stop() -> None:

@@ -19,6 +19,7 @@ from ddtree_serve.decoding.ddtree import (
     root_tree,
     tree_log_probs,
 )
+from ddtree_serve.decoding import ddtree_native
 from ddtree_serve.decoding.ddtree_host import build_chain_host, build_ddtree_host
 
 
@@ -234,6 +235,30 @@ def test_mismatched_shapes_raise_value_error():
 
 
 # ---- build_ddtree_host: the reference's tree, bit for bit ------------------------------------------------------
+@pytest.fixture(params=["c-heap", "python-heap"])
+def host_heap(request, monkeypatch):
+    """Every host-builder test runs with the C heap (where a compiler is) and with the Python heap."""
+    if request.param == "python-heap":
+        monkeypatch.setattr(ddtree_native, "available", lambda width, depth_limit: False)
+    elif not ddtree_native.available(64, 15):
+        pytest.skip("no C compiler: the C heap is not built here")
+    return request.param
+
+
+def test_the_c_heap_is_the_one_that_builds_where_a_compiler_is(host_heap, monkeypatch):
+    calls = []
+    real = ddtree_native.best_first
+    monkeypatch.setattr(ddtree_native, "best_first", lambda *a: calls.append(a) or real(*a))
+    gen = torch.Generator().manual_seed(3)
+    lp, ids = random_topk(gen, 1, 15, 64, vocab=5000, sharp=3.0)
+    build_ddtree_host(lp[0], ids[0], 64)
+    assert len(calls) == (1 if host_heap == "c-heap" else 0)
+
+
+def test_the_c_heap_leaves_rank_keys_wider_than_128_bits_to_python():
+    assert ddtree_native.available(64, 18) is (ddtree_native.library() is not None)   # 7 bits x 18 = 126
+    assert not ddtree_native.available(1024, 15)                                       # 11 bits x 15 = 165
+
 def assert_identical_tree(a: DraftTree, b: DraftTree) -> None:
     """Same values, dtypes and bits (log-probs compared as bytes: -0.0 is not +0.0, NaN is NaN)."""
     for name in ("tokens", "parents", "depths", "log_probs"):
@@ -250,6 +275,7 @@ def assert_host_equals_reference(lp: torch.Tensor, ids: torch.Tensor, budgets=(0
                                   build_ddtree_reference(lp, ids, budget, depth, root_token=7))
 
 
+@pytest.mark.usefixtures("host_heap")
 def test_host_equals_reference_on_drafter_like_drafts():
     gen = torch.Generator().manual_seed(20)
     for _ in range(40):
@@ -258,6 +284,7 @@ def test_host_equals_reference_on_drafter_like_drafts():
         assert_host_equals_reference(lp[0], ids[0])
 
 
+@pytest.mark.usefixtures("host_heap")
 def test_host_equals_reference_at_gateway_shapes():
     gen = torch.Generator().manual_seed(21)
     for budget in (16, 64, 300):
@@ -265,6 +292,7 @@ def test_host_equals_reference_at_gateway_shapes():
         assert_host_equals_reference(lp[0], ids[0], budgets=(budget,), depths=(None, 15, 4))
 
 
+@pytest.mark.usefixtures("host_heap")
 def test_host_equals_reference_on_unsorted_rows():
     # not a drafter's (rows not sorted): the heap order is no longer the score order, and must still match
     gen = torch.Generator().manual_seed(22)
@@ -274,6 +302,7 @@ def test_host_equals_reference_on_unsorted_rows():
         assert_host_equals_reference(lp, ids)
 
 
+@pytest.mark.usefixtures("host_heap")
 def test_host_breaks_ties_by_rank_tuple_like_the_reference():
     gen = torch.Generator().manual_seed(23)
     for _ in range(60):
@@ -287,6 +316,7 @@ def test_host_breaks_ties_by_rank_tuple_like_the_reference():
     assert_host_equals_reference(lp, ids)
 
 
+@pytest.mark.usefixtures("host_heap")
 def test_host_equals_reference_with_nan_inf_and_zero_log_probs():
     gen = torch.Generator().manual_seed(24)
     specials = torch.tensor([float("nan"), float("-inf"), float("inf"), 0.0, -0.0, -1e-30, -2.0**-18, -2000.0])
@@ -300,12 +330,14 @@ def test_host_equals_reference_with_nan_inf_and_zero_log_probs():
     assert_host_equals_reference(torch.full((4, 3), float("nan")), torch.arange(12).reshape(4, 3))
 
 
+@pytest.mark.usefixtures("host_heap")
 def test_host_equals_reference_on_deep_floor_sums():
     # log-probs near the -1024 floor: 15 of them sum past what float64 holds exactly (the fixed-point path)
     lp = torch.full((15, 3), -1000.0) - torch.arange(3.0)
     assert_host_equals_reference(lp, torch.arange(45).reshape(15, 3), budgets=(64, 500))
 
 
+@pytest.mark.usefixtures("host_heap")
 def test_host_equals_reference_for_other_dtypes():
     gen = torch.Generator().manual_seed(25)
     lp, ids = random_topk(gen, 1, 5, 6)
@@ -313,6 +345,7 @@ def test_host_equals_reference_for_other_dtypes():
         assert_host_equals_reference(lp[0].to(dtype), ids[0].to(torch.int32), depths=(None, 2))
 
 
+@pytest.mark.usefixtures("host_heap")
 def test_host_edge_cases():
     gen = torch.Generator().manual_seed(26)
     lp, ids = random_topk(gen, 1, 4, 1)  # K = 1: a chain

@@ -17,7 +17,9 @@ in the same order for any input (unsorted rows, ties, NaN, -inf):
   that range sends the build to Python ints, quantized with numpy exactly as `_quantize` does;
 - the outputs are made from one numpy array per field rather than torch.tensor on Python lists.
 
-`build_chain_host` does the same for a DFlash chain (`build_chain`'s row, in numpy).
+`build_chain_host` does the same for a DFlash chain (`build_chain`'s row, in numpy). Where a C compiler is, the
+float32 heap runs in C (ddtree_native.py: the same keys, so the same pops), and only the fixed-point fallback stays
+in Python.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ddtree_serve.decoding import ddtree_native
 from ddtree_serve.decoding.ddtree import _LOGP_FLOOR, _SCALE_BITS, DraftTree, _check_topk, num_prefixes
 
 __all__ = ["build_chain_host", "build_ddtree_host"]
@@ -46,10 +49,12 @@ _Nodes = tuple[list, list[int], list[int]]  # per node, the root first: -score, 
 
 
 def build_ddtree_host(
-    logprobs: Tensor, ids: Tensor, budget: int, max_depth: int | None = None, root_token: int = 0
+    logprobs: Tensor, ids: Tensor, budget: int, max_depth: int | None = None, root_token: int = 0,
+    native: bool = True,
 ) -> DraftTree:
-    """build_ddtree_reference's tree, bit for bit, several times faster on host tensors (see the module doc)."""
-    nodes, fixed_point = _pop_order(logprobs, ids, budget, max_depth)
+    """build_ddtree_reference's tree, bit for bit, several times faster on host tensors (see the module doc);
+    native=False: the Python heap even where the C one is built (for comparison)."""
+    nodes, fixed_point = _pop_order(logprobs, ids, budget, max_depth, native)
     tree = _tree(nodes, fixed_point, ids, root_token)
     return tree if logprobs.is_cpu else tree.to(logprobs.device)
 
@@ -72,7 +77,8 @@ def build_chain_host(logprobs: Tensor, ids: Tensor, max_depth: int | None = None
                      torch.from_numpy(log_probs))
 
 
-def _pop_order(logprobs: Tensor, ids: Tensor, budget: int, max_depth: int | None) -> tuple[_Nodes, bool]:
+def _pop_order(logprobs: Tensor, ids: Tensor, budget: int, max_depth: int | None,
+               native: bool = True) -> tuple[_Nodes, bool]:
     """The nodes in the reference heap's pop order, the root first, and whether their scores are fixed-point ints."""
     _check_topk(logprobs, ids, 2)
     n_pos, k = logprobs.shape
@@ -83,15 +89,18 @@ def _pop_order(logprobs: Tensor, ids: Tensor, budget: int, max_depth: int | None
     if logprobs.dtype in (torch.float16, torch.bfloat16):
         logprobs = logprobs.float()  # exact
     lp = logprobs.numpy(force=True)
-    levels = _levels(k, width, depth_limit)
     n_max = num_prefixes(width, depth_limit, budget)  # nodes the budget gets, root aside
     if lp.dtype == np.float32:
         floor = -min(_LOGP_FLOOR, _FLOAT64_EXACT_SUM / depth_limit)
-        nodes = _best_first(memoryview(lp.ravel()), floor, _FLOAT32_EXACT_MAX, levels, n_max)
+        if native and ddtree_native.available(width, depth_limit):   # the same heap in C
+            nodes = ddtree_native.best_first(lp.ravel(), k, width, depth_limit, n_max, floor, _FLOAT32_EXACT_MAX)
+        else:
+            nodes = _best_first(memoryview(lp.ravel()), floor, _FLOAT32_EXACT_MAX, _levels(k, width, depth_limit),
+                                n_max)
         if nodes is not None:
             return nodes, False
     q = memoryview(_quantize_np(lp[:depth_limit]).ravel())
-    return _best_first(q, -math.inf, math.inf, levels, n_max), True
+    return _best_first(q, -math.inf, math.inf, _levels(k, width, depth_limit), n_max), True
 
 
 def _best_first(values: memoryview, lo: float, hi: float, levels: list[_Level | None], n_nodes: int) -> _Nodes | None:
@@ -143,7 +152,7 @@ def _tree(nodes: _Nodes, fixed_point: bool, ids: Tensor, root_token: int) -> Dra
     neg_scores, parents, cells = nodes
     n = len(cells)
     if n > 1:
-        cell = np.fromiter(cells, np.int64, n)
+        cell = np.asarray(cells, dtype=np.int64)
         tokens = ids.numpy(force=True).ravel().take(cell).astype(np.int64, copy=False)
         depths = cell // ids.shape[1]
         depths += 1  # the root's cell is -1: depth 0
@@ -151,12 +160,14 @@ def _tree(nodes: _Nodes, fixed_point: bool, ids: Tensor, root_token: int) -> Dra
         tokens, depths = np.empty(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
     tokens[0] = root_token  # the root's cell took the last id
     # 0 - x rather than -x: a zero score is +0.0, as the reference's int -> float conversion makes it
-    if fixed_point:  # the reference's _dequantize: int64 -> float64, / 2**40 (exact), -> float32
-        scores = map(operator.truediv, map(operator.neg, neg_scores), repeat(_SCALE))
+    if isinstance(neg_scores, np.ndarray):   # the C heap's float64 array: the same IEEE sums and rounding
+        scores = (0.0 - neg_scores).astype(np.float32)
+    elif fixed_point:  # the reference's _dequantize: int64 -> float64, / 2**40 (exact), -> float32
+        scores = np.fromiter(map(operator.truediv, map(operator.neg, neg_scores), repeat(_SCALE)), np.float32, n)
     else:
-        scores = map(operator.sub, repeat(0.0), neg_scores)
-    return DraftTree(torch.from_numpy(tokens), torch.from_numpy(np.fromiter(parents, np.int64, n)),
-                     torch.from_numpy(depths), torch.from_numpy(np.fromiter(scores, np.float32, n)))
+        scores = np.fromiter(map(operator.sub, repeat(0.0), neg_scores), np.float32, n)
+    return DraftTree(torch.from_numpy(tokens), torch.from_numpy(np.asarray(parents, dtype=np.int64)),
+                     torch.from_numpy(depths), torch.from_numpy(scores))
 
 
 def _quantize_np(logprobs: np.ndarray) -> np.ndarray:
