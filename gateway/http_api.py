@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+"""The OpenAI-compatible HTTP front: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize,
+/health, /metrics.
 
 It runs in the gateway's own event loop (uvicorn as a task) and turns each HTTP request into the same
 GenerateRequest the gRPC API takes, so both share validation, the scheduler and the engines.
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ddtree_serve.proto import common_pb2, gateway_pb2
 from ddtree_serve.plumbing.rpc import status_for
+from gateway.limits import MAX_CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,26 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered with the model's chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class ApiError(Exception):
@@ -176,10 +198,13 @@ class HttpFront:
         if not self.servicer.ready.is_set():
             raise ApiError(503, "model is still loading", "service_unavailable", code="unavailable")
 
-    def _check_common(self, body: _Common) -> None:
-        if body.model and body.model != self.model_id:
-            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_id}`.",
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.model_id:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_id}`.",
                            "not_found_error", code="model_not_found", param="model")
+
+    def _check_common(self, body: _Common) -> None:
+        self._check_model(body.model)
         if not 1 <= body.n <= MAX_SAMPLES:
             raise ApiError(400, f"n must be in [1, {MAX_SAMPLES}], got {body.n}", param="n")
         if body.logprobs:
@@ -410,6 +435,16 @@ class HttpFront:
             """Plain completion of a text prompt or of token ids."""
             return await self._guard(self._completion(body))
 
+        @app.post("/tokenize", dependencies=guarded)
+        async def tokenize(body: TokenizeRequest):
+            """The prompt's token ids, as the completions endpoints would see them (vLLM's shape)."""
+            return await self._guard(self._tokenize(body))
+
+        @app.post("/detokenize", dependencies=guarded)
+        async def detokenize(body: DetokenizeRequest):
+            """Token ids back to text (vLLM's shape)."""
+            return await self._guard(self._detokenize(body))
+
         return app
 
     async def _guard(self, coro):
@@ -436,6 +471,35 @@ class HttpFront:
             req.chat.messages.add(role=m.role, content=_content_text(m.content))
         await self._finish_prompt(req, max_tokens)
         return await self._run(req, chat=True, body=body)
+
+    async def _tokenize(self, body: TokenizeRequest):
+        self._check_ready()
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        servicer = self.servicer
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": _content_text(m.content)} for m in body.messages]
+            ids = await servicer._tokenize(servicer._render_chat, messages)
+        else:
+            limit = servicer.max_seq_len * MAX_CHARS_PER_TOKEN
+            if len(body.prompt) > limit:
+                raise ApiError(400, f"prompt of {len(body.prompt)} characters is over the {limit}-character limit",
+                               param="prompt")
+            ids = await servicer._tokenize(servicer._encode, body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": servicer.max_seq_len, "tokens": ids}
+
+    async def _detokenize(self, body: DetokenizeRequest):
+        self._check_ready()
+        self._check_model(body.model)
+        vocab = self.servicer.pairs[0].target_info.vocab_size
+        if len(body.tokens) > self.servicer.max_seq_len:
+            raise ApiError(400, f"{len(body.tokens)} tokens; at most max_model_len ({self.servicer.max_seq_len})",
+                           param="tokens")
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must lie in [0, {vocab})", param="tokens")
+        text = await self.servicer._tokenize(self.servicer.tokenizer.decode, body.tokens)
+        return {"prompt": text}
 
     async def _completion(self, body: CompletionRequest):
         """Plain completion of a text prompt or of token ids."""

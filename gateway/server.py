@@ -207,8 +207,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:8]}")
         return ids
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text).input_ids
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):

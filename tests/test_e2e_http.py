@@ -148,6 +148,46 @@ def test_n_streamed_samples_interleave_by_index_and_each_ends_with_its_finish_re
     assert usage.completion_tokens == 24 and usage.prompt_tokens == 3
 
 
+def _post(stack, path: str, body: dict, key: str = API_KEY) -> tuple[int, dict]:
+    """POST a JSON body to the gateway's HTTP root (outside /v1, as vLLM serves /tokenize); (status, JSON)."""
+    request = urllib.request.Request(stack.http_url.removesuffix("/v1") + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_tokenize_counts_what_the_completions_endpoints_see_and_detokenize_inverts_it(oai, stack, model_id):
+    text = "the quick brown fox"
+    status, tok = _post(stack, "/tokenize", {"model": model_id, "prompt": text})
+    assert status == 200 and tok["count"] == len(tok["tokens"]) and tok["max_model_len"] > 0
+    reply = oai.completions.create(model=model_id, prompt=text, max_tokens=1)
+    assert tok["count"] == reply.usage.prompt_tokens
+    status, chat = _post(stack, "/tokenize", {"model": model_id, "messages": CHAT})
+    assert status == 200 and chat["count"] == oai.chat.completions.create(
+        model=model_id, messages=CHAT, max_tokens=1).usage.prompt_tokens
+    bare = _post(stack, "/tokenize", {"prompt": text, "add_special_tokens": False})[1]["tokens"]
+    assert _post(stack, "/detokenize", {"model": model_id, "tokens": bare}) == (200, {"prompt": text})
+
+
+@pytest.mark.parametrize("path, body, status, fragment", [
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "either prompt or messages"),
+    ("/tokenize", {}, 400, "either prompt or messages"),
+    ("/detokenize", {"tokens": [10 ** 9]}, 400, "token ids must lie in"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404, "does not exist"),
+])
+def test_bad_tokenize_requests_get_openai_shaped_errors(stack, path, body, status, fragment):
+    got, reply = _post(stack, path, body)
+    assert got == status and fragment in reply["error"]["message"]
+
+
+def test_tokenize_needs_the_api_key(stack):
+    assert _post(stack, "/tokenize", {"prompt": "a"}, key="wrong")[0] == 401
+
+
 def _running_requests(stack) -> float:
     root = stack.http_url.removesuffix("/v1")
     text = urllib.request.urlopen(f"{root}/metrics", timeout=10).read().decode()
