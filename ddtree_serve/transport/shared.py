@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,9 @@ class _EarlyPush:
     batch: drafter_pb2.FeatureBatch
     region: int
     nbytes: int
+    # The copies' sources, held until the drafter has answered (so after the copies ran: it read what they wrote):
+    # the caller drops them at once, and their memory must not be reused under a copy still queued.
+    sources: list = field(default_factory=list)
 
 
 @dataclass
@@ -153,7 +156,8 @@ class SharedBufferFeatureSender(PushSender):
                 for i, (r, o) in enumerate(zip(rows, offsets))]
         batch = drafter_pb2.FeatureBatch(rows=msgs, feature_dim=int(first.shape[1]), shared=staging.descriptor,
                                          ready_event=self._ready_handle)
-        return _EarlyPush(batch, region, sum(r.data.numel() for r in rows) * first.element_size())
+        return _EarlyPush(batch, region, sum(r.data.numel() for r in rows) * first.element_size(),
+                          [(r.data, r.header) for r in rows])
 
     def _copy_early(self, staging: StagingBuffer, rows: list[EarlyRows], offsets: list[int], headers_at: int,
                     dtype: str) -> None:
@@ -172,9 +176,6 @@ class SharedBufferFeatureSender(PushSender):
             for event in {id(r.ready): r.ready for r in rows if r.ready is not None}.values():
                 self._copy_stream.wait_event(event)
             copy()
-            for r in rows:   # the caller drops them now: their memory is not reused before these copies ran
-                r.data.record_stream(self._copy_stream)
-                r.header.record_stream(self._copy_stream)
             if self._ready_event is None:
                 self._ready_event = torch.cuda.Event(interprocess=True)
                 self._ready_event.record(self._copy_stream)
