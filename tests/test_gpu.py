@@ -98,8 +98,9 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
         assert drafter_runner.graphs.cache.graphs
         # every bucket's forward wrote the one shared logits buffer; no bucket still holds its traces
         assert {g.outputs[0].data_ptr() for g in graphs.forwards.graphs.values()} == {graphs._logits_out.buffer.data_ptr()}
-        # every walk read the shared features (no static copy of its own) and wrote the one shared rows buffer
-        assert all(len(g.static_inputs) == 2 for g in graphs.walks.graphs.values())
+        # every walk read the shared features (no static copy of its own: its inputs are the packed trees, the
+        # choices and the forward's ancestor mask) and wrote the one shared rows buffer
+        assert all(len(g.static_inputs) == 3 for g in graphs.walks.graphs.values())
         rows = {g.outputs[1].data_ptr() for g in graphs.walks.graphs.values() if g.outputs[1] is not None}
         assert rows == {graphs._rows_out.buffer.data_ptr()}
         assert not graphs._traces
