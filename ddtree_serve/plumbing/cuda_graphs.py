@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -101,6 +102,7 @@ class CapturedFunction:
     graph: torch.cuda.CUDAGraph
     static_inputs: tuple[Tensor, ...]
     outputs: object  # whatever fn returned: tensors (or tuples of them) living in the graph's pool
+    empty: bool = False  # the capture recorded no kernel (work on another stream would run once, never replay)
 
     @classmethod
     def capture(cls, fn: Callable[..., object], example_inputs: Sequence[Tensor], pool, warmup: int = 2,
@@ -118,9 +120,15 @@ class CapturedFunction:
                 fn(*static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = fn(*static)
-        return cls(graph, static, outputs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = fn(*static)
+        empty = any("CUDA Graph is empty" in str(w.message) for w in caught)
+        for w in caught:
+            if "CUDA Graph is empty" not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return cls(graph, static, outputs, empty)
 
     def __call__(self, *inputs: Tensor) -> object:
         """Copies inputs into the static buffers (same shapes) and replays; returns the static outputs."""
@@ -139,6 +147,7 @@ class GraphCache:
         self.warmup_stream: torch.cuda.Stream | None = None   # every capture's warm-up runs, likewise
         self.graphs: dict[Hashable, CapturedFunction] = {}
         self.capture_seconds = 0.0
+        self.empty_keys: list[Hashable] = []   # captures that recorded nothing (logged; the GPU tests want none)
 
     def get(self, key: Hashable, fn: Callable[..., object], example_inputs: Callable[[], Sequence[Tensor]]) -> CapturedFunction:
         """The graph for key, capturing fn over example_inputs() the first time."""
@@ -153,5 +162,8 @@ class GraphCache:
             elapsed = time.perf_counter() - t0
             self.capture_seconds += elapsed
             self.graphs[key] = captured
+            if captured.empty:
+                self.empty_keys.append(key)
+                log.warning("%s: the graph for %s captured no kernel", self.name, key)
             log.info("%s: captured graph %s in %.2f s (%d graphs)", self.name, key, elapsed, len(self.graphs))
         return captured
