@@ -254,6 +254,9 @@ class VerifyGraphs:
     def commit(self, batch: VerifyBatch, packed_dev: Tensor, path: Tensor, n_acc: Tensor) -> None:
         """Replays (capturing on first use) the commit of batch's bucket along the walked paths."""
         s = batch.shape
+        if s.nodes == 1 and not self.model.linear_index:
+            self._traces.pop(s, None)
+            return   # a dense one-node block commits nothing: its row sits where it was written (no empty graph)
         fn = self.commits.get(
             s,
             lambda p, w, n: commit_path(self.model, p, s.nodes, w, n, self._traces[s]),
