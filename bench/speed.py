@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kernel-warmup-passes", type=int, default=None,
                    help="the target's kernel warm-up passes before it loads (default: the target's own; 0 skips them: "
                         "they bound device memory outside the allocator, which a speed run does not need)")
+    p.add_argument("--step-spin-us", type=int, default=None,
+                   help="the gateway's --step-spin-us (default: the gateway's auto; 0: the step answers are awaited "
+                        "in the event loop only)")
     p.add_argument("--no-early-push", action="store_true",
                    help="the target pushes a verify's features after its results reach the host (the comparison for "
                         "the default early pushes over cuda-ipc/shm; target --no-early-push)")
@@ -248,7 +251,9 @@ def main(argv=None) -> None:
     stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=budgets[0],
                                max_batch=max(8, batch), max_seq_len=args.max_seq_len,
                                drafter_device=args.drafter_device,
-                               gateway_args=calib.gateway_args if calib else None, transport=args.transport,
+                               gateway_args=(calib.gateway_args if calib else [])
+                               + ([] if args.step_spin_us is None else ["--step-spin-us", str(args.step_spin_us)]),
+                               transport=args.transport,
                                step_sockets=args.step_transport == "socket", log_dir=args.log_dir,
                                target_args=([] if args.kernel_warmup_passes is None
                                             else ["--kernel-warmup-passes", str(args.kernel_warmup_passes)])

@@ -126,11 +126,12 @@ def _rpc_calls(metrics_port: int, side: str) -> dict[str, float]:
     return calls
 
 
-@pytest.mark.parametrize("steps_over", ["streams", "unary", "sockets"])
+@pytest.mark.parametrize("steps_over", ["streams", "unary", "sockets", "sockets-polling"])
 def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed_under_the_unary_methods(
         checkpoints, steps_over):
     """Draft, Verify and the feature pushes travel as stream messages by default (--unary-steps: unary calls;
-    --step-transport socket: frames on the services' step sockets); every way the output is transformers' and
+    --step-transport socket: frames on the services' step sockets, the gateway polling for the answers with
+    --step-spin-us); every way the output is transformers' and
     the metrics count each step call under Verify / Draft / PushFeatures. The unary run's services are on asyncio's
     own event loop, the others on the default (uvloop where installed)."""
     target, drafter = checkpoints("qwen3")
@@ -138,8 +139,9 @@ def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed
     prompts = prompts_for(target, [n for n, *_ in batch], seed=13)
     loop = "asyncio" if steps_over == "unary" else "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     on_loop = ["--event-loop", loop]
-    stack = start_stack(target, drafter, metrics=True, step_sockets=steps_over == "sockets",
-                        extra={"gateway": ["--unary-steps", *on_loop] if steps_over == "unary" else on_loop,
+    polling = ["--step-spin-us", "2000"] if steps_over == "sockets-polling" else []
+    stack = start_stack(target, drafter, metrics=True, step_sockets=steps_over.startswith("sockets"),
+                        extra={"gateway": ["--unary-steps", *on_loop] if steps_over == "unary" else on_loop + polling,
                                "target": on_loop, "drafter": on_loop})
     try:
         results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, batch)])
@@ -150,9 +152,12 @@ def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed
         target_log, gateway_log = ((Path(stack.log_dir) / f"{n}.log").read_text() for n in ("target", "gateway"))
     finally:
         stack.stop()
-    assert len(sockets) == (2 if steps_over == "sockets" else 0)
+    assert len(sockets) == (2 if steps_over.startswith("sockets") else 0)
     assert f"{loop} event loop" in target_log and f"{loop} event loop" in gateway_log
-    assert ("pushes on the step socket" in target_log) == (steps_over == "sockets")
+    assert ("pushes on the step socket" in target_log) == steps_over.startswith("sockets")
+    # auto on a CPU target: no polling
+    assert ("polling 2000 us" in gateway_log, "polling 0 us" in gateway_log) == (
+        (True, False) if steps_over == "sockets-polling" else (False, steps_over == "sockets"))
     assert "serves no step socket" not in gateway_log   # Draft and Verify went over them too
     for prompt, (_, max_tokens, mode, _), result in zip(prompts, batch, results):
         assert result["token_ids"] == reference_greedy(target, prompt, max_tokens), f"mode={mode}"

@@ -208,3 +208,89 @@ def test_closing_the_server_ends_an_open_client_connection_and_a_silent_one_is_d
     dropped, after = run(go())
     assert dropped == b""
     assert after.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class ThreadServer:
+    """A step socket served from its own thread and event loop: a polling client holds its own loop, so the
+    answer must come from elsewhere (as from the target's process)."""
+
+    def __init__(self, path, handler: Handler) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def main():
+            self.server = await serve(path, handler)
+            self.stop = asyncio.Event()
+            started.set()
+            await self.stop.wait()
+            await self.server.close()
+
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),), daemon=True)
+        self.thread.start()
+        assert started.wait(5)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(5)
+
+
+def test_a_polling_client_gets_each_answer_whether_it_comes_within_the_poll_or_after_it(tmp_path):
+    handler = Handler()
+    server = ThreadServer(tmp_path / "s", handler)
+
+    async def go():
+        client = SocketCalls(str(tmp_path / "s"), VERIFY, target_pb2.VerifyResponse, None, "gw1", spin_s=0.5)
+        fast = [await client(request(f"f{i}"), timeout=5) for i in range(3)]
+        handler.delay_s, client.spin_s = 0.2, 0.02   # answers now come after the poll gave up: the loop reads them
+        slow = [await client(request(f"s{i}"), timeout=5) for i in range(2)]
+        handler.delay_s, client.spin_s = 0.0, 0.5
+        again = await client(request("g"), timeout=5)
+        client.close()
+        return fast, slow, again
+
+    try:
+        fast, slow, again = run(go())
+    finally:
+        server.close()
+    assert [r.results[0].seq_id for r in fast + slow + [again]] == ["gw1/f0", "gw1/f1", "gw1/f2", "gw1/s0", "gw1/s1",
+                                                                    "gw1/g"]
+
+
+def test_an_answer_split_across_the_end_of_the_poll_is_put_together(tmp_path):
+    """The poll may take the first bytes of an answer and give up before the rest: the loop reads on from there."""
+    import socket
+    import threading
+    import time
+
+    answer = target_pb2.VerifyResponse(results=[target_pb2.VerifyResult(seq_id="x" * 3000, next_token=7)])
+    data = frame(0, answer.SerializeToString())
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "s"))
+    listener.listen(1)
+
+    def peer():
+        conn, _ = listener.accept()
+        conn.recv(1 << 16)                  # the hello
+        conn.sendall(frame(0, b""))
+        conn.recv(1 << 16)                  # the request
+        conn.sendall(data[:1000])           # within the poll
+        time.sleep(0.2)
+        conn.sendall(data[1000:])           # after it
+        conn.recv(1 << 16)                  # until the client closes
+        conn.close()
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+
+    async def go():
+        client = SocketCalls(str(tmp_path / "s"), VERIFY, target_pb2.VerifyResponse, None, "gw1", spin_s=0.05)
+        got = await client(request("a"), timeout=5)
+        client.close()
+        return got
+
+    got = run(go())
+    thread.join(5)
+    listener.close()
+    assert got == answer
