@@ -19,6 +19,7 @@ from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServic
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
 from ddtree_serve.plumbing.step_socket import StepMethod
 from ddtree_serve.plumbing.step_stream import answer_each
+from ddtree_serve.plumbing.waiters import Waiters
 from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc
 from ddtree_serve.transport import OpenedBuffers, decode_rows, payload_bytes, rows_view
 from ddtree_serve.transport.nccl_protocol import (NcclLinkLost, NcclSetupError, device_uuid, missing_nccl_package,
@@ -68,7 +69,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         super().__init__("drafter-model", metrics, cfg.lease_s)
         self.cfg = cfg
         self.rows_held: dict[str, int] = {}
-        self.rows_changed = asyncio.Condition()
+        self.context_waiters = Waiters()   # Drafts waiting for their sequences' features (and drafts made on push)
         self.released: OrderedDict[str, None] = OrderedDict()
         self.broken: dict[str, str] = {}   # seq id -> why its context can no longer be trusted
         self.opened_buffers = OpenedBuffers()   # the target's staging buffers (shm / cuda-ipc transports)
@@ -310,23 +311,21 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.broken[seq_id] = f"context features rejected: {exc}"
 
     async def _notify_rows_changed(self) -> None:
-        async with self.rows_changed:
-            self.rows_changed.notify_all()
+        self.context_waiters.wake()
 
     async def _wait_for_context(self, items: list[DraftItem]) -> None:
         def have_all() -> bool:
             return all(self.rows_held.get(it.seq_id, 0) >= it.context_len or it.seq_id in self.broken
                        for it in items)
 
-        async with self.rows_changed:
-            try:
-                await asyncio.wait_for(self.rows_changed.wait_for(have_all), self.cfg.feature_wait_s)
-            except asyncio.TimeoutError:
-                missing = [f"{it.seq_id} ({self.rows_held.get(it.seq_id, 0)}/{it.context_len} rows)"
-                           for it in items if self.rows_held.get(it.seq_id, 0) < it.context_len]
-                raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                   f"context features did not arrive within {self.cfg.feature_wait_s:.0f} s: "
-                                   + ", ".join(missing)) from None
+        try:
+            await self.context_waiters.wait_for(have_all, self.cfg.feature_wait_s)
+        except asyncio.TimeoutError:
+            missing = [f"{it.seq_id} ({self.rows_held.get(it.seq_id, 0)}/{it.context_len} rows)"
+                       for it in items if self.rows_held.get(it.seq_id, 0) < it.context_len]
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"context features did not arrive within {self.cfg.feature_wait_s:.0f} s: "
+                               + ", ".join(missing)) from None
 
     @grpc_errors
     async def Draft(self, request, context):
