@@ -69,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the target's kernel warm-up passes before it loads (default: the target's own; 0 skips them: "
                         "they bound device memory outside the allocator, which a speed run does not need)")
     p.add_argument("--step-spin-us", type=int, default=None,
-                   help="the gateway's --step-spin-us (default: the gateway's auto; 0: the step answers are awaited "
-                        "in the event loop only)")
+                   help="the gateway's --step-spin-us (default: the gateway's, 0: the step answers are awaited in "
+                        "the event loop only)")
     p.add_argument("--no-early-push", action="store_true",
                    help="the target pushes a verify's features after its results reach the host (the comparison for "
                         "the default early pushes over cuda-ipc/shm; target --no-early-push)")

@@ -21,8 +21,6 @@ class AttachRefused(RuntimeError):
     a misconfiguration, so the gateway stops with this message rather than serving without speculation."""
 
 
-AUTO_SPIN_US = 2000   # a Draft answer at budget 64 on the H200 comes ~1.5 ms after the Draft is sent
-
 # Codes that mean "this configuration cannot work"; others (UNAVAILABLE, DEADLINE_EXCEEDED) may pass with time.
 REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
 
@@ -50,11 +48,9 @@ class BackendPair:
     drafter_ok: bool = False   # the drafter answers in time: speculation is worth trying
     step_streams: bool = True  # Draft and Verify as messages on long-lived streams (False: unary calls)
     step_sockets: bool = False  # the per-step calls on the services' step sockets (plumbing/step_socket.py)
-    # Poll a step socket for the answer up to this long before sleeping in the event loop (SocketCalls.spin_s).
-    # None: auto, AUTO_SPIN_US when this is the gateway's only pair and its target runs on a GPU (a CPU model
-    # needs the cores; pairs share the gateway's event loop, which a poll holds); 0: off.
-    step_spin_us: int | None = None
-    pairs_in_gateway: int = 1
+    # Poll a step socket for the answer up to this long before sleeping in the event loop (SocketCalls.spin_s);
+    # 0: off. Pairs share the gateway's event loop, which a poll holds, and a CPU model needs the cores.
+    step_spin_us: int = 0
     _verify_calls: StreamedCalls | SocketCalls | None = field(default=None, repr=False)   # made by attach()
     _draft_calls: StreamedCalls | SocketCalls | None = field(default=None, repr=False)
     _step_way: tuple = field(default=(), repr=False)   # how the calls above go (see _make_step_calls)
@@ -119,7 +115,7 @@ class BackendPair:
         record = message_recorder(self.client_interceptors)
         if sockets:
             sec = auth.current()
-            spin_s = self.spin_us() / 1e6
+            spin_s = self.step_spin_us / 1e6
             self._verify_calls = SocketCalls(self.target_info.step_socket, "TargetService/Verify",
                                              target_pb2.VerifyResponse, sec.secret, sec.session, record, spin_s)
             self._draft_calls = SocketCalls(self.drafter_info.step_socket, "DrafterService/Draft",
@@ -129,13 +125,6 @@ class BackendPair:
         elif self.step_streams:
             self._verify_calls = StreamedCalls(self.target.VerifyStream, "TargetService/Verify", record)
             self._draft_calls = StreamedCalls(self.drafter.DraftStream, "DrafterService/Draft", record)
-
-    def spin_us(self) -> int:
-        """How long the step-socket calls poll for their answers (step_spin_us, auto resolved)."""
-        if self.step_spin_us is not None:
-            return self.step_spin_us
-        on_gpu = self.target_info is not None and self.target_info.device.startswith("cuda")
-        return AUTO_SPIN_US if on_gpu and self.pairs_in_gateway == 1 else 0
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout: float) -> target_pb2.VerifyResponse:
         """A step's Verify: a message on the target's VerifyStream (a unary call with step_streams off)."""

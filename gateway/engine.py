@@ -183,15 +183,13 @@ class PairEngine(BackgroundTask):
             items=[drafter_pb2.DraftItem(seq_id=s.seq_id, bonus_token=s.bonus, context_len=s.context_len)
                    for s in drafting], top_k=top_k, max_depth=depth)
         cal = self.cfg.calibrator
+        # Bench-only: the draws are made before the Draft leaves, off the step's path (the Draft then waits at the
+        # drafter for its draft, made on push), so that only the placing is on it; a step call that polls for its
+        # answer holds the loop, so draws made while it is in flight would land after the answer.
+        draws = {} if cal is None else {s.seq_id: cal.draw(s.prompt_ids, s.output_ids, depth, top_k) for s in drafting}
         try:
             stamps.draft_sent = time.time_ns()
-            if cal is None:
-                response = await self.pair.draft(request, self.cfg.draft_timeout_s)
-            else:   # bench-only: the draws are made while the Draft is on its way, so only the placing is on the path
-                call = asyncio.ensure_future(self.pair.draft(request, self.cfg.draft_timeout_s))
-                await asyncio.sleep(0)   # the call's first turn writes the request
-                draws = {s.seq_id: cal.draw(s.prompt_ids, s.output_ids, depth, top_k) for s in drafting}
-                response = await call
+            response = await self.pair.draft(request, self.cfg.draft_timeout_s)
             stamps.draft_received = time.time_ns()
         except grpc.aio.AioRpcError as exc:
             log.error("draft failed (%s: %s); %d sequences continue autoregressively", exc.code().name,

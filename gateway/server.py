@@ -50,7 +50,7 @@ class GatewayConfig:
     watch_interval_s: float = 1.0     # pair health checks (also renew this gateway's sequence leases)
     step_streams: bool = True         # Draft and Verify as messages on long-lived streams (False: unary calls)
     step_sockets: bool = False        # the step calls on the services' step sockets (--step-transport socket)
-    step_spin_us: int | None = None   # poll each step-socket answer this long first (None: auto, BackendPair.spin_us)
+    step_spin_us: int = 0             # poll each step-socket answer this long first (0: off; BackendPair)
     backend_wait_s: float = 900.0     # start-up: how long each target and drafter may take to serve
 
 
@@ -84,7 +84,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Connects every pair, loads the tokenizer, starts one engine per pair."""
         self.pairs = [BackendPair(addr, index=i, client_interceptors=self.client_interceptors,
                                   step_streams=self.cfg.step_streams, step_sockets=self.cfg.step_sockets,
-                                  step_spin_us=self.cfg.step_spin_us, pairs_in_gateway=len(self.cfg.pairs))
+                                  step_spin_us=self.cfg.step_spin_us)
                       for i, addr in enumerate(self.cfg.pairs)]
         await asyncio.gather(*(p.connect(self.cfg.backend_wait_s, transport=self.cfg.transport) for p in self.pairs))
         first = self.pairs[0]

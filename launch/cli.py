@@ -437,10 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-transport", default="grpc", choices=["grpc", "socket"],
                    help="how each step's Draft, Verify and feature push travel: messages on gRPC streams, or frames on "
                         "the services' --step-socket Unix sockets (same host; about half a gRPC message's cost)")
-    p.add_argument("--step-spin-us", type=_int_in(0, 1_000_000), default=None,
-                   help="with --step-transport socket: poll the socket this many microseconds for each step answer "
-                        "before sleeping in the event loop (a woken process costs ~70 us and cold caches on a VM; "
-                        "bench/socket_wakeup.py). Default: 2000 when the gateway drives one pair on a GPU, else 0")
+    p.add_argument("--step-spin-us", type=_int_in(0, 1_000_000), default=0,
+                   help="with --step-transport socket: poll the socket up to this many microseconds for each step "
+                        "answer before sleeping in the event loop (a woken process costs ~50-80 us on a VM; "
+                        "bench/socket_wakeup.py). It holds the gateway's event loop: for one pair on a GPU host. "
+                        "Default 0 (off): not yet shown to speed up a step (docs/ENGINE.md)")
     p.add_argument("--unary-steps", action="store_true",
                    help="send each step's Draft and Verify as unary calls instead of messages on one long-lived "
                         "stream per service (about twice the per-call cost; for comparison)")

@@ -155,7 +155,7 @@ def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed
     assert len(sockets) == (2 if steps_over.startswith("sockets") else 0)
     assert f"{loop} event loop" in target_log and f"{loop} event loop" in gateway_log
     assert ("pushes on the step socket" in target_log) == steps_over.startswith("sockets")
-    # auto on a CPU target: no polling
+    # off unless asked for
     assert ("polling 2000 us" in gateway_log, "polling 0 us" in gateway_log) == (
         (True, False) if steps_over == "sockets-polling" else (False, steps_over == "sockets"))
     assert "serves no step socket" not in gateway_log   # Draft and Verify went over them too
