@@ -273,7 +273,8 @@ class SocketCalls(StepCalls):
         end = _HEADER.size + length
         if len(self._buffer) < end:
             return None
-        payload = bytes(self._buffer[_HEADER.size:end])
+        with memoryview(self._buffer) as view:   # one copy (a bytearray slice would copy twice)
+            payload = bytes(view[_HEADER.size:end])
         del self._buffer[:end]
         return kind, payload
 
