@@ -10,7 +10,7 @@
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel)
 #   attnsweep  the tree-attention kernel's tilings and key splits for decode and verify blocks at the 8B and 27B heads
 #              (bench.tree_attention_kernel --sweep)
-#   8b         step costs at the Qwen3-8B shape (builds /tmp/w8)
+#   8b         step costs at the Qwen3-8B shape (builds /tmp/w8; STEP8_ARGS e.g. --nodes 1,16,65,129, STEP8_S)
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
 #   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_ARGS
 #              e.g. --no-hf-batch, SPEED8_S: its time limit)
@@ -69,15 +69,15 @@ for s in $SECTIONS; do
       timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward or hybrid_glue or tree_layout}" > "$R/gpu-tests-fla.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-fla.log" | head -30 ;;
     attnsweep)
-      timeout ${ATTN_SWEEP_S:-360} python3 -m bench.tree_attention_kernel --sweep --out-dir "$R" \
+      timeout ${ATTN_SWEEP_S:-360} python3 -m bench.tree_attention_kernel --sweep ${ATTN_ARGS:-} --out-dir "$R" \
         > "$R/tree-attention-kernel.log" 2>&1
       grep "^|" "$R/tree-attention-kernel.log" | head -80 ;;
     treekernel)   # the fused tree WY core against the PyTorch one at 27B heads, every tiling of the sweep
       timeout ${TREE_BENCH_S:-300} python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
       grep "^|" "$R/gdn-tree-kernel.log" | head -60 ;;
     8b)
-      timeout 240 python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --profile --work-dir /tmp/w8 \
-        --out-dir "$R" > "$R/step-cost-8b.log" 2>&1
+      timeout ${STEP8_S:-240} python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --profile --work-dir /tmp/w8 \
+        ${STEP8_ARGS:-} --out-dir "$R" > "$R/step-cost-8b.log" 2>&1
       grep "^|" "$R/step-cost-8b.log" | head -14 ;;
     w8)   # the Qwen3-8B target and its drafter only (what speed8b needs), without the step costs
       timeout 120 python3 -m bench.flagship_fit --shape qwen3-8b --work-dir /tmp/w8 --build-only > "$R/w8-build.log" 2>&1

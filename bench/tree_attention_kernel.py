@@ -4,7 +4,7 @@ A verify step's attention layers run target_svc/tree_attention.py's split kernel
 the 8B shape (bench/results/step-cost-qwen3-8b-cuda-nvidia-h200.md, 20:42) the split kernel cost ~5 us a layer for
 a 1-token decode and ~22 us for a 65-node tree, whose work is a few 64 x 64 x 128 dots per program: this measures
 which tiling and split a block of each size wants. Cases (bf16): Qwen3-8B's heads (32 query / 8 KV, head dim
-128) and the Qwen3.6-27B's gated attention (24 / 4, 256); blocks of 1, 17 and 65 nodes (random trees of depth
+128) and the Qwen3.6-27B's gated attention (24 / 4, 256); blocks of 1, 17, 65 and 129 nodes (random trees of depth
 <= 16) after a 512-token context, in the key bucket a captured graph uses (1024); batch 1 and 8. Each config:
 --calls calls captured in one CUDA graph, median of --replays replays per call (bench/gdn_kernels.time_per_call),
 and its agreement with SDPA over the gathered, masked rows (max |diff| / max |ref|).
@@ -33,7 +33,7 @@ SHAPES = {"8b": (32, 8, 128), "27b": (24, 4, 256)}   # query heads, KV heads, he
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = sweep_parser("bench.tree_attention_kernel", __doc__, "tree-attention-kernel")
     p.add_argument("--shapes", default="8b,27b", help=f"of {', '.join(SHAPES)}")
-    p.add_argument("--nodes", default="1,17,65", help="block sizes")
+    p.add_argument("--nodes", default="1,17,65,129", help="block sizes")
     p.add_argument("--batches", default="1,8")
     return p.parse_args(argv)
 

@@ -944,7 +944,7 @@ def _random_trees(bsz: int, nodes: int, gen: torch.Generator) -> tuple[torch.Ten
 
 @needs_triton
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (24, 4, 256), (4, 4, 64)])
-@pytest.mark.parametrize("nodes", [1, 5, 17, 65, 128])
+@pytest.mark.parametrize("nodes", [1, 5, 17, 65, 129, 257])
 def test_cuda_triton_tree_attention_equals_sdpa_over_the_gathered_masked_rows(heads, kv_heads, head_dim, nodes):
     """The kernel reads each sequence's slot in place, with contexts of different lengths (one empty), padded trees,
     key_len past every sequence (stale rows there must not be read), split over the keys or not, and in a graph;
