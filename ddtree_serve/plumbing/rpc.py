@@ -204,6 +204,7 @@ async def run_service(label: str, service_name: str, servicer, add_to_server: Ca
     `public` picks the credential check (API key vs internal secret) and reflection's default (on only there);
     `unix_socket` adds a Unix domain socket listener for co-located callers (the TCP port stays)."""
     from ddtree_serve.plumbing import auth
+    from ddtree_serve.plumbing.gc_heap import freeze_startup_heap
     from ddtree_serve.plumbing.request_context import RequestIdServerInterceptor
 
     # The credential check runs first: an unauthenticated call is refused before metrics or servicer code.
@@ -226,6 +227,7 @@ async def run_service(label: str, service_name: str, servicer, add_to_server: Ca
     except BaseException:
         await host_.server.stop(0)   # a start-up that fails stops its server here, not in a destructor at exit
         raise
+    freeze_startup_heap(label)   # before SERVING: no step ever pays for a full walk of the loaded heap
     await host_.mark_serving()
     if ready_file:
         Path(ready_file).write_text(str(bound))
