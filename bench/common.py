@@ -217,17 +217,19 @@ def now_utc() -> str:
 def start_stack(model: str, drafter: str, device: str, dtype: str, threads: int | None, budget: int = 64,
                 max_batch: int = 8, max_seq_len: int = 2048, log_dir: str = "", drafter_device: str | None = None,
                 gateway_args: list[str] | None = None, transport: str = "inline", target_args: list[str] | None = None,
-                step_sockets: bool = False):
+                step_sockets: bool = False, pin_cpus: bool = False):
     """The three services as processes, with Prometheus endpoints; returns a started LocalStack.
     drafter_device puts the drafter elsewhere (e.g. cuda:1; the last --device on its command line wins);
     gateway_args and target_args are extra flags of those services (e.g. the bench-only calibration flags, the
-    target's --quantize); step_sockets: the step calls on bare Unix sockets instead of gRPC streams."""
+    target's --quantize); step_sockets: the step calls on bare Unix sockets instead of gRPC streams; pin_cpus: each
+    service on CPUs of its own (LocalStack.pin_cpus)."""
     from launch.local_stack import LocalStack
 
     model_args = ["--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len)]
     drafter_args = model_args + (["--device", drafter_device] if drafter_device else [])
     stack = LocalStack(model=model, drafter=drafter, mode="ddtree", budget=budget, device=device, dtype=dtype,
                        metrics=True, transport=transport, threads=threads, log_dir=log_dir, step_sockets=step_sockets,
+                       pin_cpus=pin_cpus,
                        extra={"target": [*model_args, *(target_args or [])], "drafter": drafter_args,
                               "gateway": list(gateway_args or [])})
     t0 = time.perf_counter()

@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-spin-us", type=int, default=None,
                    help="the gateway's --step-spin-us (default: the gateway's, 0: the step answers are awaited in "
                         "the event loop only)")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="each service on CPUs of its own (`up --pin-cpus`)")
     p.add_argument("--no-early-push", action="store_true",
                    help="the target pushes a verify's features after its results reach the host (the comparison for "
                         "the default early pushes over cuda-ipc/shm; target --no-early-push)")
@@ -255,6 +257,7 @@ def main(argv=None) -> None:
                                + ([] if args.step_spin_us is None else ["--step-spin-us", str(args.step_spin_us)]),
                                transport=args.transport,
                                step_sockets=args.step_transport == "socket", log_dir=args.log_dir,
+                               pin_cpus=args.pin_cpus,
                                target_args=([] if args.kernel_warmup_passes is None
                                             else ["--kernel-warmup-passes", str(args.kernel_warmup_passes)])
                                + (["--no-early-push"] if args.no_early_push else []))

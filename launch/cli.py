@@ -34,6 +34,29 @@ def _set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _pin_cpus(args) -> None:
+    """--cpus: every thread of this service onto those CPUs (a one-line error for CPUs it may not use)."""
+    if not args.cpus:
+        return
+    from ddtree_serve.plumbing.cpu_affinity import format_cpu_list, pin_process
+
+    try:
+        pin_process(args.cpus)
+    except ValueError as exc:
+        args.parser.exit(2, f"{args.parser.prog}: error: --cpus: {exc}\n")
+    log.info("pinned to CPUs %s", format_cpu_list(args.cpus))
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    """argparse type: a CPU list (0-3,6)."""
+    from ddtree_serve.plumbing.cpu_affinity import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="interface to bind, metrics included (default loopback; 0.0.0.0 in containers)")
@@ -47,6 +70,9 @@ def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--log-level", default=os.environ.get("DDTREE_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper, help="log level ($DDTREE_LOG_LEVEL)")
     p.add_argument("--threads", type=_int_in(1), default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
+                   help="run this service's threads on these CPUs only, e.g. 2-4 (default: wherever the scheduler "
+                        "puts them); a thread woken on the CPU it last ran on finds its caches warm")
     p.add_argument("--event-loop", choices=event_loop.EVENT_LOOPS, default=event_loop.default_event_loop(),
                    help="the service's event loop: auto (uvloop when installed, else asyncio), uvloop, asyncio "
                         "($DDTREE_EVENT_LOOP)")
@@ -118,6 +144,7 @@ def cmd_target(args) -> None:
     from target_svc.server import serve
 
     _setup_logging("target", args.log_level)
+    _pin_cpus(args)
     _security(args)
     _set_threads(args.threads)
     cfg = target_config(args)
@@ -132,6 +159,7 @@ def cmd_drafter(args) -> None:
     from drafter_svc.server import DrafterServerConfig, serve
 
     _setup_logging("drafter", args.log_level)
+    _pin_cpus(args)
     _security(args)
     _set_threads(args.threads)
     cfg = DrafterServerConfig(drafter_dir=args.drafter, target_model_dir=args.target_model, device=args.device,
@@ -167,6 +195,7 @@ def cmd_gateway(args) -> None:
     from gateway.server import GatewayConfig, serve
 
     _setup_logging("gateway", args.log_level)
+    _pin_cpus(args)
     _security(args, public=True)
     engine = EngineConfig(max_prefill_tokens=args.max_prefill_tokens, draft_timeout_s=args.draft_timeout_s,
                           max_verify_nodes=args.max_verify_nodes)
@@ -228,10 +257,14 @@ def cmd_up(args) -> None:
     small_cpu = args.device == "cpu" and (os.cpu_count() or 1) <= 2
     ports = {k: v for k, v in (("gateway", args.port), ("target", args.target_port), ("drafter", args.drafter_port),
                                ("http", args.http_port)) if v}
-    stack = LocalStack(model=model, drafter=drafter, mode=args.mode, budget=args.budget or 0, transport=args.transport,
-                       device=args.device, drafter_device=args.drafter_device or "", dtype=args.dtype, metrics=args.metrics, threads=1 if small_cpu else None,
-                       log_dir=args.log_dir or "", ports=ports, http=not args.no_http, api_key=args.api_key,
-                       step_sockets=args.step_transport == "socket")
+    try:
+        stack = LocalStack(model=model, drafter=drafter, mode=args.mode, budget=args.budget or 0,
+                           transport=args.transport, device=args.device, drafter_device=args.drafter_device or "",
+                           dtype=args.dtype, metrics=args.metrics, threads=1 if small_cpu else None,
+                           log_dir=args.log_dir or "", ports=ports, http=not args.no_http, api_key=args.api_key,
+                           step_sockets=args.step_transport == "socket", pin_cpus=args.pin_cpus)
+    except ValueError as exc:   # --pin-cpus on too few CPUs
+        args.parser.error(str(exc))
     print(f"target  {stack.address('target')}\ndrafter {stack.address('drafter')}\ngateway {stack.gateway}")
     if stack.http:
         print(f"http    {stack.http_url}  (OpenAI-compatible)")
@@ -486,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "sockets beside the services' Unix sockets (see `gateway --step-transport`)")
     p.add_argument("--device", default="cpu", help="torch device of the target and drafter (cpu, cuda, cuda:1)")
     p.add_argument("--drafter-device", default=None, help="the drafter's device when not --device (e.g. cuda:1)")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="each service on CPUs of its own (gateway 2, target 3, drafter 3, from the last CPUs; each "
+                        "service's --cpus): steps wake threads where their caches are warm")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--metrics", action="store_true", help="expose Prometheus endpoints on free ports")
     p.add_argument("--log-dir", help="service logs (default: a temporary folder, removed on a clean exit)")

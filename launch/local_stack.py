@@ -22,6 +22,9 @@ if TYPE_CHECKING:  # grpc is imported where a channel is made, so importing this
 # sun_path holds 108 bytes on Linux (104 on macOS); a longer socket path cannot be bound.
 MAX_SOCKET_PATH = 100
 LINKED = ("target", "drafter")   # the services the others call: they get a Unix socket each
+# CPUs per service with pin_cpus: the gateway's event loop and HTTP front; each model service's event loop, model
+# thread and gRPC threads (ddtree_serve/plumbing/cpu_affinity.py says why pinning pays).
+PIN_SHARES = {"gateway": 2, "target": 3, "drafter": 3}
 
 
 def free_port() -> int:
@@ -69,6 +72,7 @@ class LocalStack:
     socket_dir: str = ""                # where the sockets live (default: a fresh private temporary directory)
     step_sockets: bool = False          # the per-step calls on step sockets there too (--step-transport socket)
     api_key: str | None = None          # handed to the gateway in its environment, not its argv (ps shows argv)
+    pin_cpus: bool = False              # each service on CPUs of its own (--cpus; PIN_SHARES of the last CPUs)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     # Internal shared secret of the three (the caller's $DDTREE_INTERNAL_SECRET, else a fresh random one).
     secret: str = field(default_factory=lambda: os.environ.get("DDTREE_INTERNAL_SECRET") or secrets.token_hex(16))
@@ -83,6 +87,7 @@ class LocalStack:
             self.ports[name] = next(chosen)
         self.metrics_ports = {name: next(chosen) for name in names} if self.metrics else {}
         self.own_log_dir = not self.log_dir
+        self.cpus = self._pinned_cpus() if self.pin_cpus else {}
         self.own_socket_dir = self.unix_sockets and not self.socket_dir
         if self.own_socket_dir:
             self.socket_dir = tempfile.mkdtemp(prefix="ddtree-sock-")   # mode 0700: only this user may connect
@@ -124,10 +129,30 @@ class LocalStack:
             return unix_address(self.socket_path(name))
         return self.address(name)
 
+    @staticmethod
+    def _pinned_cpus() -> dict[str, tuple[int, ...]]:
+        """Disjoint CPU sets for the three services from the last CPUs this process may use; ValueError if too few."""
+        from ddtree_serve.plumbing.cpu_affinity import split_cpus
+
+        available = tuple(sorted(os.sched_getaffinity(0)))
+        need = sum(PIN_SHARES.values())
+        got = split_cpus(available[-need:], PIN_SHARES)
+        if got is None:
+            raise ValueError(f"pinning the services takes {need} CPUs ({PIN_SHARES}); this process may use "
+                             f"{len(available)}")
+        return got
+
     def commands(self) -> dict[str, list[str]]:
         """The three command lines."""
         py = [sys.executable, "-m", "launch.cli"]
         threads = ["--threads", str(self.threads)] if self.threads else []
+
+        def cpus(name):
+            if name not in self.cpus:
+                return []
+            from ddtree_serve.plumbing.cpu_affinity import format_cpu_list
+
+            return ["--cpus", format_cpu_list(self.cpus[name])]
 
         def m(name):
             return ["--metrics-port", str(self.metrics_ports[name])] if name in self.metrics_ports else []
@@ -144,17 +169,17 @@ class LocalStack:
         return {
             "target": [*py, "target", "--model", self.model, "--host", "127.0.0.1", "--port", str(self.ports["target"]),
                        *sock("target"), *(a for d in allowed for a in ("--allow-drafter", d)),
-                       "--device", self.device, "--dtype", self.dtype, *threads, *m("target"),
+                       "--device", self.device, "--dtype", self.dtype, *threads, *cpus("target"), *m("target"),
                        *self.extra.get("target", [])],
             "drafter": [*py, "drafter", "--drafter", self.drafter, "--target-model", self.model, "--host", "127.0.0.1",
                         "--port", str(self.ports["drafter"]), *sock("drafter"),
                         "--device", self.drafter_device or self.device,
                         "--dtype", self.dtype,
-                        *threads, *m("drafter"), *self.extra.get("drafter", [])],
+                        *threads, *cpus("drafter"), *m("drafter"), *self.extra.get("drafter", [])],
             "gateway": [*py, "gateway", "--target", self.link_address("target"),
                         "--drafter", self.link_address("drafter"),
                         "--host", "127.0.0.1", "--port", str(self.ports["gateway"]), "--mode", self.mode,
-                        "--budget", str(self.budget), "--transport", self.transport, *m("gateway"),
+                        "--budget", str(self.budget), "--transport", self.transport, *cpus("gateway"), *m("gateway"),
                         *(["--step-transport", "socket"] if self.step_sockets and self.unix_sockets else []),
                         *(["--http-port", str(self.ports["http"])] if self.http else []),
                         *self.extra.get("gateway", [])],
