@@ -126,6 +126,11 @@ class BackendPair:
             self._verify_calls = StreamedCalls(self.target.VerifyStream, "TargetService/Verify", record)
             self._draft_calls = StreamedCalls(self.drafter.DraftStream, "DrafterService/Draft", record)
 
+    @property
+    def polls_steps(self) -> bool:
+        """True when a step call polls for its answer, holding the event loop until it is in (step_spin_us)."""
+        return isinstance(self._draft_calls, SocketCalls) and self._draft_calls.spin_s > 0
+
     async def verify(self, request: target_pb2.VerifyRequest, timeout: float) -> target_pb2.VerifyResponse:
         """A step's Verify: a message on the target's VerifyStream (a unary call with step_streams off)."""
         if self._verify_calls is not None:
