@@ -3,7 +3,7 @@
 Run by bench/rpc_hop.py as a script (`python -P bench/rpc_hop_client.py SPEC_JSON`) with PYTHONPATH naming the
 source tree whose client code (channels, interceptors, the gateway's unpacking of a Draft reply) is measured, so a baseline
 checkout is timed with its own client as well as its own services. It therefore imports only what every tree has
-(grpc, ddtree_serve's proto, auth, metrics and rpc modules), and gateway.engine.draft_tensors where there is one.
+(grpc, ddtree_serve's proto, auth, metrics and rpc modules), and the gateway's unpacking of a Draft reply where there is one.
 Prints one JSON object: {call: {"rtt_s": [...], "server_s": [...]}}.
 """
 from __future__ import annotations
@@ -24,14 +24,17 @@ from ddtree_serve.proto import (common_pb2, drafter_pb2, drafter_pb2_grpc, gatew
                                 target_pb2_grpc)
 
 try:   # the gateway's unpacking of a Draft reply, as the measured tree does it
-    from gateway.engine import draft_tensors
-except ImportError:   # a tree from before draft_tensors: its engine's own expression
-    import torch
+    from ddtree_serve.plumbing.messages import draft_arrays as unpack_draft
+except ImportError:
+    try:   # a tree from before the gateway kept drafts as numpy arrays
+        from gateway.engine import draft_tensors as unpack_draft
+    except ImportError:   # a tree from before draft_tensors: its engine's own expression
+        import torch
 
-    def draft_tensors(r):
-        shape = (r.depth, r.k)
-        return (torch.tensor(r.logprobs, dtype=torch.float32).reshape(shape),
-                torch.tensor(r.token_ids, dtype=torch.long).reshape(shape))
+        def unpack_draft(r):
+            shape = (r.depth, r.k)
+            return (torch.tensor(r.logprobs, dtype=torch.float32).reshape(shape),
+                    torch.tensor(r.token_ids, dtype=torch.long).reshape(shape))
 
 try:   # the step calls as messages on long-lived streams, where the measured tree has them
     from ddtree_serve.plumbing.step_stream import StreamedCalls
@@ -193,7 +196,7 @@ async def _drafter(out: Timings, spec: Spec) -> None:
                 reply = await send(drafter_pb2.DraftRequest(items=[drafter_pb2.DraftItem(
                     seq_id=draft_id, bonus_token=PROMPT[0], context_len=CONTEXT_ROWS)], top_k=STEP_DRAFT[1],
                     max_depth=STEP_DRAFT[0]))
-                draft_tensors(reply.results[0])
+                unpack_draft(reply.results[0])
                 return reply.timings.total_ns / 1e9
             return step_draft
 

@@ -290,23 +290,25 @@ def draw_calibration(future_tokens: list[int], depth: int, k: int, profile: Cali
     return CalibrationDraw(depth, k, np.asarray(future_tokens[:n], dtype=np.int64), ranks, table)
 
 
-def place_calibration(draw: CalibrationDraw, logprobs: torch.Tensor, ids: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def place_calibration(draw: CalibrationDraw, logprobs: torch.Tensor | np.ndarray, ids: torch.Tensor | np.ndarray
+                      ) -> tuple[torch.Tensor, torch.Tensor] | tuple[np.ndarray, np.ndarray]:
     """The draft's lists with each true token moved to its drawn rank (or removed), the other ids distinct, kept in
-    their order and never the true token, the log-probs the draw's; depths past the draw keep the drafter's lists."""
+    their order and never the true token, the log-probs the draw's; depths past the draw keep the drafter's lists.
+    Numpy arrays in (the gateway's drafts), numpy arrays out; tensors in, tensors out on their device."""
     if tuple(ids.shape) != (draw.depth, draw.k):
         raise ValueError(f"a calibration drawn for [{draw.depth}, {draw.k}] lists cannot place a {tuple(ids.shape)} draft")
     n, k = len(draw.ranks), draw.k
     # In numpy throughout, on host copies: this runs for every sequence of every step on the gateway's event loop,
     # where torch's per-op overhead on [15, 64] tensors cost ~0.5 ms a draft.
-    out_lp, out_ids = logprobs.float().numpy(force=True).copy(), ids.numpy(force=True).copy()
+    arrays = isinstance(logprobs, np.ndarray)
+    out_lp = np.array(logprobs, dtype=np.float32) if arrays else logprobs.float().numpy(force=True).copy()
+    out_ids = np.array(ids) if arrays else ids.numpy(force=True).copy()
     out_lp[:n] = draw.table
     rows = out_ids[:n]
     is_true = rows == draw.true_column
     if not is_true.any():   # no true token drafted: the gather made ready in the draw (the same lists as below)
         out_ids[:n] = np.where(draw.at_rank, draw.true_column, rows[draw.rows, draw.source])
-        return (torch.from_numpy(out_lp).to(logprobs.device, logprobs.dtype),
-                torch.from_numpy(out_ids).to(ids.device, ids.dtype))
+        return _like(out_lp, out_ids, logprobs, ids)
     ranks = draw.ranks[:, None]
     true = draw.true_tokens.astype(rows.dtype)[:, None]
     row = np.arange(n)[:, None]
@@ -323,6 +325,13 @@ def place_calibration(draw: CalibrationDraw, logprobs: torch.Tensor, ids: torch.
             filler += 1
         new[d, k - 1] = filler
     out_ids[:n] = new
+    return _like(out_lp, out_ids, logprobs, ids)
+
+
+def _like(out_lp: np.ndarray, out_ids: np.ndarray, logprobs, ids):
+    """The placed lists as the draft came: numpy arrays, or tensors of its devices and dtypes."""
+    if isinstance(logprobs, np.ndarray):
+        return out_lp, out_ids
     return (torch.from_numpy(out_lp).to(logprobs.device, logprobs.dtype),
             torch.from_numpy(out_ids).to(ids.device, ids.dtype))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
-import torch
+import numpy as np
 
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.plumbing.background import BackgroundTask
@@ -43,12 +43,6 @@ class EngineConfig:
     # Bench-only calibrated acceptance (gateway/calibrated_drafts.py DraftCalibrator): rewrites each draft's top-K
     # lists so that acceptance follows a measured profile. None in any real deployment.
     calibrator: DraftCalibrator | None = None
-
-
-def draft_tensors(result: drafter_pb2.DraftResult) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Draft result as (float32 logprobs, int64 token ids), each [depth, k]; ValueError for a malformed one."""
-    logprobs, ids = draft_arrays(result)
-    return torch.from_numpy(logprobs), torch.from_numpy(ids)
 
 
 def sampling_to_proto(seq: Sequence) -> common_pb2.SamplingParams:
@@ -166,7 +160,7 @@ class PairEngine(BackgroundTask):
                 self.metrics.observe_first_token(now - s.arrival)
 
     async def _draft(self, seqs: list[Sequence], budgets: dict[str, int], stamps: GatewayStamps
-                     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], common_pb2.Timings | None]:
+                     ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], common_pb2.Timings | None]:
         """One Draft RPC for the speculative sequences -> (drafts by seq id, the drafter's timings); a drafter failure
         turns them autoregressive, not failed."""
         drafting = [s for s in seqs if s.speculative and self._max_depth(s) > 0]
@@ -207,7 +201,7 @@ class PairEngine(BackgroundTask):
                 self._fall_back(by_id[r.seq_id])
                 continue
             try:
-                out[r.seq_id] = draft_tensors(r)
+                out[r.seq_id] = draft_arrays(r)   # numpy: the host tree build takes it without torch's per-op cost
             except ValueError as exc:   # a drafter bug must not fail the step: this sequence goes on without it
                 log.error("sequence %s continues autoregressively: malformed draft (%s)", by_id[r.seq_id].request_id,
                           exc)

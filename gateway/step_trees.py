@@ -1,6 +1,7 @@
 """Turns one step's drafts into verify trees: DDTree, DFlash chain or root-only, batched per kind."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ddtree_serve.decoding.ddtree import DraftTree, build_chain, build_ddtree_batch, root_tree
@@ -8,7 +9,10 @@ from ddtree_serve.decoding.ddtree_host import build_chain_host, build_ddtree_hos
 from gateway.sequence import Sequence
 
 
-def build_step_trees(seqs: list[Sequence], drafts: dict[str, tuple[torch.Tensor, torch.Tensor]],
+Draft = tuple[np.ndarray, np.ndarray] | tuple[torch.Tensor, torch.Tensor]   # (log-probs, ids), each [depth, k]
+
+
+def build_step_trees(seqs: list[Sequence], drafts: dict[str, Draft],
                      max_depths: dict[str, int], budgets: dict[str, int] | None = None) -> dict[str, DraftTree]:
     """One tree per sequence; sequences without a draft this step (AR, drafter down, no room) get the root alone.
     budgets: this step's DDTree budget per sequence (default: each sequence's own)."""
@@ -18,9 +22,11 @@ def build_step_trees(seqs: list[Sequence], drafts: dict[str, tuple[torch.Tensor,
         group = [s for s in seqs if s.mode == kind and s.seq_id in drafts]
         if not group:
             continue
-        if drafts[group[0].seq_id][0].is_cpu:
-            # On the host, per-sequence numpy builders beat the batched tensor ones many times over (torch's per-op
-            # overhead dominates on tensors this small); identical trees (tests/test_ddtree.py, bench/tree_build.py).
+        first = drafts[group[0].seq_id][0]
+        if isinstance(first, np.ndarray) or first.is_cpu:
+            # On the host (the gateway's numpy drafts), per-sequence numpy builders beat the batched tensor ones many
+            # times over (torch's per-op overhead dominates on tensors this small); identical trees
+            # (tests/test_ddtree.py, bench/tree_build.py).
             for s in group:
                 logprobs, ids = drafts[s.seq_id]
                 trees[s.seq_id] = (build_ddtree_host(logprobs, ids, budgets.get(s.seq_id, s.budget),

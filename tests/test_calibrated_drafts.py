@@ -235,3 +235,13 @@ def test_a_rescaled_profile_drafts_with_the_log_probs_of_its_own_rank_frequencie
         assert all(a >= b for a, b in zip(lps, lps[1:]))
     assert "calibrated drafter" in scaled.meta["logprobs"]   # the report says where the log-probs come from
 
+
+
+def test_numpy_drafts_are_placed_as_tensors_are_and_stay_numpy():
+    lp, ids = drafter_lists(5, 8, seed=4)
+    for true in ([60, 61, 62, 63, 64], ids[:, 2].tolist()):   # none drafted; each drafted (at rank 2)
+        draw = CalibrationDraw(5, 8, np.array(true), np.array([0, 3, 7, 8, 5]), np.zeros((5, 8), dtype=np.float32))
+        want_lp, want_ids = place_calibration(draw, lp, ids)
+        got_lp, got_ids = place_calibration(draw, lp.numpy(), ids.numpy())
+        assert isinstance(got_lp, np.ndarray) and isinstance(got_ids, np.ndarray)
+        assert np.array_equal(got_lp, want_lp.numpy()) and np.array_equal(got_ids, want_ids.numpy())

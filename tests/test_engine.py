@@ -371,17 +371,18 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes(tokenizer)
 
 
 def test_a_draft_reply_unpacks_into_exactly_its_numbers_as_float32_logprobs_and_int64_ids():
+    import numpy as np
     import torch
 
-    from gateway.engine import draft_tensors
+    from ddtree_serve.plumbing.messages import draft_arrays
 
     logprobs = torch.randn(15, 64).log_softmax(-1)
     ids = torch.randint(0, 150_000, (15, 64), dtype=torch.int32)
     wire = draft_result("s", logprobs, ids).SerializeToString()
-    lp, tok = draft_tensors(drafter_pb2.DraftResult.FromString(wire))
-    assert lp.dtype == torch.float32 and tok.dtype == torch.long
-    assert torch.equal(lp, logprobs) and torch.equal(tok, ids.long())
-    empty = draft_tensors(drafter_pb2.DraftResult(seq_id="s", depth=0, k=8))   # no positions: no bytes
+    lp, tok = draft_arrays(drafter_pb2.DraftResult.FromString(wire))
+    assert lp.dtype == np.float32 and tok.dtype == np.int64
+    assert np.array_equal(lp, logprobs.numpy()) and np.array_equal(tok, ids.long().numpy())
+    empty = draft_arrays(drafter_pb2.DraftResult(seq_id="s", depth=0, k=8))   # no positions: no bytes
     assert empty[0].shape == (0, 8) and empty[1].shape == (0, 8)
 
 

@@ -58,3 +58,18 @@ def test_host_ddtree_trees_are_the_reference_heaps_bit_for_bit():
         for name in ("tokens", "parents", "depths", "log_probs"):
             got, ref = getattr(trees[s.seq_id], name), getattr(want, name)
             assert got.dtype == ref.dtype and got.numpy().tobytes() == ref.numpy().tobytes(), (s.seq_id, name)
+
+
+def test_the_gateways_numpy_drafts_make_the_same_trees_as_host_tensors():
+    """The engine hands the builders numpy arrays (straight from the Draft reply's bytes): the very same trees."""
+    g = torch.Generator().manual_seed(2)
+    seqs = [_seq("a", "ddtree", 64, 5), _seq("b", "ddtree", 16, 6), _seq("c", "dflash", 0, 7)]
+    tensors = {s.seq_id: tuple(t.contiguous() for t in torch.log_softmax(torch.randn(15, 400, generator=g) * 4, -1)
+                              .topk(64, -1)) for s in seqs}
+    arrays = {k: (lp.numpy(), ids.numpy()) for k, (lp, ids) in tensors.items()}
+    depths = {"a": 15, "b": 7, "c": 11}
+    want, got = build_step_trees(seqs, tensors, depths), build_step_trees(seqs, arrays, depths)
+    for s in seqs:
+        for name in ("tokens", "parents", "depths", "log_probs"):
+            a, b = getattr(got[s.seq_id], name), getattr(want[s.seq_id], name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (s.seq_id, name)

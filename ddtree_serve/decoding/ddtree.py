@@ -125,7 +125,8 @@ def _dequantize(score: Tensor) -> Tensor:
 
 
 def _check_topk(topk_logprobs: Tensor, topk_ids: Tensor, dims: int) -> None:
-    if topk_logprobs.dim() != dims or topk_logprobs.shape != topk_ids.shape:
+    # .ndim and .shape: tensors and the host builders' numpy arrays alike
+    if topk_logprobs.ndim != dims or topk_logprobs.shape != topk_ids.shape:
         raise ValueError(f"topk_logprobs and topk_ids must have the same {dims}-D shape, "
                          f"got {tuple(topk_logprobs.shape)} and {tuple(topk_ids.shape)}")
     if topk_logprobs.shape[-2] > _MAX_DEPTH:

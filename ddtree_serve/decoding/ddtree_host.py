@@ -49,27 +49,30 @@ _Nodes = tuple[list, list[int], list[int]]  # per node, the root first: -score, 
 
 
 def build_ddtree_host(
-    logprobs: Tensor, ids: Tensor, budget: int, max_depth: int | None = None, root_token: int = 0,
-    native: bool = True,
+    logprobs: Tensor | np.ndarray, ids: Tensor | np.ndarray, budget: int, max_depth: int | None = None,
+    root_token: int = 0, native: bool = True,
 ) -> DraftTree:
-    """build_ddtree_reference's tree, bit for bit, several times faster on host tensors (see the module doc);
-    native=False: the Python heap even where the C one is built (for comparison)."""
-    nodes, fixed_point = _pop_order(logprobs, ids, budget, max_depth, native)
-    tree = _tree(nodes, fixed_point, ids, root_token)
-    return tree if logprobs.is_cpu else tree.to(logprobs.device)
+    """build_ddtree_reference's tree, bit for bit, several times faster on host tensors or numpy arrays (see the
+    module doc); native=False: the Python heap even where the C one is built (for comparison)."""
+    _check_topk(logprobs, ids, 2)
+    lp, host_ids = _host_logprobs(logprobs), _host_array(ids)
+    nodes, fixed_point = _pop_order(lp, budget, max_depth, native)
+    tree = _tree(nodes, fixed_point, host_ids, root_token)
+    return tree if isinstance(logprobs, np.ndarray) or logprobs.is_cpu else tree.to(logprobs.device)
 
 
-def build_chain_host(logprobs: Tensor, ids: Tensor, max_depth: int | None = None, root_token: int = 0) -> DraftTree:
+def build_chain_host(logprobs: Tensor | np.ndarray, ids: Tensor | np.ndarray, max_depth: int | None = None,
+                     root_token: int = 0) -> DraftTree:
     """build_chain's tree for one sequence, bit for bit: the top-1 token of each position, in numpy (host tensors
-    only)."""
+    or numpy arrays only)."""
     _check_topk(logprobs, ids, 2)
     n_pos, k = logprobs.shape
     cap = 0 if k == 0 else n_pos if max_depth is None else max(0, min(n_pos, max_depth))
     score = np.zeros(cap + 1, dtype=np.int64)
-    np.cumsum(_quantize_np(logprobs[:cap, :1].to(torch.float64).numpy().ravel()), out=score[1:])
+    np.cumsum(_quantize_np(_host_logprobs(logprobs)[:cap, :1].astype(np.float64).ravel()), out=score[1:])
     tokens = np.empty(cap + 1, dtype=np.int64)
     tokens[0] = root_token
-    tokens[1:] = ids[:cap, :1].numpy().ravel()
+    tokens[1:] = _host_array(ids)[:cap, :1].ravel()
     steps = np.arange(cap + 1, dtype=np.int64)
     # the reference's _dequantize: int64 -> float64, / 2**40 (exact), -> float32; the root's 0 as it sets it
     log_probs = (score.astype(np.float64) / _SCALE).astype(np.float32)
@@ -77,18 +80,26 @@ def build_chain_host(logprobs: Tensor, ids: Tensor, max_depth: int | None = None
                      torch.from_numpy(log_probs))
 
 
-def _pop_order(logprobs: Tensor, ids: Tensor, budget: int, max_depth: int | None,
-               native: bool = True) -> tuple[_Nodes, bool]:
+def _host_array(x: Tensor | np.ndarray) -> np.ndarray:
+    """A numpy view of a host tensor (a copy of a device one); arrays as they are."""
+    return x if isinstance(x, np.ndarray) else x.numpy(force=True)
+
+
+def _host_logprobs(x: Tensor | np.ndarray) -> np.ndarray:
+    """Log-probs as a numpy array, half precisions widened to float32 (exact)."""
+    if isinstance(x, Tensor) and x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    lp = _host_array(x)
+    return lp.astype(np.float32) if lp.dtype == np.float16 else lp
+
+
+def _pop_order(lp: np.ndarray, budget: int, max_depth: int | None, native: bool = True) -> tuple[_Nodes, bool]:
     """The nodes in the reference heap's pop order, the root first, and whether their scores are fixed-point ints."""
-    _check_topk(logprobs, ids, 2)
-    n_pos, k = logprobs.shape
+    n_pos, k = lp.shape
     depth_limit = n_pos if max_depth is None else min(n_pos, max_depth)
     width = min(budget, k)  # only the top-min(B, K) tokens per position can be chosen
     if budget <= 0 or depth_limit <= 0 or width <= 0:
         return ([0], [-1], [-1]), False
-    if logprobs.dtype in (torch.float16, torch.bfloat16):
-        logprobs = logprobs.float()  # exact
-    lp = logprobs.numpy(force=True)
     n_max = num_prefixes(width, depth_limit, budget)  # nodes the budget gets, root aside
     if lp.dtype == np.float32:
         floor = -min(_LOGP_FLOOR, _FLOAT64_EXACT_SUM / depth_limit)
@@ -147,13 +158,13 @@ def _levels(stride: int, width: int, depth_limit: int) -> list[_Level | None]:
     return levels
 
 
-def _tree(nodes: _Nodes, fixed_point: bool, ids: Tensor, root_token: int) -> DraftTree:
+def _tree(nodes: _Nodes, fixed_point: bool, ids: np.ndarray, root_token: int) -> DraftTree:
     """The DraftTree of the nodes, one numpy array per field."""
     neg_scores, parents, cells = nodes
     n = len(cells)
     if n > 1:
         cell = np.asarray(cells, dtype=np.int64)
-        tokens = ids.numpy(force=True).ravel().take(cell).astype(np.int64, copy=False)
+        tokens = ids.ravel().take(cell).astype(np.int64, copy=False)
         depths = cell // ids.shape[1]
         depths += 1  # the root's cell is -1: depth 0
     else:
