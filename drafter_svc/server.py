@@ -8,6 +8,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
@@ -36,12 +37,13 @@ OPENED_EVENTS = 4         # targets' interprocess ready events kept open (the ne
 
 @dataclass
 class PrefetchedDraft:
-    """A draft made when a sequence's features arrived, before its Draft asked for it (host tensors [D, K])."""
+    """A draft made when a sequence's features arrived, before its Draft asked for it: numpy arrays [D, K] (float32,
+    int32), made on the model thread, so that answering from it takes no torch op on the event loop."""
 
     context_len: int
     bonus_token: int
-    logprobs: torch.Tensor
-    token_ids: torch.Tensor
+    logprobs: np.ndarray
+    token_ids: np.ndarray
     made_unix_ns: int = 0   # wall clock when it was made (the gateway's step segments)
 
     def answers(self, item: DraftItem, top_k: int, depth: int) -> bool:
@@ -261,6 +263,7 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 logprobs, ids = to_host(*self.runner.draft(items, top_k))
                 logprobs, ids = logprobs.float(), ids.to(torch.int32)
                 made = time.time_ns()
+                logprobs, ids = logprobs.numpy(), ids.numpy()
                 drafts.update((it.seq_id, PrefetchedDraft(it.context_len, it.bonus_token, logprobs[b], ids[b], made))
                               for b, it in enumerate(items))
             except (ValueError, KeyError, RuntimeError) as exc:   # the Draft will say what is wrong, if still so
@@ -285,7 +288,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         for r in results:
             errors[r.seq_id] = r.error
             if r.error is None and r.logprobs is not None:
-                drafts[r.seq_id] = PrefetchedDraft(r.context_len, r.bonus_token, r.logprobs, r.token_ids, made)
+                drafts[r.seq_id] = PrefetchedDraft(r.context_len, r.bonus_token, r.logprobs.numpy(),
+                                                   r.token_ids.numpy(), made)
         return seconds
 
     def _prefetch_top_k(self, seq_ids: list[str]) -> int:

@@ -21,6 +21,16 @@ def test_a_draft_round_trips_through_its_serialized_message_bit_for_bit():
     assert torch.equal(torch.from_numpy(ids), top.indices)
 
 
+def test_a_ready_drafts_numpy_slices_go_on_the_wire_as_the_same_tensors_would():
+    """The drafter keeps ready drafts as numpy arrays and answers narrower asks with slices of them."""
+    gen = torch.Generator().manual_seed(1)
+    top = torch.log_softmax(torch.randn(15, 5000, generator=gen), dim=-1).topk(64, dim=-1)
+    values, ids = top.values, top.indices.to(torch.int32)
+    want = draft_result("s", values[:9, :16], ids[:9, :16])
+    got = draft_result("s", values.numpy()[:9, :16], ids.numpy()[:9, :16])
+    assert got.SerializeToString() == want.SerializeToString() and (got.depth, got.k) == (9, 16)
+
+
 def test_a_draft_with_no_positions_is_empty_not_an_error():
     logprobs, ids = draft_arrays(draft_result("s", torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.long)))
     assert logprobs.shape == ids.shape == (0, 4)

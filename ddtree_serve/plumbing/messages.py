@@ -20,13 +20,19 @@ def cache_usage_proto(usage: tuple[int, int, int, int]) -> common_pb2.CacheUsage
                                  capacity_tokens=capacity)
 
 
-def draft_result(seq_id: str, logprobs: torch.Tensor, token_ids: torch.Tensor) -> drafter_pb2.DraftResult:
-    """One sequence's draft, host tensors [L, K], as its DraftResult (float32 log-probs, int32 ids, raw bytes)."""
+def draft_result(seq_id: str, logprobs: torch.Tensor | np.ndarray, token_ids: torch.Tensor | np.ndarray
+                 ) -> drafter_pb2.DraftResult:
+    """One sequence's draft, host tensors or numpy arrays [L, K], as its DraftResult (float32 log-probs, int32 ids,
+    raw bytes). Numpy in: no torch op on the way (the drafter's ready drafts, answered on its event loop)."""
     depth, k = (int(n) for n in token_ids.shape)
-    return drafter_pb2.DraftResult(
-        seq_id=seq_id, depth=depth, k=k,
-        token_ids=token_ids.to(torch.int32).contiguous().numpy().astype("<i4", copy=False).tobytes(),
-        logprobs=logprobs.to(torch.float32).contiguous().numpy().astype("<f4", copy=False).tobytes())
+    return drafter_pb2.DraftResult(seq_id=seq_id, depth=depth, k=k, token_ids=_wire_bytes(token_ids, torch.int32, "<i4"),
+                                   logprobs=_wire_bytes(logprobs, torch.float32, "<f4"))
+
+
+def _wire_bytes(x: torch.Tensor | np.ndarray, torch_dtype: torch.dtype, wire_dtype: str) -> bytes:
+    if isinstance(x, torch.Tensor):
+        x = x.to(torch_dtype).contiguous().numpy()
+    return np.ascontiguousarray(x, dtype=wire_dtype).tobytes()
 
 
 def draft_arrays(result: drafter_pb2.DraftResult) -> tuple[np.ndarray, np.ndarray]:
