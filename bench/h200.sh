@@ -13,7 +13,7 @@
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8; STEP8_ARGS e.g. --nodes 1,16,65,129, STEP8_S)
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
 #   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_ARGS
-#              e.g. --no-hf-batch, SPEED8_S: its time limit)
+#              e.g. --no-hf-batch, SPEED8_S: its time limit; step sockets, the gateway polling STEP_SPIN_US=20000)
 #   overheadab the step's host overhead, variants of one call: base, spin (--step-spin-us 20000), pin (--pin-cpus),
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
@@ -88,14 +88,16 @@ for s in $SECTIONS; do
       record_services "$R/speed-8b.log"
       timeout ${SPEED8_S:-290} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
         --dtype bfloat16 --num-prompts 8 --max-tokens 96 --batch 8 --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
-        ${SPEED8_ARGS:-} --out-dir "$R" --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
+        --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} ${SPEED8_ARGS:-} --out-dir "$R" \
+        --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
       grep -E "tok/s|segments|CALIB|Error|error" "$R/speed-8b.log" | tail -20 ;;
     overheadab)   # the step's host overhead A/B in one call (needs /tmp/w8): batch 1, ar/dflash/ddtree b64, each
-                  # variant a fresh stack; OVERHEAD_VARIANTS of base, spin (poll 20 ms), pin (--pin-cpus), pinspin
+                  # variant a fresh stack; OVERHEAD_VARIANTS of base, spin (poll 20 ms), pin (--pin-cpus), pinspin;
+                  # on a fresh machine the first variant also compiles the kernels (~67 s of graph capture on an H100)
       for v in ${OVERHEAD_VARIANTS:-base spin pinspin}; do
         case $v in base) extra="" ;; spin) extra="--step-spin-us 20000" ;; pin) extra="--pin-cpus" ;;
                     pinspin) extra="--step-spin-us 20000 --pin-cpus" ;; *) echo "unknown variant $v"; continue ;; esac
-        timeout ${OVERHEAD_S:-120} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
+        timeout ${OVERHEAD_S:-180} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
           --dtype bfloat16 --num-prompts ${OVERHEAD_PROMPTS:-8} --max-tokens 256 --batch 1 --budget 64 --no-hf "${CALIB[@]}" \
           --step-transport socket $extra --out-dir "$R/ab-$v" --log-dir "$R/logs-ab-$v" > "$R/speed-ab-$v.log" 2>&1
         echo "-- $v"; grep -E "batch 1:|segments" "$R/speed-ab-$v.log"
