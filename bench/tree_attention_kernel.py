@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from bench import common
 from bench.common import random_parents
 from bench.gdn_kernels import agreement, finish_sweep, sweep_parser, sweep_row
 
@@ -78,14 +79,15 @@ def sweep_grid(rows: int, head_dim: int):
     from target_svc.tree_attention import SplitConfig
 
     block_ns = (32, 64) if head_dim <= 128 else (32,)
-    for block_m, block_n, splits, warps in itertools.product((16, 32, 64), block_ns, (1, 2, 4, 8, 16), (4, 8)):
-        if block_m > 16 and block_m >= 2 * rows:
-            continue   # a tile mostly padding
+    for block_m, block_n, splits, warps, stages in itertools.product(
+            (16, 32, 64, 128), block_ns, (1, 2, 4, 8, 16), (4, 8), (1, 2)):
+        if block_m > 16 and block_m >= 2 * rows or block_m * head_dim > 128 * 128:
+            continue   # a tile mostly padding, or one past the registers
         tiles = -(-KEY_BUCKET // block_n)
         if splits > tiles:
             continue
         per_split = -(-tiles // splits)
-        yield SplitConfig(block_m, block_n, -(-tiles // per_split), per_split * block_n, warps)
+        yield SplitConfig(block_m, block_n, -(-tiles // per_split), per_split * block_n, warps, stages)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [("default", default)] + ([("", c) for c in sweep_grid(rows, head_dim)] if args.sweep else [])
         for tag, cfg in configs:
             label = (f"{tag + ' ' if tag else ''}BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} "
-                     f"warps {cfg.num_warps}")
+                     f"warps {cfg.num_warps} stages {cfg.num_stages}")
             def call(cfg=cfg):
                 return tree_attention.tree_attention(q, k_cache, v_cache, slots, keys, KEY_BUCKET, scale, cfg)
 
@@ -117,7 +119,22 @@ def main(argv: list[str] | None = None) -> int:
                                    args.replays, unit=1000.0, digits=1))
     finish_sweep("bench.tree_attention_kernel", "tree-attention-kernel",
                  ["case", "tiling", "us per call", "agreement", "mode"], table, "bfloat16", args.out_dir)
+    print(common.md_table(["case", "default us", "fastest us", "fastest tiling"], fastest_per_case(table)))
     return 0
+
+
+def fastest_per_case(table: list[list[str]]) -> list[list[str]]:
+    """[case, the default tiling's us, the fastest us, its tiling] per case of the sweep's rows."""
+    out: dict[str, list[str]] = {}
+    for case, label, us, _err, _mode in table:
+        if not us:
+            continue
+        row = out.setdefault(case, [case, "", us, label])
+        if label.startswith("default"):
+            row[1] = us
+        if float(us) < float(row[2]):
+            row[2:] = [us, label]
+    return list(out.values())
 
 
 if __name__ == "__main__":

@@ -17,15 +17,19 @@ from torch import Tensor
 
 ENV_VAR = "DDTREE_TREE_ATTENTION"   # "off": SDPA over gathered rows even where the kernel runs
 HEAD_DIMS = (64, 128, 256)
-# Blocks up to this many nodes take the kernel (decode, verify trees, prompts as verify chains); longer prompt
-# chunks keep cuDNN's flash attention, whose tensor-core pipeline wins once the queries are many. A budget-128 tree
-# (129 nodes) therefore still takes SDPA over gathered rows: tests/test_gpu.py checks the kernel at 129 and 257
-# nodes, and this rises to 257 once a GPU run has passed them (not yet: 2026-12-05).
-MAX_BLOCK_NODES = 128
+# Blocks up to this many nodes take the kernel (decode, verify trees up to budget 128, prompts as verify chains);
+# longer prompt chunks keep cuDNN's flash attention, whose tensor-core pipeline wins once the queries are many.
+# tests/test_gpu.py checks the kernel up to 257 nodes: 129 passed on an H100 (2026-12-05), 257 not run yet.
+MAX_BLOCK_NODES = 129
 DTYPES = (torch.bfloat16, torch.float16)
 # Programs in flight the split aims at, per SM: a decode step has one program per KV head without a split.
 _PROGRAMS_PER_SM = 2
+# The same for a tree block's 16-row tiles (fastest at 4-5 per SM in the sweep: 65 nodes 4 splits, 544 programs).
+_TREE_PROGRAMS_PER_SM = 5
 _MAX_SPLITS = 64
+# Rows per merge program: the merge reads every live slice's partial rows, so small blocks spread those reads over
+# the SMs (at the split's 64-row blocks a 16-node chain's merge ran on 8 programs, ~9 us a layer on the H200).
+MERGE_BLOCK_M = 16
 
 
 @dataclass(frozen=True)
@@ -61,14 +65,23 @@ def available(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
 def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: int, num_sms: int = 132
                   ) -> SplitConfig:
     """The tiling and split for `rows` stacked query rows per KV head over key_len keys: a pure function of the
-    shape. The keys are split (each slice whole tiles, at least one) while the grid stays under _PROGRAMS_PER_SM
-    programs per SM."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 or head_dim > 128 else 64
-    block_n = 64 if head_dim <= 128 else 32
+    shape. The keys are split (each slice whole tiles, at least one) while the grid stays under a budget of
+    programs per SM.
+
+    A tree block of a few sequences (more than 16 rows, head_dim <= 128, its 16-row blocks at most
+    _TREE_PROGRAMS_PER_SM per SM unsplit) takes 16-row, 32-key tiles and up to that many programs per SM: the
+    tiling sweep on an H100 at the 8B heads (bench/results/h100-tree-attention-2026-12-05/) found it fastest at 17,
+    65 and 129 nodes, 1.3-1.7x faster than the wider tiles, which remain for wide batches (grids full anyway)."""
+    tree_tiles = 16 < rows and head_dim <= 128 and batch * num_kv * -(-rows // 16) <= _TREE_PROGRAMS_PER_SM * num_sms
+    if tree_tiles:
+        block_m, block_n, per_sm = 16, 32, _TREE_PROGRAMS_PER_SM
+    else:
+        block_m = 16 if rows <= 16 else 32 if rows <= 32 or head_dim > 128 else 64
+        block_n, per_sm = (64 if head_dim <= 128 else 32), _PROGRAMS_PER_SM
     base = batch * num_kv * -(-rows // block_m)
     tiles = max(1, -(-key_len // block_n))
     splits = 1
-    while splits * 2 <= min(tiles, _MAX_SPLITS) and base * splits * 2 <= _PROGRAMS_PER_SM * num_sms:
+    while splits * 2 <= min(tiles, _MAX_SPLITS) and base * splits * 2 <= per_sm * num_sms:
         splits *= 2
     per_split = -(-tiles // splits)
     splits = -(-tiles // per_split)   # no slice that starts past the keys
@@ -114,10 +127,10 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
         HEAD_DIM=head_dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.splits > 1:
-        kernels.tree_attention_merge_kernel[grid[:2]](
-            acc, lse, out, tmax, rows, cfg.splits, out.stride(0), out.stride(1), out.stride(2),
-            REP=rep, NUM_KV=num_kv, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
-            num_warps=cfg.num_warps,
+        kernels.tree_attention_merge_kernel[(bsz * num_kv, -(-rows // MERGE_BLOCK_M))](
+            acc, lse, keys.ctx_lens, out, tmax, rows, cfg.splits, cfg.split_len, keys.ctx_lens.stride(0),
+            out.stride(0), out.stride(1), out.stride(2),
+            REP=rep, NUM_KV=num_kv, BLOCK_M=MERGE_BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
         )
     return out
 

@@ -37,8 +37,9 @@ def tree_attention_split_kernel(
     """One (sequence, KV head), one block of stacked query rows, one slice of split_len keys. Not SPLIT (one
     slice): the normalised output into out [B, T, n_heads, D]; else the slice's normalised output (float32) and
     log-sum-exp into acc [B, NUM_KV, num_splits, ROWS, D] and lse [B, NUM_KV, num_splits, ROWS] (-inf: no visible
-    key). The slice count is a runtime argument, not a constant: every key length then shares one compiled kernel
-    (as a constant, each count compiled its own pair, and a cold start spent minutes compiling them)."""
+    key); a slice that starts past the sequence's keys returns at once and writes nothing. The slice count is a
+    runtime argument, not a constant: every key length then shares one compiled kernel (as a constant, each count
+    compiled its own pair, and a cold start spent minutes compiling them)."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -52,9 +53,11 @@ def tree_attention_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    slot = tl.load(slots_ptr + b * stride_slot).to(tl.int64)   # slots and ctx_lens may be columns of a packed batch
-    ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
+    ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)   # slots and ctx_lens may be columns of a packed batch
     start = pid_s * split_len
+    if SPLIT and start >= ctx + T:
+        return   # a slice past this sequence's keys (its key bucket is longer): the merge skips it
+    slot = tl.load(slots_ptr + b * stride_slot).to(tl.int64)
     stop = tl.minimum(start + split_len, ctx + T)
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
@@ -95,12 +98,13 @@ def tree_attention_split_kernel(
 
 @triton.jit
 def tree_attention_merge_kernel(
-    acc_ptr, lse_ptr, out_ptr, T, ROWS, num_splits,
+    acc_ptr, lse_ptr, ctx_ptr, out_ptr, T, ROWS, num_splits, split_len, stride_ctx,
     stride_ob, stride_ot, stride_oh,
     REP: tl.constexpr, NUM_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """out rows of one (sequence, KV head) = the slices' outputs weighted by exp(lse - max lse), in a fixed order."""
+    """out rows of one (sequence, KV head) = its live slices' outputs (those that start before ctx_len + T, the ones
+    the split kernel wrote) weighted by exp(lse - max lse), in a fixed order."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = pid_bh // NUM_KV
@@ -109,12 +113,14 @@ def tree_attention_merge_kernel(
     row_ok = rows < ROWS
     offs_d = tl.arange(0, HEAD_DIM)
     first = (b * NUM_KV + kvh) * num_splits
+    ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
+    live = tl.minimum(tl.cdiv(ctx + T, split_len), num_splits)
     top = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
-    for s in range(num_splits):
+    for s in range(live):
         top = tl.maximum(top, tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")))
     num = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for s in range(num_splits):
+    for s in range(live):
         w = tl.exp(tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")) - top)
         part = tl.load(acc_ptr + ((first + s) * ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :],
                        mask=row_ok[:, None], other=0.0)

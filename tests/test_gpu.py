@@ -957,7 +957,7 @@ def test_cuda_triton_tree_attention_equals_sdpa_over_the_gathered_masked_rows(he
     from target_svc.tree_attention import SplitConfig, TreeKeys, choose_config, tree_attention
 
     gen = torch.Generator().manual_seed(nodes + head_dim)
-    bsz, capacity, dtype = 4, 1300, torch.bfloat16
+    bsz, capacity, dtype = 4, 1400, torch.bfloat16   # past key_len at 257 nodes
     k_cache = torch.randn(bsz + 2, capacity, kv_heads, head_dim, generator=gen).to("cuda", dtype)
     v_cache = torch.randn(bsz + 2, capacity, kv_heads, head_dim, generator=gen).to("cuda", dtype)
     # Columns of one packed tensor, as the verify batch hands them over (strided, not contiguous).
