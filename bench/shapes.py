@@ -86,10 +86,20 @@ def build_target(shape: str, out_dir: str | Path, layers: int | None = None, dev
     finally:
         torch.set_default_dtype(previous)
     _successor_head(model, seed)
+    remove_checkpoint_files(out_dir)
     model.save_pretrained(str(out_dir))
     word_tokenizer(config.vocab_size, out_dir)
     del model
     return out_dir
+
+
+def remove_checkpoint_files(out_dir: Path) -> None:
+    """Drops an earlier build's weights, index and marker from out_dir: save_pretrained writes one file where the
+    streamed build wrote shards, and a stale index would send the loader to shards that are gone."""
+    if not out_dir.is_dir():
+        return
+    for path in [*out_dir.glob("*.safetensors"), out_dir / "model.safetensors.index.json", out_dir / STREAMED_MARKER]:
+        path.unlink(missing_ok=True)
 
 
 EMBED_SCALE = 10.0
@@ -168,7 +178,7 @@ def build_target_streaming(shape: str, out_dir: str | Path, layers: int | None =
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / STREAMED_MARKER).unlink(missing_ok=True)
+    remove_checkpoint_files(out_dir)
     config = target_config(shape, layers)
     model = _meta_model(config, dtype)
     size = torch.empty((), dtype=dtype).element_size()

@@ -51,6 +51,19 @@ def test_the_streamed_checkpoint_is_build_targets_layout_in_shards(tmp_path):
     assert target.num_layers == 4 and target.linear_attention_layers == [0, 1, 2]
 
 
+def test_a_build_over_another_builds_checkpoint_leaves_only_its_own_files(tmp_path):
+    """The streamed build's shards and index, then a whole build in the same directory (bench/h200.sh's w8, then
+    8b): the loader must find the whole build's file, not the stale index's shards; and back again."""
+    out = tmp_path / "target"
+    build_target_streaming("tiny", out, device="cpu", dtype=torch.bfloat16, shard_bytes=2**20)
+    build_target("tiny", out, device="cpu", dtype=torch.bfloat16)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    assert load_target(out, "cpu", torch.float32).num_layers > 0
+    build_target_streaming("tiny", out, device="cpu", dtype=torch.bfloat16, shard_bytes=2**20)
+    assert not (out / "model.safetensors").exists() and is_streamed_checkpoint(out, "tiny", None, torch.bfloat16)
+
+
 def test_defaults_emulate_a_48gb_card_on_cuda_and_no_cap_on_cpu():
     cuda = flagship_fit.parse_args([])
     assert cuda.gpu_memory_cap * GIB == 46068 * 2**20 and cuda.quantize == "int8"
