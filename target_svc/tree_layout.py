@@ -55,7 +55,7 @@ def tree_layout(parents: Tensor, sizes: Tensor, conv_kernel: int = 0) -> TreeStr
     anc_u8 = anc.view(torch.uint8)
     block = max(16, 1 << (t - 1).bit_length())
     kernels.tree_layout_kernel[(bsz,)](
-        parents, sizes, anc_u8, depth, window, t, (t - 1).bit_length(),
+        parents, sizes, anc_u8, depth, window, t,
         parents.stride(0), parents.stride(1), sizes.stride(0), anc_u8.stride(0), anc_u8.stride(1), depth.stride(0),
         window.stride(0), window.stride(1),
         BT=block, KERN=conv_kernel, num_warps=4 if block <= 64 else 8,
