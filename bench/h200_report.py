@@ -119,7 +119,7 @@ def summarize_quality(quality: dict) -> dict:
     return out
 
 
-def plot(speed: dict, path: Path) -> bool:
+def plot(speed: dict, path: Path, gpu: str = "H200") -> bool:
     """tokens/s against budget at batch 1 (ddtree), with ar and dflash as lines; False without matplotlib."""
     try:
         import matplotlib
@@ -143,7 +143,7 @@ def plot(speed: dict, path: Path) -> bool:
     ax.set_xlabel("DDTree budget (nodes)")
     ax.set_ylabel("tokens/s (batch 1)")
     calibrated = " (calibrated acceptance, bench-only)" if speed.get(CALIBRATION_KEY) else ""
-    ax.set_title("Qwen3-8B shape, H200, bf16" + calibrated, fontsize=10)
+    ax.set_title(f"Qwen3-8B shape, {gpu}, bf16" + calibrated, fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -165,6 +165,8 @@ def main(argv=None) -> None:
                    help="the budget the headline ratios use (default: the fastest measured budget per batch size)")
     p.add_argument("--note", action="append", default=[], help="a line for the report's Notes section")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    p.add_argument("--stem", default="h200",
+                   help="names the outputs <stem>.{md,json} and <stem>-tokens-per-s.png (another GPU's run: e.g. h100)")
     args = p.parse_args(argv)
     step, speed = _load(args.step_cost), _load(args.speed)
     hstep, hspeed = _load(args.hybrid_step_cost), _load(args.hybrid_speed)
@@ -196,19 +198,20 @@ def main(argv=None) -> None:
         data["calibration"] = speed[CALIBRATION_KEY]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "h200.json").write_text(json.dumps(data, indent=1) + "\n")
-    lines = [f"# H200 results ({data['gpu']}, bf16, random weights at real shapes)", "",
+    stem = args.stem
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    lines = [f"# {stem.upper()} results ({data['gpu']}, bf16, random weights at real shapes)", "",
              f"Date: {data['date']}", "", "Commands:", *[f"- `{c}`" for c in data["commands"]], ""]
     if speed and speed.get(CALIBRATION_KEY):
         lines += ["**Acceptance is calibrated (bench-only)**: the drafter runs its real forward, and its top-K lists "
-                  "are rewritten from a profile measured on a real pair (see `calibration` in h200.json).", ""]
+                  f"are rewritten from a profile measured on a real pair (see `calibration` in {stem}.json).", ""]
     lines += [common.md_table(["figure", "value"], [[k, v] for k, v in data.items()
                                                     if k not in ("commands", "calibration", "command")])]
-    if speed and plot(speed, out / "h200-tokens-per-s.png"):
-        lines += ["", "![tokens/s against budget](h200-tokens-per-s.png)"]
+    if speed and plot(speed, out / f"{stem}-tokens-per-s.png", stem.upper()):
+        lines += ["", f"![tokens/s against budget]({stem}-tokens-per-s.png)"]
     if args.note:
         lines += ["", "## Notes", "", *[f"- {n}" for n in args.note]]
-    (out / "h200.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

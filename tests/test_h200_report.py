@@ -26,3 +26,10 @@ def test_a_calibrated_speed_run_is_labelled_and_its_ratios_come_from_its_own_run
     best = max(_tokens_per_s(speed, "ddtree", 1, b) for b in speed["budgets"])
     assert data["ddtree_over_ar_8b_b1"] == pytest.approx(best / _tokens_per_s(speed, "ar", 1), rel=1e-3)
     assert data["ddtree_over_dflash_8b_b1"] == pytest.approx(best / _tokens_per_s(speed, "dflash", 1), rel=1e-3)
+
+
+def test_another_gpus_run_is_written_under_its_own_stem(tmp_path):
+    h200_report.main(["--step-cost", str(STEP), "--speed", str(SPEED), "--out-dir", str(tmp_path), "--stem", "h100"])
+    assert not (tmp_path / "h200.json").exists()
+    assert json.loads((tmp_path / "h100.json").read_text())["ddtree_budget_8b_b1"] > 0
+    assert (tmp_path / "h100.md").read_text().startswith("# H100 results (")
