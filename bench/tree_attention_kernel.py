@@ -1,6 +1,6 @@
 """The tree-attention kernel's tiling and key split, swept on the GPU at the shapes a step attends with.
 
-A verify step's attention layers run target_svc/tree_attention.py's split kernel (and its merge). On the H200 at
+A verify step's attention layers run ddtree_serve/kernels/tree_attention.py's split kernel (and its merge). On the H200 at
 the 8B shape (bench/results/step-cost-qwen3-8b-cuda-nvidia-h200.md, 20:42) the split kernel cost ~5 us a layer for
 a 1-token decode and ~22 us for a 65-node tree, whose work is a few 64 x 64 x 128 dots per program: this measures
 which tiling and split a block of each size wants. Cases (bf16): Qwen3-8B's heads (32 query / 8 KV, head dim
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def case_inputs(batch: int, nodes: int, heads: int, kv_heads: int, head_dim: int, seed: int, device: str = "cuda"):
     """(q, k_cache, v_cache, slots, parents, TreeKeys) of one case: slot b holds CONTEXT rows, then the block."""
     from ddtree_serve.decoding.tree_mask import ancestor_mask_batch
-    from target_svc.tree_attention import TreeKeys
+    from ddtree_serve.kernels.tree_attention import TreeKeys
 
     gen = torch.Generator().manual_seed(seed)
     shape = (batch + 1, KEY_BUCKET + 128, kv_heads, head_dim)
@@ -76,7 +76,7 @@ def sdpa_reference(q, k_cache, v_cache, slots, parents, keys) -> torch.Tensor:
 
 def sweep_grid(rows: int, head_dim: int):
     """Tilings of the stacked query rows and the keys, and key splits of the 1024-key bucket."""
-    from target_svc.tree_attention import SplitConfig
+    from ddtree_serve.kernels.tree_attention import SplitConfig
 
     block_ns = (32, 64) if head_dim <= 128 else (32,)
     for block_m, block_n, splits, warps, stages in itertools.product(

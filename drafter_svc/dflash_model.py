@@ -28,7 +28,11 @@ the reference decode step. Training with many anchors: concatenate all blocks in
 context, and a 4D mask where block b sees context positions < anchor_b and only its own block.
 
 The cached inference path (drafter_svc/runner.py) calls `project_context` once per context row and stores the
-result; `ContextKV` hands it back to `forward` as `past`.
+result; `ContextKV` hands it back to `forward` as `past`. On CUDA, for a drafter whose every layer is full and
+bidirectional, `past` is a `SlotContext` instead: each layer writes the block's K/V into the rows just past each
+sequence's context in the runner's cache and attends in place with the Triton tree-attention kernel
+(ddtree_serve/kernels/tree_attention.py; every block row sees the context and the whole block), so no draft copies
+the context's K/V (a gather and a concatenation a layer, which grow with the context).
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ddtree_serve.kernels.tree_attention import TreeKeys, tree_attention
 from ddtree_serve.plumbing.compiled import compile_all
 from ddtree_serve.rope import rotate_half
 from drafter_svc.dflash_config import CONFIG_NAME, DFlashConfig, rope_inv_freq
@@ -130,6 +135,34 @@ class ContextKV:
     positions: torch.Tensor  # [B, Lp]
 
 
+@dataclass(frozen=True)
+class SlotLayerKV:
+    """One layer's view of a SlotContext: its K/V cache [slots, n_kv, capacity, head_dim] and the block's rows."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor   # [B] int64
+    rows: torch.Tensor    # [B, Lq] int64: the block's rows in each slot, right after its context
+    keys: TreeKeys        # ctx_lens [B], ancestors [B, Lq, Lq] all True: every block row sees the whole block
+    key_len: int          # >= every ctx_len + Lq (the kernel's split; fixed per captured graph)
+
+
+@dataclass(frozen=True)
+class SlotContext:
+    """The cached context read in place (see the module docstring): per-layer caches and the block's placement."""
+
+    k_cache: list[torch.Tensor]
+    v_cache: list[torch.Tensor]
+    slots: torch.Tensor
+    rows: torch.Tensor
+    keys: TreeKeys
+    key_len: int
+
+    def layer(self, i: int) -> SlotLayerKV:
+        """Layer i's caches with the shared placement."""
+        return SlotLayerKV(self.k_cache[i], self.v_cache[i], self.slots, self.rows, self.keys, self.key_len)
+
+
 class DFlashAttention(nn.Module):
     """Queries from the block only; keys/values from [context | block] with the same k_proj/v_proj."""
 
@@ -161,12 +194,20 @@ class DFlashAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
+        slot: SlotLayerKV | None = None,
     ) -> torch.Tensor:
-        """x [B, Lq, H] (normed block), context K/V [B, n_kv, Lk, D] or None, cos/sin of the queries."""
+        """x [B, Lq, H] (normed block), context K/V [B, n_kv, Lk, D] or None, cos/sin of the queries; or, with
+        slot, the context read in place from the cache (the block's K/V written there first; no mask)."""
         b, lq, _ = x.shape
         q = self.norm_rope(self.q_proj(x).view(b, lq, self.n_heads, self.head_dim), self.q_norm.weight,
                            self.q_norm.eps, cos, sin)
         k, v = self.project_kv(x, cos, sin)
+        if slot is not None:
+            slot.k_cache[slot.slots[:, None], :, slot.rows] = k.transpose(1, 2)
+            slot.v_cache[slot.slots[:, None], :, slot.rows] = v.transpose(1, 2)
+            out = tree_attention(q.transpose(1, 2), slot.k_cache, slot.v_cache, slot.slots, slot.keys, slot.key_len,
+                                 self.head_dim**-0.5, heads_first=True)
+            return self.o_proj(out.reshape(b, lq, self.n_heads * self.head_dim))
         if ctx_k is not None:
             k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         n_rep = self.n_heads // self.n_kv
@@ -203,8 +244,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, ctx_k, ctx_v, cos, sin, mask) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, mask)
+    def forward(self, h, ctx_k, ctx_v, cos, sin, mask, slot: SlotLayerKV | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, mask, slot)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -289,7 +330,7 @@ class DFlashDraftModel(nn.Module):
         target_hidden: torch.Tensor | None,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past: ContextKV | None = None,
+        past: ContextKV | SlotContext | None = None,
     ) -> torch.Tensor:
         """Normed hidden states [B, Lq, H] of the query tokens (see the module docstring for the contract)."""
         b, lq, _ = noise_embedding.shape
@@ -300,6 +341,13 @@ class DFlashDraftModel(nn.Module):
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, expected {lc + lq}")
         dtype = noise_embedding.dtype
         cos, sin = self.rotary(position_ids, dtype)
+        if isinstance(past, SlotContext):
+            if lc or attention_mask is not None:
+                raise ValueError("a SlotContext forward takes neither new context rows nor a mask")
+            h = noise_embedding
+            for i, layer in enumerate(self.layers):
+                h = layer(h, None, None, cos, sin, None, past.layer(i))
+            return self.norm(h)
         ctx = self.fuse_context(target_hidden) if lc else None
         q_pos = position_ids[:, lc:]
         k_pos = position_ids if past is None else torch.cat([past.positions.to(position_ids), position_ids], dim=1)

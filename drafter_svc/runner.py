@@ -6,19 +6,25 @@ k_norm and RoPE at their own positions) and values; a context row is projected e
 block_size - 1 for every sequence, runs one forward over the whole batch (keys padded to the longest context and
 masked), and returns the top-K tokens per position from a float32 log-softmax at temperature 1. Slot i of the block
 predicts the token at its own position (no shift), so position j of the result is slot j + 1. Block K/V are
-never stored.
+never kept: on CUDA (`slot_attention`) a draft writes them into the rows just past each sequence's context, which
+every slot has block_size spare of, and attends over its slot in place; elsewhere the context rows are gathered.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ddtree_serve.kernels import tree_attention
+from ddtree_serve.kernels.tree_attention import TreeKeys
 from ddtree_serve.plumbing.cuda_graphs import GraphCache, SharedOutput, key_buckets, pick_bucket, power_of_two_buckets
 from ddtree_serve.plumbing.host_copy import to_host
-from drafter_svc.dflash_model import ContextKV, DFlashDraftModel, load_target_embeddings
+from drafter_svc.dflash_model import ContextKV, DFlashDraftModel, SlotContext, load_target_embeddings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,7 +126,8 @@ class DrafterRunner:
             raise ValueError(f"mask_token_id {mc.mask_token_id} is outside the target vocabulary")
         self.vocab_size = int(self.lm_head_weight.shape[0])
         # One slot more than max_batch: the scratch slot, where padding rows of a bucketed batch read nothing.
-        shape = (cfg.max_batch + 1, mc.num_key_value_heads, cfg.max_seq_len, mc.head_dim)
+        # block_size rows past max_seq_len: where a draft at the longest context writes its block (slot_attention).
+        shape = (cfg.max_batch + 1, mc.num_key_value_heads, cfg.max_seq_len + mc.block_size, mc.head_dim)
         # One K and one V tensor per layer, slot-major so that a batch of consecutive slots is a view.
         self.k_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(mc.num_hidden_layers)]
         self.v_cache = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(mc.num_hidden_layers)]
@@ -128,6 +135,10 @@ class DrafterRunner:
         self._len: dict[str, int] = {}
         self._free = list(range(cfg.max_batch))
         self._lock = threading.Lock()
+        self.slot_attention = self._choose_slot_attention()
+        # Every block row sees the whole block (tree attention's ancestors, for all batch buckets at once).
+        self._block_sees_block = torch.ones(cfg.max_batch + 1, mc.block_size, mc.block_size, dtype=torch.bool,
+                                            device=self.device)
         if self.device.type == "cuda":   # as the target's glue: compiled on CUDA, plain elsewhere
             self.model.compile_glue()
         self.graphs: DraftGraphs | None = None
@@ -136,6 +147,16 @@ class DrafterRunner:
                                       self.device)
             if not cfg.lazy_graphs:
                 self.warmup()
+
+    def _choose_slot_attention(self) -> bool:
+        """Whether drafts attend in place over the slot cache (ddtree_serve/kernels/tree_attention.py): where the
+        kernel runs and every layer is full and bidirectional, unless DDTREE_TREE_ATTENTION is off."""
+        mc = self.model.config
+        plain = all(mc.layer_window(i) is None and not mc.layer_is_causal(i) for i in range(mc.num_hidden_layers))
+        ok = plain and not tree_attention.switched_off() and tree_attention.available(self.device, mc.head_dim,
+                                                                                        self.dtype)
+        log.info("drafter attention: %s", "Triton tree attention over the slot cache" if ok else "SDPA over gathered rows")
+        return ok
 
     # ------------------------------------------------------------------------------------------------------------
     # Properties
@@ -489,16 +510,22 @@ class DrafterRunner:
         dev = self.device
         bonus, ctx_len, slots = packed[:, 0], packed[:, 1], packed[:, 2]
         b = packed.shape[0]
+        ids = torch.full((b, bs), self.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = bonus
+        noise = self.model.embed(ids, self.embed_weight)
+        positions = ctx_len[:, None] + torch.arange(bs, device=dev)
+        if self.slot_attention:
+            past = SlotContext(self.k_cache, self.v_cache, slots, positions,
+                               TreeKeys(ctx_len, self._block_sees_block[:b]), key_len + bs)
+            h = self.model(noise, None, positions, past=past)
+            logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
+            return torch.log_softmax(logits.float(), dim=-1, out=out)
         keys = [kc[slots, :, :key_len] for kc in self.k_cache]
         values = [vc[slots, :, :key_len] for vc in self.v_cache]
         key_pos = torch.arange(key_len, device=dev).expand(b, key_len)
         valid = key_pos < ctx_len[:, None]  # padding rows of shorter contexts
         mask = torch.cat([valid, torch.ones(b, bs, dtype=torch.bool, device=dev)], dim=1)
         mask = mask[:, None, None, :].expand(b, 1, bs, key_len + bs)
-        ids = torch.full((b, bs), self.mask_token_id, dtype=torch.long, device=dev)
-        ids[:, 0] = bonus
-        noise = self.model.embed(ids, self.embed_weight)
-        positions = ctx_len[:, None] + torch.arange(bs, device=dev)
         h = self.model(noise, None, positions, attention_mask=mask, past=ContextKV(keys, values, key_pos))
         # Only the positions the trees can use go through the head and the softmax.
         logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)

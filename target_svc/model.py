@@ -7,7 +7,6 @@ handling are ours, so that decode/verify can be captured (static shapes, no Pyth
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,8 @@ from torch import Tensor, nn
 
 from ddtree_serve.decoding.acceptance import compaction_indices_batch
 from ddtree_serve.decoding.tree_mask import TreeStructure, tree_attention_mask, tree_structure
-from target_svc import gdn_kernels, tree_attention, tree_layout
+from ddtree_serve.kernels import tree_attention
+from target_svc import gdn_kernels, tree_layout
 from target_svc.gated_deltanet import (
     GdnTreeTrace,
     LinearAttnStateShape,
@@ -44,7 +44,7 @@ from target_svc.hybrid_layers import (
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
 from target_svc.quantization import int8_matmul_backend, linear
-from target_svc.tree_attention import TreeKeys
+from ddtree_serve.kernels.tree_attention import TreeKeys
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,8 @@ class TargetModel:
 
     def _choose_tree_attention(self) -> bool:
         """Whether softmax-attention layers attend through the Triton kernel over the slot cache
-        (target_svc/tree_attention.py): where it runs, unless DDTREE_TREE_ATTENTION is off."""
-        if not self.full_index or os.environ.get(tree_attention.ENV_VAR, "").strip().lower() in ("off", "0", "false"):
+        (ddtree_serve/kernels/tree_attention.py): where it runs, unless DDTREE_TREE_ATTENTION is off."""
+        if not self.full_index or tree_attention.switched_off():
             return False
         ok = tree_attention.available(self.device, self.target.head_dim, self.dtype)
         log.info("attention: %s", "Triton tree attention over the slot cache" if ok else "SDPA over gathered rows")

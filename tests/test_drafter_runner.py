@@ -9,6 +9,7 @@ import torch
 from drafter_svc.runner import DeferredRows, DrafterConfig, DrafterRunner, DraftItem
 from tests.fixtures import make_tiny_qwen3
 from tests.fixtures.tiny_drafter import make_tiny_drafter
+from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted, needs_triton
 
 BS = 8  # block size of the test drafters (small, to keep the tests fast)
 
@@ -276,3 +277,37 @@ def test_an_early_push_whose_header_is_out_of_range_fails_that_sequence_alone(di
     assert b.error is None and b.context_len == 2 and b.logprobs is not None
     assert isinstance(c.error, ValueError) and "expected 0" in str(c.error)
     assert d.error is None and d.context_len == 1 and d.logprobs is None   # stored, but nothing to draft from
+
+
+INTERPRETED_SLOT_DRAFT = """
+import sys, torch
+from drafter_svc.runner import DrafterConfig, DrafterRunner, DraftItem
+from tests.fixtures import make_tiny_qwen3
+from tests.fixtures.tiny_drafter import make_tiny_drafter
+from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted, needs_triton
+root = sys.argv[1]
+target = make_tiny_qwen3(root + "/target")
+drafter = make_tiny_drafter(root + "/drafter", target, seed=1, block_size=8, target_layer_ids=[0, 2])
+runner = DrafterRunner(DrafterConfig(str(drafter), str(target), max_batch=3, max_seq_len=48))
+assert not runner.slot_attention   # a CPU: the gathered rows
+gen = torch.Generator().manual_seed(0)
+for seq, n in (("a", 9), ("b", 40), ("c", 1)):   # contexts of different lengths, one of a single row
+    runner.add_context(seq, 0, torch.randn(n, runner.feature_dim, generator=gen))
+items = [DraftItem("a", 5, 9), DraftItem("b", 7, 40), DraftItem("c", 3, 1)]
+drafts = []
+for on in (False, True, False):   # the gather path again after the in-place one: its block rows change nothing
+    runner.slot_attention = on    # the kernel, forced on where it would not be chosen (a CPU, float32)
+    drafts.append(runner.draft(items, 6))
+for lp, ids in drafts[1:]:
+    assert torch.equal(ids, drafts[0][1])
+    assert (lp - drafts[0][0]).abs().max().item() <= 1e-4 * drafts[0][0].abs().max().item()
+print("ok")
+"""
+
+
+@needs_triton
+def test_a_draft_attending_in_place_over_its_slot_equals_the_gathered_rows(tmp_path):
+    """DrafterRunner.slot_attention under Triton's interpreter (float32): three sequences of 1, 9 and 40 context
+    rows drafted at once, the block's K/V written past each context and the kernel reading the slots in place,
+    against SDPA over the gathered rows; and the gathered path unchanged after it."""
+    _run_interpreted(INTERPRETER_PATCH + INTERPRETED_SLOT_DRAFT.replace("sys.argv[1]", repr(str(tmp_path))))

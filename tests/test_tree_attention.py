@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from target_svc.tree_attention import MAX_BLOCK_NODES, choose_config
+from ddtree_serve.kernels.tree_attention import MAX_BLOCK_NODES, choose_config
 from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted, needs_triton
 
 
@@ -41,7 +41,7 @@ def test_a_tree_block_of_one_sequence_takes_narrow_tiles_and_a_wide_batch_keeps_
 INTERPRETED_ATTENTION = """
 import torch, torch.nn.functional as F
 from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, tree_attention_mask
-from target_svc.tree_attention import SplitConfig, TreeKeys, choose_config, tree_attention
+from ddtree_serve.kernels.tree_attention import SplitConfig, TreeKeys, choose_config, tree_attention
 torch.manual_seed(0)
 for heads, kv_heads, head_dim, nodes in [(8, 2, 64, 1), (8, 2, 64, 5), (4, 4, 64, 17)]:
     bsz, dtype = 3, torch.float16

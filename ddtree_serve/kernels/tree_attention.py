@@ -1,7 +1,7 @@
 """Tree attention over the slot cache through Triton (CUDA): what a verify or decode step's attention layers run
 instead of gathering each sequence's rows and calling SDPA with a dense mask.
 
-The kernels are in target_svc/tree_attention_kernels.py (see there for the split over keys and the merge); this
+The kernels are in ddtree_serve/kernels/tree_attention_kernels.py (see there for the split over keys and the merge); this
 module checks what they take, picks the split from the shape alone (no autotuning: a captured graph replays what
 its warm-up compiled), and launches them. The PyTorch path (model._attend with SDPA and
 ddtree_serve.decoding.tree_mask.tree_attention_mask) stays the CPU path and the reference of the GPU tests.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,11 @@ class SplitConfig:
     num_stages: int = 2
 
 
+def switched_off() -> bool:
+    """True when DDTREE_TREE_ATTENTION turns the kernel off (SDPA over gathered rows in both services)."""
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("off", "0", "false", "no")
+
+
 def available(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
     """True when the kernels can run: CUDA of compute capability >= 8.0, Triton installed, a head_dim and dtype
     they take."""
@@ -91,14 +97,16 @@ def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: in
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, keys: TreeKeys, key_len: int,
-                   scale: float, config: SplitConfig | None = None) -> Tensor:
-    """q [B, T, n_heads, D] (the block's queries, RoPE applied) against rows [0, ctx_len + T) of each sequence's
-    slot in k_cache / v_cache [slots, capacity, n_kv, D] (the block's own K/V written there already) ->
-    [B, T, n_heads, D] in q's dtype. key_len >= every ctx_len + T (it sizes the split, so a captured graph keeps
+                   scale: float, config: SplitConfig | None = None, heads_first: bool = False) -> Tensor:
+    """q [B, T, n_heads, D] (the block's queries, RoPE applied; any strides but the last) against rows
+    [0, ctx_len + T) of each sequence's slot in k_cache / v_cache [slots, capacity, n_kv, D] (the target's
+    layout; heads_first: [slots, n_kv, capacity, D], the drafter's), the block's own K/V written there already
+    -> [B, T, n_heads, D] in q's dtype. key_len >= every ctx_len + T (it sizes the split, so a captured graph keeps
     its key bucket's)."""
-    kernels = importlib.import_module("target_svc.tree_attention_kernels")
+    kernels = importlib.import_module("ddtree_serve.kernels.tree_attention_kernels")
     bsz, tmax, n_heads, head_dim = q.shape
-    num_kv = k_cache.shape[2]
+    row_dim, head_dim_at = (2, 1) if heads_first else (1, 2)
+    num_kv = k_cache.shape[head_dim_at]
     if n_heads % num_kv or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"tree_attention: q {tuple(q.shape)} against k {tuple(k_cache.shape)}, "
                          f"v {tuple(v_cache.shape)}")
@@ -119,8 +127,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
         q, k_cache, v_cache, slots, keys.ctx_lens, anc, acc, lse, out,
         tmax, rows, cfg.splits, cfg.split_len, scale, slots.stride(0), keys.ctx_lens.stride(0),
         q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(row_dim), k_cache.stride(head_dim_at),
+        v_cache.stride(0), v_cache.stride(row_dim), v_cache.stride(head_dim_at),
         anc.stride(0), anc.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         REP=rep, NUM_KV=num_kv, SPLIT=cfg.splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -1,7 +1,7 @@
 """Triton kernels of tree attention over the slot cache: a verify block's queries against its sequence's cached
 keys, split over the keys (flash-decoding), for the few query rows of a decode or verify step.
 
-Imported only where Triton is installed (target_svc/tree_attention.py imports it lazily and owns the launch
+Imported only where Triton is installed (ddtree_serve/kernels/tree_attention.py imports it lazily and owns the launch
 logic). Why not SDPA: the reference path gathers each sequence's rows out of the cache (two copies per layer), and
 cuDNN's flash kernel gives a 1-token decode one program per KV head, which walks all keys alone (~27 us per layer at
 the 8B shape on the H200, against ~1 us of reading). Here each program takes one KV head, one block of stacked
