@@ -314,8 +314,8 @@ class DrafterRunner:
             # Every host -> device copy before the wait: a copy from pageable memory may wait for the stream, and
             # the stream is about to wait for the target's verify.
             store_index, bucket = self._deferred_store_index(held)
-            starts, slots = torch.tensor([[e.start, slot] for _, e, slot, _ in held],
-                                         dtype=torch.long).T.to(dev, non_blocking=True)
+            starts, slots, widths = torch.tensor([[e.start, slot, w] for _, e, slot, w in held],
+                                                 dtype=torch.long).T.to(dev, non_blocking=True)
             pad = self._pack([], shape[0])[len(held):].to(dev, non_blocking=True) if shape is not None else None
             timer = _DeviceTimer(dev)
             if ready is not None:
@@ -325,7 +325,8 @@ class DrafterRunner:
             self._store_deferred(held, headers, store_index, bucket)
             # The drafts: (bonus, context length, slot) per sequence, from the headers on the device.
             bonus = headers[:, 1].clamp(0, self.embed_weight.shape[0] - 1)   # checked on the host below
-            packed = torch.stack([bonus, starts + headers[:, 0].clamp(min=0), slots], dim=1)
+            # A header past its rows (refused on the host below) must not send the draft past the slot's rows.
+            packed = torch.stack([bonus, starts + torch.minimum(headers[:, 0].clamp(min=0), widths), slots], dim=1)
             if shape is None:
                 logprobs = self._draft_logprobs(packed, lmax, depth)
             else:
