@@ -12,8 +12,9 @@
 #              (bench.tree_attention_kernel --sweep)
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8; STEP8_ARGS e.g. --nodes 1,16,65,129, STEP8_S)
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
-#   speed8b    calibrated speed through the services at batch 1 and 8 (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_ARGS
-#              e.g. --no-hf-batch, SPEED8_S: its time limit; step sockets, the gateway polling STEP_SPIN_US=20000)
+#   speed8b    calibrated speed through the services at batch 1 and 8, 32 prompts x 256 tokens, transformers on one
+#              prompt (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_ARGS adds flags, SPEED8_S: its time limit, ~300 s on an
+#              H100; step sockets, the gateway polling STEP_SPIN_US=20000)
 #   overheadab the step's host overhead, variants of one call: base, spin (--step-spin-us 20000), pin (--pin-cpus),
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
@@ -25,7 +26,7 @@
 #   int8       bf16 / int8 / int4 step costs at the 8B shape (builds /tmp/w8 unless there), kernel microbench
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
-#   report     bench/results/h200.{md,json} from what the run produced
+#   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
 #   fitbuild   the Qwen3.6-27B checkpoint with all 64 layers (builds /tmp/wfit: ~58 GB of a 64 GiB disk, so it
 #              removes /tmp/w8 and /tmp/w27 first)
 #   fitwarm    the kernel warm-up passes of that target alone (target_svc.kernel_warmup; ~4 min on a cold machine)
@@ -47,6 +48,10 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PROFILE=${CALIB_PROFILE:-bench/results/calibration-profile-smollm2.steps.npz}   # step replay (gateway/replay_profile.py)
 CALIB=(--no-assisted --calibrated "$PROFILE" --calibrate-chain-tau 7.79 --transport cuda-ipc)
+report_stem() {   # h200 on an H200, h100 on an H100 (the report names its files after the GPU it measured)
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE "h[0-9]+" | tr 'H' 'h' \
+    | grep . || echo gpu
+}
 record_services() {   # $1: the speed log to watch; py-spy on the three services for PYSPY_S seconds
   [ -n "${PYSPY_S:-}" ] || return 0
   (for _ in $(seq 600); do grep -q "services up" "$1" 2>/dev/null && break; sleep 0.5; done
@@ -86,8 +91,9 @@ for s in $SECTIONS; do
       tail -2 "$R/w8-build.log" ;;
     speed8b)
       record_services "$R/speed-8b.log"
-      timeout ${SPEED8_S:-290} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
-        --dtype bfloat16 --num-prompts 8 --max-tokens 96 --batch 8 --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
+      timeout ${SPEED8_S:-420} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
+        --dtype bfloat16 --num-prompts 32 --max-tokens 256 --hf-prompts 1 --no-hf-batch --batch 8 \
+        --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
         --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} ${SPEED8_ARGS:-} --out-dir "$R" \
         --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
       grep -E "tok/s|segments|CALIB|Error|error" "$R/speed-8b.log" | tail -20 ;;
@@ -189,7 +195,7 @@ for s in $SECTIONS; do
       done
       python3 -m bench.h200_report "${QUANT[@]}" ${QUALITY:+--quality "$QUALITY"} ${STEP8:+--step-cost "$STEP8"} ${SPEED8:+--speed "$SPEED8"} \
         ${HYB_STEP:+--hybrid-step-cost "$HYB_STEP"} ${HYB_SPEED:+--hybrid-speed "$HYB_SPEED"} ${FIT:+--fit "$FIT"} \
-        --out-dir "$R" > "$R/report.log" 2>&1
+        --stem "$(report_stem)" --out-dir "$R" > "$R/report.log" 2>&1
       tail -40 "$R/report.log" ;;
   esac
   tar czf "$OUT/h200-results.tgz" -C "$R" .   # after every section: a run cut short still returns what it made
