@@ -77,6 +77,12 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     return apply_rope(rms_norm(x, weight, eps).transpose(1, 2), cos, sin)
 
 
+def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logsumexp over the last dim: log-probs are logits - log_normalizer(logits), without writing a
+    float32 copy of the whole [.., vocab] row first."""
+    return torch.logsumexp(logits.float(), dim=-1)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's SiLU(gate) * up."""
     return F.silu(gate) * up
@@ -261,11 +267,13 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
         self.gradient_checkpointing = False
+        self.log_normalizer = log_normalizer   # compiled by compile_glue
 
     def compile_glue(self) -> None:
-        """The norms, norm + RoPE and SiLU x up through torch.compile (one Triton kernel each, in place of ~6, ~10
-        and 2), for inference on CUDA; the plain functions stay the reference (training, the CPU)."""
-        norm, qk, swiglu = compile_all((rms_norm, norm_rope, silu_mul), True)
+        """The norms, norm + RoPE, SiLU x up and the logits' normalizer through torch.compile (one Triton kernel
+        each, in place of ~6, ~10, 2 and a float32 copy plus two reductions), for inference on CUDA; the plain
+        functions stay the reference (training, the CPU)."""
+        norm, qk, swiglu, self.log_normalizer = compile_all((rms_norm, norm_rope, silu_mul, log_normalizer), True)
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fn = norm

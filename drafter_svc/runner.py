@@ -45,15 +45,16 @@ class DraftGraphs:
     """Captured drafter steps: the block forward per (batch, context bucket), and the storing of a push's context
     rows per row bucket. Top-k runs after the graph, so the drafts' K is not part of any key."""
 
-    def __init__(self, max_batch: int, max_seq_len: int, depth: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_seq_len: int, depth: int, vocab_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
         self.batch_buckets = power_of_two_buckets(max_batch)
         self.key_buckets = key_buckets(max_seq_len)
         # A step pushes each sequence's accepted rows (at most a block): up to max_batch * 16 rows together.
         self.row_buckets = power_of_two_buckets(16 * max_batch)
         self.cache = GraphCache("drafter block forward")
-        # Every block forward writes its [batch, depth, vocab] log-probs here (one buffer, not one per bucket:
-        # ~1.3 GiB over the buckets at a 248k vocabulary).
-        self.logprobs_out = SharedOutput(self.batch_buckets[-1] * depth * vocab_size, torch.float32, device)
+        # Every block forward writes its [batch, depth, vocab] logits here (one buffer, not one per bucket:
+        # ~0.7 GiB over the buckets at a 248k vocabulary), beside its own [batch, depth] float32 normalizers.
+        self.logits_out = SharedOutput(self.batch_buckets[-1] * depth * vocab_size, dtype, device)
 
     def rows_bucket(self, rows: int) -> int | None:
         """Bucket of a push's context rows (a step's accepted rows); None past it (prompt pushes run eagerly)."""
@@ -144,7 +145,7 @@ class DrafterRunner:
         self.graphs: DraftGraphs | None = None
         if not cfg.enforce_eager and self.device.type == "cuda":
             self.graphs = DraftGraphs(cfg.max_batch, cfg.max_seq_len, self.block_size - 1, self.vocab_size,
-                                      self.device)
+                                      self.device, self.dtype)
             if not cfg.lazy_graphs:
                 self.warmup()
 
@@ -328,10 +329,10 @@ class DrafterRunner:
             # A header past its rows (refused on the host below) must not send the draft past the slot's rows.
             packed = torch.stack([bonus, starts + torch.minimum(headers[:, 0].clamp(min=0), widths), slots], dim=1)
             if shape is None:
-                logprobs = self._draft_logprobs(packed, lmax, depth)
+                logits, lse = self._draft_logits(packed, lmax, depth)
             else:
-                logprobs = self._block_graph(*shape)(torch.cat([packed, pad]))
-            values, ids = torch.topk(logprobs[:len(held), :depth], k, dim=-1, sorted=True)
+                logits, lse = self._block_graph(*shape)(torch.cat([packed, pad]))
+            values, ids = top_logprobs(logits, lse, len(held), depth, k)
             timer.stop()
             values, ids, headers = to_host(values, ids, headers)
             for b, (i, e, _, width) in enumerate(held):
@@ -452,24 +453,24 @@ class DrafterRunner:
             shape = self.graphs.shape_for(len(items), lmax) if self.graphs is not None else None
             if shape is None:
                 packed = self._pack(rows, len(items)).to(self.device, non_blocking=True)
-                logprobs = self._draft_logprobs(packed, lmax, depth)
+                logits, lse = self._draft_logits(packed, lmax, depth)
             else:
                 # One graph per (batch, context bucket): every depth is computed and the wanted ones sliced, so the
                 # shrinking depths at the end of a request need no new captures.
                 batch, keys = shape
                 packed = self._pack(rows, batch).to(self.device, non_blocking=True)
-                logprobs = self._block_graph(batch, keys)(packed)
+                logits, lse = self._block_graph(batch, keys)(packed)
             n = len(items)
             # Top-k outside the graph (one kernel): K varies with the budget, and the result is a fresh tensor that
             # the next replay does not overwrite.
-            return torch.topk(logprobs[:n, :depth], k, dim=-1, sorted=True)
+            return top_logprobs(logits, lse, n, depth, k)
 
     def _block_graph(self, batch: int, keys: int):
         """The captured block forward of a (batch, context) bucket (captured on first use)."""
         depth = self.block_size - 1
         fresh = (batch, keys) not in self.graphs.cache.graphs
-        out = self.graphs.logprobs_out.view(batch, depth, self.vocab_size) if fresh else None
-        return self.graphs.cache.get((batch, keys), lambda p: self._draft_logprobs(p, keys, depth, out=out),
+        out = self.graphs.logits_out.view(batch, depth, self.vocab_size) if fresh else None
+        return self.graphs.cache.get((batch, keys), lambda p: self._draft_logits(p, keys, depth, out=out),
                                      lambda: [self._pack([], batch).to(self.device)])
 
     def _store_graph(self, rows: int):
@@ -503,10 +504,10 @@ class DrafterRunner:
             packed[: len(rows)] = torch.tensor(rows, dtype=torch.long)
         return packed
 
-    def _draft_logprobs(self, packed: torch.Tensor, key_len: int, depth: int,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-        """The device part of a draft: block forward over the packed rows -> fp32 log-probs [B, depth, V] of the
-        positions the trees can use (no host sync), written into out when given."""
+    def _draft_logits(self, packed: torch.Tensor, key_len: int, depth: int, out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device part of a draft: block forward over the packed rows -> (logits [B, depth, V] of the positions
+        the trees can use, written into out when given; their float32 log-normalizers [B, depth]), no host sync."""
         bs = self.block_size
         dev = self.device
         bonus, ctx_len, slots = packed[:, 0], packed[:, 1], packed[:, 2]
@@ -519,18 +520,33 @@ class DrafterRunner:
             past = SlotContext(self.k_cache, self.v_cache, slots, positions,
                                TreeKeys(ctx_len, self._block_sees_block[:b]), key_len + bs)
             h = self.model(noise, None, positions, past=past)
-            logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
-            return torch.log_softmax(logits.float(), dim=-1, out=out)
+        else:
+            h = self._gathered_forward(noise, positions, ctx_len, slots, key_len)
+        # Only the positions the trees can use go through the head and the normalizer.
+        logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
+        lse = self.model.log_normalizer(logits)
+        return (logits if out is None else out.copy_(logits)), lse
+
+    def _gathered_forward(self, noise: torch.Tensor, positions: torch.Tensor, ctx_len: torch.Tensor,
+                          slots: torch.Tensor, key_len: int) -> torch.Tensor:
+        """The block forward over each sequence's context rows [0, key_len) gathered out of the cache, masked."""
+        bs, dev = self.block_size, self.device
+        b = noise.shape[0]
         keys = [kc[slots, :, :key_len] for kc in self.k_cache]
         values = [vc[slots, :, :key_len] for vc in self.v_cache]
         key_pos = torch.arange(key_len, device=dev).expand(b, key_len)
         valid = key_pos < ctx_len[:, None]  # padding rows of shorter contexts
         mask = torch.cat([valid, torch.ones(b, bs, dtype=torch.bool, device=dev)], dim=1)
         mask = mask[:, None, None, :].expand(b, 1, bs, key_len + bs)
-        h = self.model(noise, None, positions, attention_mask=mask, past=ContextKV(keys, values, key_pos))
-        # Only the positions the trees can use go through the head and the softmax.
-        logits = self.model.compute_logits(h[:, 1 : 1 + depth], self.lm_head_weight)
-        return torch.log_softmax(logits.float(), dim=-1, out=out)
+        return self.model(noise, None, positions, attention_mask=mask, past=ContextKV(keys, values, key_pos))
+
+
+def top_logprobs(logits: torch.Tensor, lse: torch.Tensor, n: int, depth: int, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k float32 log-probs [n, depth, k] (descending) and their token ids of the first n rows' first depth
+    positions: the top-k of the logits (the same order: log-softmax is monotone) less each row's normalizer."""
+    values, ids = torch.topk(logits[:n, :depth], k, dim=-1, sorted=True)
+    return values.float() - lse[:n, :depth, None], ids
 
 
 class _DeviceTimer:

@@ -199,17 +199,20 @@ def test_a_prefetched_draft_answers_only_the_draft_it_was_made_for():
     assert not d.answers(DraftItem("s", 4, 10), top_k=16, depth=15)   # wider than drafted
 
 
-def test_the_block_forward_writes_its_log_probs_into_a_given_buffer(dirs):
-    """What the captured block forwards rely on (they share one output buffer): the same log-probs, in place."""
+def test_the_block_forward_writes_its_logits_into_a_given_buffer_and_normalizes_them(dirs):
+    """What the captured block forwards rely on (they share one output buffer): the same logits, in place, and
+    normalizers that make them the log-softmax's log-probs."""
     r = _runner(dirs, "full", max_batch=2, max_seq_len=64)
     r.add_context("a", 0, torch.randn(11, r.feature_dim, generator=torch.Generator().manual_seed(3)))
     packed = r._pack([(7, 11, r._slot["a"])], 2)
     with torch.no_grad():
-        want = r._draft_logprobs(packed, 16, BS - 1)
+        want, want_lse = r._draft_logits(packed, 16, BS - 1)
         out = torch.full_like(want, float("nan"))
-        got = r._draft_logprobs(packed, 16, BS - 1, out=out)
+        got, lse = r._draft_logits(packed, 16, BS - 1, out=out)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    torch.testing.assert_close(want - lse[..., None], torch.log_softmax(want.float(), -1), atol=1e-5, rtol=0)
 
 
 def test_cache_usage_never_waits_for_the_model_threads_lock(dirs):
