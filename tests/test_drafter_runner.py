@@ -314,3 +314,16 @@ def test_a_draft_attending_in_place_over_its_slot_equals_the_gathered_rows(tmp_p
     rows drafted at once, the block's K/V written past each context and the kernel reading the slots in place,
     against SDPA over the gathered rows; and the gathered path unchanged after it."""
     _run_interpreted(INTERPRETER_PATCH + INTERPRETED_SLOT_DRAFT.replace("sys.argv[1]", repr(str(tmp_path))))
+
+
+def test_drafts_attend_in_place_only_where_the_kernel_runs_and_every_layer_is_full_and_bidirectional(dirs, monkeypatch):
+    """The choice at load: a full-attention drafter takes the kernel where it is available; a drafter with sliding
+    layers keeps the gathered rows (the kernel has no window); DDTREE_TREE_ATTENTION=off turns it off."""
+    from ddtree_serve.kernels import tree_attention
+
+    assert not _runner(dirs, "full").slot_attention   # a CPU: the kernel is not available
+    monkeypatch.setattr(tree_attention, "available", lambda device, head_dim, dtype: True)
+    assert _runner(dirs, "full").slot_attention
+    assert not _runner(dirs, "mixed").slot_attention
+    monkeypatch.setenv(tree_attention.ENV_VAR, "off")
+    assert not _runner(dirs, "full").slot_attention
