@@ -156,7 +156,8 @@ class DrafterRunner:
         plain = all(mc.layer_window(i) is None and not mc.layer_is_causal(i) for i in range(mc.num_hidden_layers))
         ok = plain and not tree_attention.switched_off() and tree_attention.available(self.device, mc.head_dim,
                                                                                         self.dtype)
-        log.info("drafter attention: %s", "Triton tree attention over the slot cache" if ok else "SDPA over gathered rows")
+        log.info("drafter attention: %s",
+                 "Triton tree attention over the slot cache" if ok else "SDPA over gathered rows")
         return ok
 
     # ------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
-"""Tree attention over the slot cache through Triton (CUDA): what a verify or decode step's attention layers run
-instead of gathering each sequence's rows and calling SDPA with a dense mask.
+"""Tree attention over the slot cache through Triton (CUDA): what the target's verify and decode blocks and the
+drafter's block attend with, instead of gathering each sequence's rows and calling SDPA with a dense mask.
 
-The kernels are in ddtree_serve/kernels/tree_attention_kernels.py (see there for the split over keys and the merge); this
-module checks what they take, picks the split from the shape alone (no autotuning: a captured graph replays what
-its warm-up compiled), and launches them. The PyTorch path (model._attend with SDPA and
+The kernels are in tree_attention_kernels.py beside this module (see there for the split over keys and the merge);
+this module checks what they take, picks the split from the shape alone (no autotuning: a captured graph replays
+what its warm-up compiled), and launches them. The PyTorch path (model._attend with SDPA and
 ddtree_serve.decoding.tree_mask.tree_attention_mask) stays the CPU path and the reference of the GPU tests.
 """
 from __future__ import annotations
