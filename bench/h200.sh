@@ -7,6 +7,7 @@
 #              kernels, the WY kernel's root step, three launches and pooled states, the compiled hybrid tree glue
 #              and commit, graphs == eager with the shared structure and model-dtype logits; 2026-12-05: cuda-ipc
 #              early pushes behind the interprocess event, the services over cuda-ipc with and without them)
+#   attnprof   Nsight Compute (where installed) on the tree-attention split kernel of a 65-node block (ATTN_PROF_NODES)
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel)
 #   attnsweep  the tree-attention kernel's tilings and key splits for decode and verify blocks at the 8B and 27B heads
 #              (bench.tree_attention_kernel --sweep)
@@ -79,6 +80,15 @@ for s in $SECTIONS; do
       timeout ${ATTN_SWEEP_S:-360} python3 -m bench.tree_attention_kernel --sweep ${ATTN_ARGS:-} --out-dir "$R" \
         > "$R/tree-attention-kernel.log" 2>&1
       grep "^|" "$R/tree-attention-kernel.log" | head -80 ;;
+    attnprof)   # Nsight Compute on the split kernel of one 65-node block at the 8B heads (why every tiling lands 18-26 us)
+      if command -v ncu > /dev/null; then
+        timeout ${ATTN_PROF_S:-240} ncu --kernel-name tree_attention_split_kernel --launch-skip 3 --launch-count 1 \
+          --set full python3 -m bench.tree_attention_kernel --shapes 8b --nodes ${ATTN_PROF_NODES:-65} --batches 1 \
+          --calls 1 --replays 3 > "$R/tree-attention-ncu.txt" 2>&1
+        grep -E "Duration|Throughput|Stall|Occupancy|Registers|Warp Cycles" "$R/tree-attention-ncu.txt" | head -40
+      else
+        echo "no ncu on this machine"
+      fi ;;
     treekernel)   # the fused tree WY core against the PyTorch one at 27B heads, every tiling of the sweep
       timeout ${TREE_BENCH_S:-300} python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
       grep "^|" "$R/gdn-tree-kernel.log" | head -60 ;;
