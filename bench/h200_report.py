@@ -166,7 +166,7 @@ def main(argv=None) -> None:
     p.add_argument("--note", action="append", default=[], help="a line for the report's Notes section")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     p.add_argument("--stem", default="h200",
-                   help="names the outputs <stem>.{md,json} and <stem>-tokens-per-s.png (another GPU's run: e.g. h100)")
+                   help="names the outputs <stem>.{md,json} and <stem>-tokens-per-s.png (another GPU's run: h100)")
     args = p.parse_args(argv)
     step, speed = _load(args.step_cost), _load(args.speed)
     hstep, hspeed = _load(args.hybrid_step_cost), _load(args.hybrid_speed)

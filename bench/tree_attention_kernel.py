@@ -1,10 +1,11 @@
 """The tree-attention kernel's tiling and key split, swept on the GPU at the shapes a step attends with.
 
-A verify step's attention layers run ddtree_serve/kernels/tree_attention.py's split kernel (and its merge). On the H200 at
-the 8B shape (bench/results/step-cost-qwen3-8b-cuda-nvidia-h200.md, 20:42) the split kernel cost ~5 us a layer for
-a 1-token decode and ~22 us for a 65-node tree, whose work is a few 64 x 64 x 128 dots per program: this measures
-which tiling and split a block of each size wants. Cases (bf16): Qwen3-8B's heads (32 query / 8 KV, head dim
-128) and the Qwen3.6-27B's gated attention (24 / 4, 256); blocks of 1, 17, 65 and 129 nodes (random trees of depth
+A verify step's attention layers run ddtree_serve/kernels/tree_attention.py's split kernel (and its merge). On the
+H200 at the 8B shape (bench/results/step-cost-qwen3-8b-cuda-nvidia-h200.md, 20:42) the split kernel cost ~5 us a
+layer for a 1-token decode and ~22 us for a 65-node tree, whose work is a few 64 x 64 x 128 dots per program: this
+measures which tiling and split a block of each size wants (the H100 sweep of 2026-12-05 is in
+bench/results/h100-tree-attention-2026-12-05/). Cases (bf16): Qwen3-8B's heads (32 query / 8 KV, head dim 128)
+and the Qwen3.6-27B's gated attention (24 / 4, 256); blocks of 1, 17, 65 and 129 nodes (random trees of depth
 <= 16) after a 512-token context, in the key bucket a captured graph uses (1024); batch 1 and 8. Each config:
 --calls calls captured in one CUDA graph, median of --replays replays per call (bench/gdn_kernels.time_per_call),
 and its agreement with SDPA over the gathered, masked rows (max |diff| / max |ref|).

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ddtree_serve.decoding.acceptance import compaction_indices_batch
 from ddtree_serve.decoding.tree_mask import TreeStructure, tree_attention_mask, tree_structure
 from ddtree_serve.kernels import tree_attention
+from ddtree_serve.kernels.tree_attention import TreeKeys
 from target_svc import gdn_kernels, tree_layout
 from target_svc.gated_deltanet import (
     GdnTreeTrace,
@@ -44,7 +45,6 @@ from target_svc.hybrid_layers import (
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.loader import FULL_ATTENTION, LoadedTarget
 from target_svc.quantization import int8_matmul_backend, linear
-from ddtree_serve.kernels.tree_attention import TreeKeys
 
 log = logging.getLogger(__name__)
 

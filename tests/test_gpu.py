@@ -105,7 +105,8 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
         assert rows == {graphs._rows_out.buffer.data_ptr()}
         assert not graphs._traces
         drafts = [g for key, g in drafter_runner.graphs.cache.graphs.items() if key[0] != "context"]
-        assert {g.outputs[0].data_ptr() for g in drafts} == {drafter_runner.graphs.logits_out.buffer.data_ptr()}
+        shared_logits = drafter_runner.graphs.logits_out.buffer.data_ptr()
+        assert {g.outputs[0].data_ptr() for g in drafts} == {shared_logits}
         # a capture that records no kernel would replay nothing: every cache names its empty captures
         caches = (graphs.forwards, graphs.walks, graphs.commits, drafter_runner.graphs.cache)
         assert {c.name: c.empty_keys for c in caches if c.empty_keys} == {}
