@@ -82,7 +82,7 @@ for s in $SECTIONS; do
       grep "^|" "$R/tree-attention-kernel.log" | head -80 ;;
     attnprof)   # Nsight Compute on the split kernel of one 65-node block at the 8B heads (why every tiling lands 18-26 us)
       if command -v ncu > /dev/null; then
-        timeout ${ATTN_PROF_S:-240} ncu --kernel-name tree_attention_split_kernel --launch-skip 3 --launch-count 1 \
+        timeout ${ATTN_PROF_S:-240} ncu --clock-control none --kernel-name tree_attention_split_kernel --launch-skip 3 --launch-count 1 \
           --set full python3 -m bench.tree_attention_kernel --shapes 8b --nodes ${ATTN_PROF_NODES:-65} --batches 1 \
           --calls 1 --replays 3 > "$R/tree-attention-ncu.txt" 2>&1
         grep -E "Duration|Throughput|Stall|Occupancy|Registers|Warp Cycles" "$R/tree-attention-ncu.txt" | head -40
