@@ -93,7 +93,7 @@ def sweep_grid(rows: int, head_dim: int):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from target_svc import tree_attention
+    from ddtree_serve.kernels import tree_attention
 
     if not torch.cuda.is_available() or not tree_attention.available(torch.device("cuda"), 128, torch.bfloat16):
         print("needs a CUDA device of sm_80+ and triton", file=sys.stderr)

@@ -112,3 +112,11 @@ def test_the_target_model_with_the_kernel_forced_on_gives_the_logits_of_sdpa(tmp
     """TargetModel's dispatch end to end under Triton's interpreter (float32): a padded prefill chain and a tree
     block over two slots of different context lengths, the kernel against SDPA over the gathered masked rows."""
     _run_interpreted(INTERPRETER_PATCH + INTERPRETED_MODEL.replace("sys.argv[1]", repr(str(tmp_path / "qwen3"))))
+
+
+def test_the_kernel_benchmark_refuses_a_machine_without_cuda_with_a_message(capsys):
+    """bench.tree_attention_kernel imports the kernel's launcher and says why it cannot run, on a CPU machine."""
+    from bench import tree_attention_kernel
+
+    assert tree_attention_kernel.main(["--shapes", "8b", "--nodes", "1"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
