@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ddtree_serve.fused_rows import fuse_rows
 from ddtree_serve.kernels.tree_attention import TreeKeys, tree_attention
 from ddtree_serve.plumbing.compiled import compile_all
 from ddtree_serve.rope import rotate_half
@@ -75,6 +76,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Per-head RMSNorm of x [B, L, heads, D], as [B, heads, L, D], rotated by cos/sin [B, L, D]."""
     return apply_rope(rms_norm(x, weight, eps).transpose(1, 2), cos, sin)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum h + delta and its RMSNorm (one kernel once compiled, in place of an add and a norm)."""
+    h = h + delta
+    return h, rms_norm(h, weight, eps)
 
 
 def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
@@ -183,14 +191,37 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.norm_rope = norm_rope   # compiled by DFlashDraftModel.compile_glue
+        # q, k, v rows in one tensor once fuse_projections ran (inference): one GEMM in place of three.
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """q/k/v through one GEMM from now on (k/v through one for the context), on views of the same weights."""
+        self.qkv_weight, self.qkv_bias = fuse_rows((self.q_proj, self.k_proj, self.v_proj))
+
+    def _projections(self, x: torch.Tensor, queries: bool
+                     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(q or None, k, v) projections of x [B, L, H], each [B, L, heads * head_dim], before norms and RoPE."""
+        if self.qkv_weight is None:
+            return (self.q_proj(x) if queries else None), self.k_proj(x), self.v_proj(x)
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        if queries:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([nq, nkv, nkv], dim=-1)
+            return q, k, v
+        bias = None if self.qkv_bias is None else self.qkv_bias[nq:]
+        k, v = F.linear(x, self.qkv_weight[nq:], bias).split([nkv, nkv], dim=-1)
+        return None, k, v
+
+    def _key_heads(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected k, v [B, L, n_kv * head_dim] -> k (k_norm + RoPE), v (raw), each [B, n_kv, L, head_dim]."""
+        k = self.norm_rope(k.unflatten(-1, (self.n_kv, self.head_dim)), self.k_norm.weight, self.k_norm.eps, cos, sin)
+        return k, v.unflatten(-1, (self.n_kv, self.head_dim)).transpose(1, 2)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, H] -> k (k_norm + RoPE), v (raw), each [B, n_kv, L, head_dim]."""
-        b, n, _ = x.shape
-        k = self.norm_rope(self.k_proj(x).view(b, n, self.n_kv, self.head_dim), self.k_norm.weight, self.k_norm.eps,
-                           cos, sin)
-        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
-        return k, v
+        _, k, v = self._projections(x, queries=False)
+        return self._key_heads(k, v, cos, sin)
 
     def forward(
         self,
@@ -205,9 +236,10 @@ class DFlashAttention(nn.Module):
         """x [B, Lq, H] (normed block), context K/V [B, n_kv, Lk, D] or None, cos/sin of the queries; or, with
         slot, the context read in place from the cache (the block's K/V written there first; no mask)."""
         b, lq, _ = x.shape
-        q = self.norm_rope(self.q_proj(x).view(b, lq, self.n_heads, self.head_dim), self.q_norm.weight,
-                           self.q_norm.eps, cos, sin)
-        k, v = self.project_kv(x, cos, sin)
+        q, k, v = self._projections(x, queries=True)
+        q = self.norm_rope(q.unflatten(-1, (self.n_heads, self.head_dim)), self.q_norm.weight, self.q_norm.eps, cos,
+                           sin)
+        k, v = self._key_heads(k, v, cos, sin)
         if slot is not None:
             slot.k_cache[slot.slots[:, None], :, slot.rows] = k.transpose(1, 2)
             slot.v_cache[slot.slots[:, None], :, slot.rows] = v.transpose(1, 2)
@@ -235,9 +267,18 @@ class DFlashMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.silu_mul = silu_mul   # compiled by DFlashDraftModel.compile_glue
+        self.gate_up_weight: torch.Tensor | None = None   # gate and up rows in one tensor once fused
+
+    def fuse_projections(self) -> None:
+        """gate/up through one GEMM from now on, on views of the same weights."""
+        self.gate_up_weight, _ = fuse_rows((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up_weight is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(self.silu_mul(gate, up))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -268,12 +309,14 @@ class DFlashDraftModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.gradient_checkpointing = False
         self.log_normalizer = log_normalizer   # compiled by compile_glue
+        self.add_rms_norm = add_rms_norm         # compiled by compile_glue
 
     def compile_glue(self) -> None:
-        """The norms, norm + RoPE, SiLU x up and the logits' normalizer through torch.compile (one Triton kernel
-        each, in place of ~6, ~10, 2 and a float32 copy plus two reductions), for inference on CUDA; the plain
-        functions stay the reference (training, the CPU)."""
-        norm, qk, swiglu, self.log_normalizer = compile_all((rms_norm, norm_rope, silu_mul, log_normalizer), True)
+        """The norms, norm + RoPE, SiLU x up, residual sum + norm and the logits' normalizer through torch.compile
+        (one Triton kernel each, in place of ~6, ~10, 2, ~7 and a float32 copy plus two reductions), for inference
+        on CUDA; the plain functions stay the reference (training, the CPU)."""
+        norm, qk, swiglu, self.add_rms_norm, self.log_normalizer = compile_all(
+            (rms_norm, norm_rope, silu_mul, add_rms_norm, log_normalizer), True)
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fn = norm
@@ -281,6 +324,13 @@ class DFlashDraftModel(nn.Module):
                 module.norm_rope = qk
             elif isinstance(module, DFlashMLP):
                 module.silu_mul = swiglu
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up of every layer through one GEMM each, for inference (the modules keep their weights as
+        views: names, values and the reference forward unchanged; not for training, the views need no grad)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     @property
     def block_size(self) -> int:
@@ -352,10 +402,7 @@ class DFlashDraftModel(nn.Module):
         if isinstance(past, SlotContext):
             if lc or attention_mask is not None:
                 raise ValueError("a SlotContext forward takes neither new context rows nor a mask")
-            h = noise_embedding
-            for i, layer in enumerate(self.layers):
-                h = layer(h, None, None, cos, sin, None, past.layer(i))
-            return self.norm(h)
+            return self._slot_forward(noise_embedding, cos, sin, past)
         ctx = self.fuse_context(target_hidden) if lc else None
         q_pos = position_ids[:, lc:]
         k_pos = position_ids if past is None else torch.cat([past.positions.to(position_ids), position_ids], dim=1)
@@ -376,6 +423,18 @@ class DFlashDraftModel(nn.Module):
             else:
                 h = layer(*args)
         return self.norm(h)
+
+    def _slot_forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: SlotContext) -> torch.Tensor:
+        """The layers over a SlotContext, as DFlashDecoderLayer computes them, with each residual sum fused into
+        the norm after it (the next layer's input norm, or the final one)."""
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        x = self.layers[0].input_layernorm(h) if len(self.layers) else h
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+            mid = layer.post_attention_layernorm
+            h, x = self.add_rms_norm(h, layer.self_attn(x, None, None, cos, sin, None, past.layer(i)), mid.weight,
+                                     mid.eps)
+            h, x = self.add_rms_norm(h, layer.mlp(x), next_norm.weight, next_norm.eps)
+        return x if len(self.layers) else self.norm(h)
 
     def embed(self, token_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Embeds ids with the target's table (times input_embedding_scale, 1 for Qwen targets)."""

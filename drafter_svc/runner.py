@@ -140,8 +140,9 @@ class DrafterRunner:
         # Every block row sees the whole block (tree attention's ancestors, for all batch buckets at once).
         self._block_sees_block = torch.ones(cfg.max_batch + 1, mc.block_size, mc.block_size, dtype=torch.bool,
                                             device=self.device)
-        if self.device.type == "cuda":   # as the target's glue: compiled on CUDA, plain elsewhere
+        if self.device.type == "cuda":   # as the target's glue and GEMMs: compiled and fused on CUDA, plain elsewhere
             self.model.compile_glue()
+            self.model.fuse_projections()
         self.graphs: DraftGraphs | None = None
         if not cfg.enforce_eager and self.device.type == "cuda":
             self.graphs = DraftGraphs(cfg.max_batch, cfg.max_seq_len, self.block_size - 1, self.vocab_size,

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ddtree_serve.fused_rows import fuse_rows
 from ddtree_serve.plumbing.compiled import compile_all
 from ddtree_serve.rope import rotate_half
 from target_svc.quantization import QuantizedLinear, QuantizedWeight
@@ -110,11 +111,8 @@ def fuse_weights(layers: nn.ModuleList) -> list[DenseLayerWeights]:
             if isinstance(attn.q_proj, QuantizedLinear):
                 out.append(_fuse_quantized(projs, (mlp.gate_proj, mlp.up_proj)))
                 continue
-            qkv = torch.cat([p.weight for p in projs])
-            bias = torch.cat([p.bias for p in projs]) if attn.q_proj.bias is not None else None
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            _repoint(projs, qkv, bias)
-            _repoint((mlp.gate_proj, mlp.up_proj), gate_up, None)
+            qkv, bias = fuse_rows(projs)
+            gate_up, _ = fuse_rows((mlp.gate_proj, mlp.up_proj))
             out.append(DenseLayerWeights(qkv, bias, gate_up))
     return out
 
@@ -134,9 +132,7 @@ def fuse_linears(linears: tuple[nn.Module, ...]) -> Tensor | QuantizedWeight:
             return fused
         if not all(type(p) is nn.Linear for p in linears):
             raise ValueError("fuse_linears takes all nn.Linear or all QuantizedLinear")
-        fused = torch.cat([p.weight for p in linears])
-        _repoint(linears, fused, None)
-        return fused
+        return fuse_rows(linears)[0]
 
 
 def _fuse_quantized(qkv_projs: tuple[QuantizedLinear, ...], gate_up_projs: tuple[QuantizedLinear, ...]
@@ -164,15 +160,4 @@ def _repoint_bias(linears: tuple[QuantizedLinear, ...], fused_bias: Tensor) -> N
     for lin in linears:
         n = lin.out_features
         lin.bias = nn.Parameter(fused_bias[row : row + n], requires_grad=False)
-        row += n
-
-
-def _repoint(linears: tuple[nn.Linear, ...], fused: Tensor, fused_bias: Tensor | None) -> None:
-    """Makes each Linear's weight (and bias) a row-slice view of the fused tensor, freeing its own copy."""
-    row = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight = nn.Parameter(fused[row : row + n], requires_grad=False)
-        if fused_bias is not None:
-            lin.bias = nn.Parameter(fused_bias[row : row + n], requires_grad=False)
         row += n

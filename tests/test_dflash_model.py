@@ -403,3 +403,26 @@ def test_compile_glue_routes_every_norm_rope_and_swiglu_through_one_compiled_wra
     (norm,), (rope,), (swiglu,) = norms, ropes, swiglus
     assert all(isinstance(f, CompiledOrPlain) for f in (norm, rope, swiglu))
     assert (norm.plain, rope.plain, swiglu.plain) == (rms_norm, norm_rope, silu_mul)
+
+
+@torch.no_grad()
+def test_fused_projections_keep_the_forward_the_weights_and_the_context_projection(target_dir, tmp_path):
+    """fuse_projections (the runner's CUDA set-up): one q/k/v and one gate/up GEMM per layer give the reference
+    forward and the same context K/V; the state dict is unchanged and each projection is a view of its fused rows."""
+    m = DFlashDraftModel.from_pretrained(make_tiny_drafter(tmp_path / "d", target_dir, seed=1))
+    g = torch.Generator().manual_seed(0)
+    feats, noise = torch.randn(11, m.config.feature_dim, generator=g), torch.randn(16, 64, generator=g)
+    pos = torch.arange(27)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    past = m.project_context(feats[None, :7], pos[None, :7])
+    m.fuse_projections()
+    torch.testing.assert_close(m(noise[None], feats[None], pos)[0], _eager_reference(m, noise, feats, pos),
+                               rtol=1e-5, atol=1e-5)
+    fused_past = m.project_context(feats[None, :7], pos[None, :7])
+    for want, got in zip(past.keys + past.values, fused_past.keys + fused_past.values):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    after = m.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    attn, mlp = m.layers[0].self_attn, m.layers[0].mlp
+    assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.out_features:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.out_features:].data_ptr()
