@@ -37,9 +37,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default="8b,27b", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--nodes", default="1,17,65,129", help="block sizes")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--block-ms", default="16,32,64,128", help="the sweep's row tiles")
-    p.add_argument("--warps", default="1,2,4,8", help="the sweep's warps per program (1 and 2: 16-row tiles only)")
-    p.add_argument("--stages", default="1,2", help="the sweep's pipeline stages")
     return p.parse_args(argv)
 
 
@@ -78,22 +75,20 @@ def sdpa_reference(q, k_cache, v_cache, slots, parents, keys) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def sweep_grid(rows: int, head_dim: int, block_ms=(16, 32, 64, 128), warps=(1, 2, 4, 8), stages=(1, 2)):
+def sweep_grid(rows: int, head_dim: int):
     """Tilings of the stacked query rows and the keys, and key splits of the 1024-key bucket."""
     from ddtree_serve.kernels.tree_attention import SplitConfig
 
     block_ns = (32, 64) if head_dim <= 128 else (32,)
-    for block_m, block_n, splits, num_warps, num_stages in itertools.product(
-            block_ms, block_ns, (1, 2, 4, 8, 16), warps, stages):
+    for block_m, block_n, splits, warps, stages in itertools.product(
+            (16, 32, 64, 128), block_ns, (1, 2, 4, 8, 16), (4, 8), (1, 2)):
         if block_m > 16 and block_m >= 2 * rows or block_m * head_dim > 128 * 128:
             continue   # a tile mostly padding, or one past the registers
-        if num_warps < 4 and block_m > 16:
-            continue   # one or two warps: for the 16-row tiles, whose rows one warp's MMA holds
         tiles = -(-KEY_BUCKET // block_n)
         if splits > tiles:
             continue
         per_split = -(-tiles // splits)
-        yield SplitConfig(block_m, block_n, -(-tiles // per_split), num_warps, num_stages)
+        yield SplitConfig(block_m, block_n, -(-tiles // per_split), per_split * block_n, warps, stages)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = heads // kv_heads * nodes
         name = f"{shape} b{batch} {nodes} nodes"
         default = tree_attention.choose_config(batch, kv_heads, rows, KEY_BUCKET, head_dim)
-        grid = sweep_grid(rows, head_dim, *(tuple(map(int, v.split(","))) for v in (args.block_ms, args.warps,
-                                                                                      args.stages)))
-        configs = [("default", default)] + ([("", c) for c in grid] if args.sweep else [])
+        configs = [("default", default)] + ([("", c) for c in sweep_grid(rows, head_dim)] if args.sweep else [])
         for tag, cfg in configs:
             label = (f"{tag + ' ' if tag else ''}BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} "
                      f"warps {cfg.num_warps} stages {cfg.num_stages}")

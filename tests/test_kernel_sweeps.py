@@ -1,6 +1,5 @@
 """The kernel sweeps' grids (bench/tree_attention_kernel.py, bench/gdn_tree_kernel.py) only hold launches the kernels
-take: every key split leaves no slice of a bucket-long sequence empty, every tree WY tiling passes tree_wy_core's
-checks."""
+take: every key split covers the key bucket in whole tiles, every tree WY tiling passes tree_wy_core's checks."""
 from __future__ import annotations
 
 import pytest
@@ -10,13 +9,13 @@ from target_svc.gdn_tree_kernel import _BLOCK_T
 
 
 @pytest.mark.parametrize("rows, head_dim", [(4, 128), (68, 128), (260, 128), (6, 256), (390, 256)])
-def test_every_attention_split_fills_its_slices_with_a_bucket_of_keys(rows, head_dim):
+def test_every_attention_split_covers_the_key_bucket_in_whole_tiles(rows, head_dim):
     configs = list(tree_attention_kernel.sweep_grid(rows, head_dim))
     assert configs
     bucket = tree_attention_kernel.KEY_BUCKET
     for cfg in configs:
-        tiles = -(-bucket // cfg.block_n)
-        assert 1 <= cfg.splits <= tiles and (cfg.splits - 1) * -(-tiles // cfg.splits) < tiles
+        assert cfg.split_len % cfg.block_n == 0
+        assert cfg.splits * cfg.split_len >= bucket and (cfg.splits - 1) * cfg.split_len < bucket
         assert cfg.block_m == 16 or cfg.block_m < 2 * rows   # no tile that is mostly padding
         assert head_dim <= 128 or cfg.block_n == 32
 

@@ -14,9 +14,9 @@ from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted,
 def test_the_split_covers_every_key_in_whole_tiles_within_the_program_budget(batch, num_kv, rep, nodes, key_len,
                                                                                head_dim):
     cfg = choose_config(batch, num_kv, rep * nodes, key_len, head_dim, num_sms=132)
-    tiles = -(-key_len // cfg.block_n)
-    assert 1 <= cfg.splits <= tiles
-    assert (cfg.splits - 1) * -(-tiles // cfg.splits) < tiles   # a bucket-long sequence fills every slice
+    assert cfg.splits >= 1
+    assert cfg.split_len % cfg.block_n == 0 and cfg.splits * cfg.split_len >= key_len
+    assert (cfg.splits - 1) * cfg.split_len < key_len   # no slice starts past the keys
     programs = batch * num_kv * -(-(rep * nodes) // cfg.block_m)
     assert cfg.splits == 1 or programs * cfg.splits <= 5 * 132
 
@@ -62,7 +62,7 @@ for heads, kv_heads, head_dim, nodes in [(8, 2, 64, 1), (8, 2, 64, 5), (4, 4, 64
         q.float().transpose(1, 2), keys.repeat_interleave(rep, 2).transpose(1, 2),
         values.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=mask[:, None], scale=scale).transpose(1, 2)
     tree_keys = TreeKeys(ctx, ancestor_mask_batch(parents, sizes))
-    for cfg in (None, SplitConfig(16, 64, 1), SplitConfig(16, 32, 3)):
+    for cfg in (None, SplitConfig(16, 64, 1, 192), SplitConfig(16, 32, 3, 64)):
         got = tree_attention(q, k_cache, v_cache, slots, tree_keys, key_len, scale, cfg).float()
         assert (got - ref).abs().max().item() < 2e-2, (heads, nodes, cfg)
 print("ok")

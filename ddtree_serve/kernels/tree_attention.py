@@ -45,12 +45,13 @@ class TreeKeys:
 
 @dataclass(frozen=True)
 class SplitConfig:
-    """One launch: BLOCK_M stacked query rows and BLOCK_N keys per tile; each sequence's keys split into `splits`
-    slices of whole tiles (the kernel sizes them on the sequence's own key count)."""
+    """One launch: BLOCK_M stacked query rows and BLOCK_N keys per tile; the keys split into `splits` slices of
+    split_len rows (a multiple of BLOCK_N)."""
 
     block_m: int
     block_n: int
     splits: int
+    split_len: int
     num_warps: int = 4
     num_stages: int = 2
 
@@ -90,9 +91,10 @@ def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: in
     while splits * 2 <= min(tiles, _MAX_SPLITS) and base * splits * 2 <= per_sm * num_sms:
         splits *= 2
     per_split = -(-tiles // splits)
-    splits = -(-tiles // per_split)   # no slice that starts past a bucket-long sequence's keys
+    splits = -(-tiles // per_split)   # no slice that starts past the keys
+    split_len = per_split * block_n
     num_warps = 8 if block_m * head_dim >= 64 * 128 else 4
-    return SplitConfig(block_m, block_n, splits, num_warps)
+    return SplitConfig(block_m, block_n, splits, split_len, num_warps)
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, keys: TreeKeys, key_len: int,
@@ -124,7 +126,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
         acc = lse = out   # not written: the single slice stores the output itself
     kernels.tree_attention_split_kernel[grid](
         q, k_cache, v_cache, slots, keys.ctx_lens, anc, acc, lse, out,
-        tmax, rows, cfg.splits, scale, slots.stride(0), keys.ctx_lens.stride(0),
+        tmax, rows, cfg.splits, cfg.split_len, scale, slots.stride(0), keys.ctx_lens.stride(0),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(row_dim), k_cache.stride(head_dim_at),
         v_cache.stride(0), v_cache.stride(row_dim), v_cache.stride(head_dim_at),
@@ -135,9 +137,9 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
     )
     if cfg.splits > 1:
         kernels.tree_attention_merge_kernel[(bsz * num_kv, -(-rows // MERGE_BLOCK_M))](
-            acc, lse, keys.ctx_lens, out, tmax, rows, cfg.splits, keys.ctx_lens.stride(0),
+            acc, lse, keys.ctx_lens, out, tmax, rows, cfg.splits, cfg.split_len, keys.ctx_lens.stride(0),
             out.stride(0), out.stride(1), out.stride(2),
-            REP=rep, NUM_KV=num_kv, BLOCK_M=MERGE_BLOCK_M, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, num_warps=4,
+            REP=rep, NUM_KV=num_kv, BLOCK_M=MERGE_BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
         )
     return out
 

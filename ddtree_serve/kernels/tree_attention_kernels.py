@@ -8,10 +8,6 @@ the 8B shape on the H200, against ~1 us of reading). Here each program takes one
 query rows and one slice of the keys, straight from the cache; a second kernel merges the slices' partial results
 by their log-sum-exp.
 
-Each sequence's keys [0, ctx_len + T) are cut into num_splits slices of whole tiles sized on its own key count
-(slice_len): a sequence whose keys fill a fraction of the launch's key bucket still spreads them over every slice,
-so no program walks more tiles than its share.
-
 Query rows of one KV head are stacked as row = g * T + t (g: the query head within the KV head's group, t: the
 block node), so the REP heads that share a KV head share every key tile. Key p of sequence b is visible to node t
 when p < ctx_len[b] (committed context) or when p - ctx_len[b] is t or an ancestor of t (anc[b, t, p - ctx_len]);
@@ -27,15 +23,9 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _slice_len(seq_keys, num_splits, BLOCK_N: tl.constexpr):
-    """Keys per slice of a sequence with seq_keys keys: its share of num_splits slices, in whole tiles."""
-    return tl.cdiv(tl.cdiv(seq_keys, num_splits), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
 def tree_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, anc_ptr, acc_ptr, lse_ptr, out_ptr,
-    T, ROWS, num_splits, scale, stride_slot, stride_ctx,
+    T, ROWS, num_splits, split_len, scale, stride_slot, stride_ctx,
     stride_qb, stride_qt, stride_qh,
     stride_ks, stride_kr, stride_kh,
     stride_vs, stride_vr, stride_vh,
@@ -44,7 +34,7 @@ def tree_attention_split_kernel(
     REP: tl.constexpr, NUM_KV: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """One (sequence, KV head), one block of stacked query rows, one slice of the sequence's keys. Not SPLIT (one
+    """One (sequence, KV head), one block of stacked query rows, one slice of split_len keys. Not SPLIT (one
     slice): the normalised output into out [B, T, n_heads, D]; else the slice's normalised output (float32) and
     log-sum-exp into acc [B, NUM_KV, num_splits, ROWS, D] and lse [B, NUM_KV, num_splits, ROWS] (-inf: no visible
     key); a slice that starts past the sequence's keys returns at once and writes nothing. The slice count is a
@@ -64,12 +54,11 @@ def tree_attention_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)   # slots and ctx_lens may be columns of a packed batch
-    slice_len = _slice_len(ctx + T, num_splits, BLOCK_N)
-    start = pid_s * slice_len
+    start = pid_s * split_len
     if SPLIT and start >= ctx + T:
-        return   # a slice past this sequence's keys (fewer tiles than slices): the merge skips it
+        return   # a slice past this sequence's keys (its key bucket is longer): the merge skips it
     slot = tl.load(slots_ptr + b * stride_slot).to(tl.int64)
-    stop = tl.minimum(start + slice_len, ctx + T)
+    stop = tl.minimum(start + split_len, ctx + T)
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
     anc_base = anc_ptr + b * stride_ab + t[:, None] * stride_at
@@ -109,13 +98,13 @@ def tree_attention_split_kernel(
 
 @triton.jit
 def tree_attention_merge_kernel(
-    acc_ptr, lse_ptr, ctx_ptr, out_ptr, T, ROWS, num_splits, stride_ctx,
+    acc_ptr, lse_ptr, ctx_ptr, out_ptr, T, ROWS, num_splits, split_len, stride_ctx,
     stride_ob, stride_ot, stride_oh,
     REP: tl.constexpr, NUM_KV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """out rows of one (sequence, KV head) = its live slices' outputs (those that start before ctx_len + T, the ones
-    the split kernel wrote, of the same slice_len) weighted by exp(lse - max lse), in a fixed order."""
+    the split kernel wrote) weighted by exp(lse - max lse), in a fixed order."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = pid_bh // NUM_KV
@@ -125,7 +114,7 @@ def tree_attention_merge_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     first = (b * NUM_KV + kvh) * num_splits
     ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
-    live = tl.minimum(tl.cdiv(ctx + T, _slice_len(ctx + T, num_splits, BLOCK_N)), num_splits)
+    live = tl.minimum(tl.cdiv(ctx + T, split_len), num_splits)
     top = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
     for s in range(live):
         top = tl.maximum(top, tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")))
