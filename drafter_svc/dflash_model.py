@@ -109,6 +109,14 @@ class RMSNorm(nn.Module):
         return self.fn(x, self.weight, self.eps)
 
 
+def rope_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, L, head_dim] in dtype of position_ids [B, L], from float32 frequencies."""
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for arbitrary position ids; frequencies stay float32 whatever the module dtype."""
 
@@ -117,6 +125,7 @@ class RotaryEmbedding(nn.Module):
         self.cfg = cfg
         inv_freq, self.attention_scaling = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.fn = rope_tables   # compiled by DFlashDraftModel.compile_glue
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         super()._apply(fn, recurse)
@@ -127,11 +136,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, L] -> cos, sin [B, L, head_dim] in dtype."""
-        freqs = position_ids.to(torch.float32)[..., None] * self.inv_freq.to(position_ids.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        return self.fn(position_ids, self.inv_freq.to(position_ids.device), self.attention_scaling, dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -312,11 +317,11 @@ class DFlashDraftModel(nn.Module):
         self.add_rms_norm = add_rms_norm         # compiled by compile_glue
 
     def compile_glue(self) -> None:
-        """The norms, norm + RoPE, SiLU x up, residual sum + norm and the logits' normalizer through torch.compile
-        (one Triton kernel each, in place of ~6, ~10, 2, ~7 and a float32 copy plus two reductions), for inference
-        on CUDA; the plain functions stay the reference (training, the CPU)."""
-        norm, qk, swiglu, self.add_rms_norm, self.log_normalizer = compile_all(
-            (rms_norm, norm_rope, silu_mul, add_rms_norm, log_normalizer), True)
+        """The norms, norm + RoPE, SiLU x up, residual sum + norm, the RoPE tables and the logits' normalizer through
+        torch.compile (one Triton kernel each, in place of ~6, ~10, 2, ~7, ~7 and a float32 copy plus two
+        reductions), for inference on CUDA; the plain functions stay the reference (training, the CPU)."""
+        norm, qk, swiglu, self.add_rms_norm, self.rotary.fn, self.log_normalizer = compile_all(
+            (rms_norm, norm_rope, silu_mul, add_rms_norm, rope_tables, log_normalizer), True)
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fn = norm

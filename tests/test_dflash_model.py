@@ -389,7 +389,8 @@ def test_compile_glue_routes_every_norm_rope_and_swiglu_through_one_compiled_wra
     """What the drafter runner does on CUDA (the compiled kernels themselves run in the GPU tests): every RMSNorm,
     attention and MLP of the model calls the shared compiled function, and the plain ones stay the default."""
     from ddtree_serve.plumbing.compiled import CompiledOrPlain
-    from drafter_svc.dflash_model import DFlashAttention, DFlashMLP, RMSNorm, norm_rope, rms_norm, silu_mul
+    from drafter_svc.dflash_model import (DFlashAttention, DFlashMLP, RMSNorm, add_rms_norm, norm_rope, rms_norm,
+                                          rope_tables, silu_mul)
 
     cfg = DFlashConfig.from_dict({**QWEN3_8B_STYLE, **TINY, "vocab_size": 320, "num_hidden_layers": 2,
                                   "layer_types": ["full_attention"] * 2})
@@ -401,8 +402,9 @@ def test_compile_glue_routes_every_norm_rope_and_swiglu_through_one_compiled_wra
     swiglus = {m.silu_mul for m in model.modules() if isinstance(m, DFlashMLP)}
     assert [len(norms), len(ropes), len(swiglus)] == [1, 1, 1]
     (norm,), (rope,), (swiglu,) = norms, ropes, swiglus
-    assert all(isinstance(f, CompiledOrPlain) for f in (norm, rope, swiglu))
+    assert all(isinstance(f, CompiledOrPlain) for f in (norm, rope, swiglu, model.rotary.fn, model.add_rms_norm))
     assert (norm.plain, rope.plain, swiglu.plain) == (rms_norm, norm_rope, silu_mul)
+    assert (model.rotary.fn.plain, model.add_rms_norm.plain) == (rope_tables, add_rms_norm)
 
 
 @torch.no_grad()
