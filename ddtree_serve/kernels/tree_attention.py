@@ -46,7 +46,8 @@ class TreeKeys:
 @dataclass(frozen=True)
 class SplitConfig:
     """One launch: BLOCK_M stacked query rows and BLOCK_N keys per tile; the keys split into `splits` slices of
-    split_len rows (a multiple of BLOCK_N)."""
+    split_len rows (a multiple of BLOCK_N). context_loop: the committed keys in a loop of their own, without the
+    ancestor mask (a variant for the sweep, bench/tree_attention_kernel.py; not yet chosen by choose_config)."""
 
     block_m: int
     block_n: int
@@ -54,6 +55,7 @@ class SplitConfig:
     split_len: int
     num_warps: int = 4
     num_stages: int = 2
+    context_loop: bool = False
 
 
 def switched_off() -> bool:
@@ -133,7 +135,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
         anc.stride(0), anc.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         REP=rep, NUM_KV=num_kv, SPLIT=cfg.splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HEAD_DIM=head_dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HEAD_DIM=head_dim, CONTEXT_LOOP=cfg.context_loop, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.splits > 1:
         kernels.tree_attention_merge_kernel[(bsz * num_kv, -(-rows // MERGE_BLOCK_M))](

@@ -23,6 +23,19 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale, m_i, l_i, acc):
+    """One key tile of the online softmax: scores of the visible keys ([BLOCK_M, BLOCK_N] mask), the running
+    maximum, normaliser and output updated -> (m_i, l_i, acc)."""
+    k = tl.load(k_base + offs_n[:, None] * stride_kr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    s = tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    v = tl.load(v_base + offs_n[:, None] * stride_vr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
 def tree_attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, anc_ptr, acc_ptr, lse_ptr, out_ptr,
     T, ROWS, num_splits, split_len, scale, stride_slot, stride_ctx,
@@ -32,14 +45,16 @@ def tree_attention_split_kernel(
     stride_ab, stride_at,
     stride_ob, stride_ot, stride_oh,
     REP: tl.constexpr, NUM_KV: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CONTEXT_LOOP: tl.constexpr,
 ):
     """One (sequence, KV head), one block of stacked query rows, one slice of split_len keys. Not SPLIT (one
     slice): the normalised output into out [B, T, n_heads, D]; else the slice's normalised output (float32) and
     log-sum-exp into acc [B, NUM_KV, num_splits, ROWS, D] and lse [B, NUM_KV, num_splits, ROWS] (-inf: no visible
     key); a slice that starts past the sequence's keys returns at once and writes nothing. The slice count is a
     runtime argument, not a constant: every key length then shares one compiled kernel (as a constant, each count
-    compiled its own pair, and a cold start spent minutes compiling them)."""
+    compiled its own pair, and a cold start spent minutes compiling them). CONTEXT_LOOP: the slice's committed
+    keys (visible to every row) in a loop of their own, without the ancestor mask's loads and compares; the
+    block's keys after them."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -66,23 +81,24 @@ def tree_attention_split_kernel(
     m_i = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for n0 in range(start, stop, BLOCK_N):
+    first = start
+    if CONTEXT_LOOP:
+        context_stop = tl.minimum(stop, ctx)
+        for n0 in range(start, context_stop, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < context_stop
+            m_i, l_i, acc = _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, n_ok[None, :], stride_kr,
+                                         stride_vr, scale, m_i, l_i, acc)
+        first = tl.maximum(start, ctx)
+    for n0 in range(first, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < stop
-        k = tl.load(k_base + offs_n[:, None] * stride_kr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
         j = offs_n - ctx   # position inside the block (negative: committed context)
         in_block = j >= 0
         anc = tl.load(anc_base + j[None, :], mask=row_ok[:, None] & in_block[None, :] & n_ok[None, :], other=0)
         visible = n_ok[None, :] & ((j < 0)[None, :] | (anc != 0))
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale,
+                                     m_i, l_i, acc)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
