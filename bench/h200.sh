@@ -14,7 +14,8 @@
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8; STEP8_ARGS e.g. --nodes 1,16,65,129, STEP8_S)
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
 #   speed8b    calibrated speed through the services at batch 1 and 8, 32 prompts x 256 tokens, transformers on one
-#              prompt (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_ARGS adds flags, SPEED8_S: its time limit, ~300 s on an
+#              prompt (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_BATCH e.g. 8,32 for issue 9's batch-32 table too,
+#              SPEED8_ARGS adds flags, SPEED8_S: its time limit, ~300 s on an
 #              H100; step sockets, the gateway polling STEP_SPIN_US=20000)
 #   overheadab the step's host overhead, variants of one call: base, spin (--step-spin-us 20000), pin (--pin-cpus),
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
@@ -102,7 +103,7 @@ for s in $SECTIONS; do
     speed8b)
       record_services "$R/speed-8b.log"
       timeout ${SPEED8_S:-420} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
-        --dtype bfloat16 --num-prompts 32 --max-tokens 256 --hf-prompts 1 --no-hf-batch --batch 8 \
+        --dtype bfloat16 --num-prompts 32 --max-tokens 256 --hf-prompts 1 --no-hf-batch --batch ${SPEED8_BATCH:-8} \
         --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
         --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} ${SPEED8_ARGS:-} --out-dir "$R" \
         --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1

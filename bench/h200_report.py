@@ -80,11 +80,12 @@ def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -
         out[f"ddtree_over_hf_{prefix}_b1"] = dd.get("x_vs_hf_generate_b1")
         out[f"ddtree_tau_{prefix}_b1"] = dd.get("tau")
         out[f"ddtree_budget_{prefix}_b1"] = dd.get("budget")
-    batch = speed.get("batch")
-    ddb = _run(speed, "ddtree", batch, budget) if batch and batch != 1 else None
-    if ddb:
-        out[f"ddtree_over_ar_{prefix}_b{batch}"] = ddb.get("x_vs_services_ar")
-        out[f"ddtree_budget_{prefix}_b{batch}"] = ddb.get("budget")
+    # Older speed files name one batched size ("batch"), newer ones every size ("batches").
+    for batch in speed.get("batches") or ([speed["batch"]] if speed.get("batch") else []):
+        ddb = _run(speed, "ddtree", batch, budget) if batch != 1 else None
+        if ddb:
+            out[f"ddtree_over_ar_{prefix}_b{batch}"] = ddb.get("x_vs_services_ar")
+            out[f"ddtree_budget_{prefix}_b{batch}"] = ddb.get("budget")
     return out
 
 

@@ -44,8 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=None, help="max new tokens (default: 64 on CPU, 256 otherwise)")
     p.add_argument("--budget", default="64", help="DDTree budget, or several comma-separated (each its own run)")
-    p.add_argument("--batch", type=int, default=None, help="requests in flight for the batched runs "
-                                                          "(default: 4 on CPU, 8 otherwise)")
+    p.add_argument("--batch", default=None, help="requests in flight for the batched runs, one or a comma list "
+                                                "(e.g. 8,32; default: 4 on CPU, 8 otherwise)")
     p.add_argument("--modes", default=",".join(MODES), help="service modes to run (comma-separated)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--drafter-device", default=None, help="drafter service device (default: --device)")
@@ -219,21 +219,21 @@ def main(argv=None) -> None:
     on_cpu = args.device == "cpu"
     n_prompts = args.num_prompts if args.num_prompts is not None else (4 if on_cpu else 16)
     max_tokens = args.max_tokens or (64 if on_cpu else 256)
-    batch = args.batch or (4 if on_cpu else 8)
+    batches = batch_sizes(args.batch, on_cpu)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if "ar" not in modes:
         modes.insert(0, "ar")  # the baseline of every ratio
     budgets = [int(b) for b in str(args.budget).split(",") if b.strip()]
     plan = [(m, 0) for m in modes if m != "ddtree"] + ([("ddtree", b) for b in budgets] if "ddtree" in modes else [])
     prompts, source = common.load_prompts(args.prompts, n_prompts or None, args.offset)
-    if batch > len(prompts):
-        print(f"batch {batch} > {len(prompts)} prompts: batch {len(prompts)} instead", flush=True)
-        batch = len(prompts)
+    if max(batches) > len(prompts):
+        print(f"batch {max(batches)} > {len(prompts)} prompts: at most {len(prompts)} instead", flush=True)
+        batches = sorted({min(b, len(prompts)) for b in batches})
     model, drafter = common.resolve_model(args.model), common.resolve_drafter(args.drafter)
     command, date = common.command_line("bench.speed"), common.now_utc()
     hw = common.hardware(args.device, args.dtype, args.threads)
     tag = common.hardware_tag(hw)
-    print(f"{len(prompts)} prompts from {source}; max_tokens {max_tokens}; batch 1 and {batch}; "
+    print(f"{len(prompts)} prompts from {source}; max_tokens {max_tokens}; batch 1 and {batches}; "
           f"runs {plan}; hardware tag {tag}", flush=True)
 
     calib = None
@@ -251,7 +251,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     hf = None if args.no_hf else HFModel(model, args.device, args.dtype)
     stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=budgets[0],
-                               max_batch=max(8, batch), max_seq_len=args.max_seq_len,
+                               max_batch=max(8, *batches), max_seq_len=args.max_seq_len,
                                drafter_device=args.drafter_device,
                                gateway_args=(calib.gateway_args if calib else [])
                                + ([] if args.step_spin_us is None else ["--step-spin-us", str(args.step_spin_us)]),
@@ -267,8 +267,8 @@ def main(argv=None) -> None:
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
         indexed = list(enumerate(prompt_ids))
         if calib:  # the references must exist before any speculative request, warm-ups included
-            calibrated.collect_references(calib, stack.gateway, indexed, max_tokens, batch)
-        for b in (1, batch) if batch > 1 else (1,):
+            calibrated.collect_references(calib, stack.gateway, indexed, max_tokens, max(batches))
+        for b in [1] + [b for b in batches if b > 1]:
             systems: list = [ServiceSystem(stack, mode, budget, b, max_tokens) for mode, budget in plan]
             if calib:
                 for sys_ in systems:
@@ -311,10 +311,18 @@ def main(argv=None) -> None:
                 print(msg, flush=True)
             # Written after each batch size and before the services stop: a run cut short by its time limit
             # (stopping three services takes seconds) keeps the report of what it finished.
-            report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch,
+            report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batches,
                    time.perf_counter() - t_run, _loadavg(), budgets, calibration=calib.info if calib else None)
     finally:
         stack.stop()
+
+
+def batch_sizes(arg: str | int | None, on_cpu: bool) -> list[int]:
+    """The batched runs' sizes from --batch ("8" or "8,32"; default 4 on CPU, 8 otherwise), ascending, >= 1."""
+    sizes = sorted({int(b) for b in str(arg).split(",") if b.strip()}) if arg else [4 if on_cpu else 8]
+    if not sizes or sizes[0] < 1:
+        raise SystemExit(f"--batch takes sizes >= 1, got {arg!r}")
+    return sizes
 
 
 def _loadavg():
@@ -326,7 +334,7 @@ def _loadavg():
         return None
 
 
-def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batch, total_s,
+def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batches, total_s,
            load_after_services, budgets, calibration: dict | None = None) -> None:
     def find(system_prefix: str, b: int) -> dict | None:
         for r in runs:
@@ -411,7 +419,8 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
         **({"label": calibration["label"], "calibrated_acceptance": calibration} if calibration else {}),
         "command": command, "date": date, "hardware": hw, "hardware_tag": tag, "model": model_info,
         "drafter": drafter_info, "prompts": len(prompts), "prompt_source": source,
-        "prompt_ids": [p["id"] for p in prompts], "max_tokens": max_tokens, "batch": batch, "budgets": budgets,
+        "prompt_ids": [p["id"] for p in prompts], "max_tokens": max_tokens, "batch": batches[0], "batches": batches,
+        "budgets": budgets,
         "temperature": 0.0, "run_seconds": round(total_s, 1), "load_average_after_services": load_after_services,
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
@@ -429,7 +438,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
 - Software: torch {hw['torch']}, transformers {hw['transformers']}, grpcio {hw['grpcio']}, Python {hw['python']}
 - Target: `{model_info['dir']}` ({model_info.get('architectures')}, {model_info.get('num_hidden_layers')} layers)
 - Drafter: `{drafter_info['dir']}` ({drafter_note}; {drafter_info.get('num_hidden_layers')} layers, block {drafter_info.get('block_size')}, weights sha256 {drafter_info.get('weights_sha256')}…)
-- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = one prompt at a time, batch {batch} = chunks of {batch} requests in flight (transformers: left-padded batches of {batch}){hf_subset}; systems interleaved chunk by chunk in a rotating order; warm-up excluded
+- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = one prompt at a time, batch N (N = {', '.join(map(str, batches))}) = chunks of N requests in flight (transformers: left-padded batches of N){hf_subset}; systems interleaved chunk by chunk in a rotating order; warm-up excluded
 
 tok/s = generated tokens (first token included) / wall time of the whole set, measured by the client.
 Ratios are within this run only.

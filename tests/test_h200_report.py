@@ -33,3 +33,33 @@ def test_another_gpus_run_is_written_under_its_own_stem(tmp_path):
     assert not (tmp_path / "h200.json").exists()
     assert json.loads((tmp_path / "h100.json").read_text())["ddtree_budget_8b_b1"] > 0
     assert (tmp_path / "h100.md").read_text().startswith("# H100 results (")
+
+
+def test_every_batched_size_of_a_run_gets_its_ddtree_over_ar(tmp_path):
+    """A speed file with batches [8, 32] (here: the batch-8 runs copied as batch 32 at other speeds) gives a ratio
+    per batched size, each from its own batch's runs."""
+    speed = json.loads(SPEED.read_text())
+    wide = []
+    for r in speed["runs"]:
+        if r.get("batch") == 8:
+            copy = {**r, "batch": 32, "tokens_per_s": r["tokens_per_s"] * (3.0 if r.get("mode") == "ddtree" else 2.0)}
+            copy["x_vs_services_ar"] = round(1.5 * r.get("x_vs_services_ar", 1.0), 3) if r.get("mode") == "ddtree" \
+                else r.get("x_vs_services_ar")
+            wide.append(copy)
+    speed["runs"] += wide
+    speed["batches"] = [8, 32]
+    path = tmp_path / "speed.json"
+    path.write_text(json.dumps(speed))
+    h200_report.main(["--step-cost", str(STEP), "--speed", str(path), "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "h200.json").read_text())
+    assert data["ddtree_over_ar_8b_b32"] == pytest.approx(1.5 * data["ddtree_over_ar_8b_b8"], rel=1e-2)
+    assert data["ddtree_budget_8b_b32"] == data["ddtree_budget_8b_b8"]
+
+
+def test_the_speed_bench_reads_one_or_several_batched_sizes():
+    from bench.speed import batch_sizes
+
+    assert batch_sizes(None, on_cpu=True) == [4] and batch_sizes(None, on_cpu=False) == [8]
+    assert batch_sizes("32,8", on_cpu=False) == [8, 32] and batch_sizes(8, on_cpu=False) == [8]
+    with pytest.raises(SystemExit):
+        batch_sizes("0", on_cpu=False)
