@@ -23,6 +23,17 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _row_block(T, ROWS, NUM_KV: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's sequence b, KV head, its BLOCK_M stacked rows (row = g * T + t), which of them exist, and each
+    row's block node t and query head -> (b, kvh, rows, row_ok, t, head)."""
+    pid_bh = tl.program_id(0)
+    b = pid_bh // NUM_KV
+    kvh = pid_bh % NUM_KV
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return b, kvh, rows, rows < ROWS, rows % T, kvh * REP + rows // T
+
+
+@triton.jit
 def _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale, m_i, l_i, acc):
     """One key tile of the online softmax: scores of the visible keys ([BLOCK_M, BLOCK_N] mask), the running
     maximum, normaliser and output updated -> (m_i, l_i, acc)."""
@@ -55,16 +66,8 @@ def tree_attention_split_kernel(
     compiled its own pair, and a cold start spent minutes compiling them). CONTEXT_LOOP: the slice's committed
     keys (visible to every row) in a loop of their own, without the ancestor mask's loads and compares; the
     block's keys after them."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = pid_bh // NUM_KV
-    kvh = pid_bh % NUM_KV
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < ROWS
-    g = rows // T
-    t = rows % T
-    head = kvh * REP + g
+    b, kvh, rows, row_ok, t, head = _row_block(T, ROWS, NUM_KV, REP, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
@@ -121,12 +124,7 @@ def tree_attention_merge_kernel(
 ):
     """out rows of one (sequence, KV head) = its live slices' outputs (those that start before ctx_len + T, the ones
     the split kernel wrote) weighted by exp(lse - max lse), in a fixed order."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    b = pid_bh // NUM_KV
-    kvh = pid_bh % NUM_KV
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < ROWS
+    b, kvh, rows, row_ok, t, head = _row_block(T, ROWS, NUM_KV, REP, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     first = (b * NUM_KV + kvh) * num_splits
     ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
@@ -142,9 +140,6 @@ def tree_attention_merge_kernel(
                        mask=row_ok[:, None], other=0.0)
         num += w[:, None] * part
         den += w
-    g = rows // T
-    t = rows % T
-    head = kvh * REP + g
     out = num / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
