@@ -432,14 +432,16 @@ class DFlashDraftModel(nn.Module):
     def _slot_forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: SlotContext) -> torch.Tensor:
         """The layers over a SlotContext, as DFlashDecoderLayer computes them, with each residual sum fused into
         the norm after it (the next layer's input norm, or the final one)."""
+        if not len(self.layers):
+            return self.norm(h)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        x = self.layers[0].input_layernorm(h) if len(self.layers) else h
+        x = self.layers[0].input_layernorm(h)
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             mid = layer.post_attention_layernorm
             h, x = self.add_rms_norm(h, layer.self_attn(x, None, None, cos, sin, None, past.layer(i)), mid.weight,
                                      mid.eps)
             h, x = self.add_rms_norm(h, layer.mlp(x), next_norm.weight, next_norm.eps)
-        return x if len(self.layers) else self.norm(h)
+        return x
 
     def embed(self, token_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Embeds ids with the target's table (times input_embedding_scale, 1 for Qwen targets)."""
