@@ -5,10 +5,12 @@ ancestor mask (as ddtree_serve.decoding.tree_mask.ancestor_mask_batch), the dept
 less one, and optionally each node's Gated DeltaNet conv window (as target_svc/gdn_tree_wy.gdn_tree_layout). The
 mask lives in registers as one BT x BT tile (BT: the node count rounded up to a power of two). Every node walks up
 to its root at once, one level a step, until no walk is left: a step ORs each node's current ancestor into its row
-(a compare in registers) and reads that ancestor's parent from a small pointer table in global memory. A DDTree
-tree is at most ~16 deep, so its walk takes that many steps of a few hundred bytes each; pointer doubling
-(log2 T steps, but each one storing and gathering the whole tile through global memory) took ~79 us at 65 nodes
-on an H100, ~5 % of that verify forward's premium over a 16-node chain's.
+(a compare in registers) and
+gathers that ancestor's parent from the pointer vector, in registers too (tl.gather). A DDTree tree is at most ~16
+deep, so its walk takes that many steps with no memory traffic and no barrier. Earlier forms: pointer doubling
+(log2 T steps, each storing and gathering the whole tile through global memory) took ~79 us at 65 nodes on an H100;
+the walk reading a pointer table in global memory, one load and one barrier a level, ~47 us on the H200 at the
+step-cost bench's 65-node trees (~26 deep), ~5 % of that verify forward's premium over a 16-node chain's.
 """
 from __future__ import annotations
 
@@ -33,30 +35,23 @@ def tree_layout_kernel(
     parents = tl.load(parents_ptr + b * stride_pb + rows * stride_pt, mask=in_tree, other=-1)
     # ancestor_mask_batch's pointers: the parent where it is a real, earlier node of a real node; else none (-1).
     up = tl.where((parents >= 0) & (parents < rows) & (rows < size), parents, -1)
-    scratch = depth_ptr + b * stride_db   # the pointer table, until the depths overwrite it
-    tl.store(scratch + rows, up, mask=in_tree)
-    tl.debug_barrier()   # a CTA barrier orders the program's global stores before its loads
     anc = (rows[:, None] == cols[None, :]) & in_tree[:, None]
     cur = up
     while tl.max(cur, axis=0) >= 0:   # some node still has an ancestor to add
         anc = anc | (cols[None, :] == cur[:, None])
-        cur = tl.load(scratch + cur, mask=cur >= 0, other=-1)
-    tl.debug_barrier()   # every walk's reads done before the table is overwritten
+        cur = tl.where(cur >= 0, tl.gather(up, tl.maximum(cur, 0), 0), -1)
     depth = tl.sum(anc.to(tl.int64), axis=1) - 1
     if KERN > 0:
         # gdn_tree_layout's conv windows: node i's own input, then its ancestors at distance 1 .. KERN-1, and past
         # the root the committed inputs (KERN-1) - (m - depth); rows of [committed KERN-1 inputs | the T nodes].
         up = tl.where((rows < size) & (parents >= 0), parents, -1)
-        tl.store(scratch + rows, up, mask=in_tree)
-        tl.debug_barrier()
         window = window_ptr + b * stride_wb + rows * stride_wt
         tl.store(window + (KERN - 1), rows + (KERN - 1), mask=in_tree)
         cur = up
         for m in tl.static_range(1, KERN):
             col = tl.where(cur >= 0, cur + (KERN - 1), (KERN - 1) - (m - depth))
             tl.store(window + (KERN - 1 - m), col, mask=in_tree)
-            cur = tl.where(cur >= 0, tl.load(scratch + cur, mask=cur >= 0, other=-1), cur)
-        tl.debug_barrier()  # the pointer reads done before the depths overwrite them
+            cur = tl.where(cur >= 0, tl.gather(up, tl.minimum(tl.maximum(cur, 0), BT - 1), 0), cur)
     tile = anc_ptr + b * stride_ab + rows[:, None] * stride_ai + cols[None, :]
     tl.store(tile, anc.to(tl.uint8), mask=in_tree[:, None] & (cols < T)[None, :])
-    tl.store(scratch + rows, depth, mask=in_tree)
+    tl.store(depth_ptr + b * stride_db + rows, depth, mask=in_tree)
