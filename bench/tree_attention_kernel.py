@@ -87,7 +87,7 @@ def sweep_grid(rows: int, head_dim: int, block_ms=(16, 32, 64, 128), warps=(4, 8
 
     block_ns = (32, 64) if head_dim <= 128 else (32,)
     for block_m, block_n, splits, num_warps, num_stages, context_loop in itertools.product(
-            block_ms, block_ns, (1, 2, 4, 8, 16), warps, stages, context_loops):
+            block_ms, block_ns, (1, 2, 3, 4, 6, 8, 12, 16), warps, stages, context_loops):
         if block_m > 16 and block_m >= 2 * rows or block_m * head_dim > 128 * 128:
             continue   # a tile mostly padding, or one past the registers
         tiles = -(-KEY_BUCKET // block_n)
