@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-ms", default="16,32,64,128", help="the sweep's row tiles")
     p.add_argument("--warps", default="4,8", help="the sweep's warps per program")
     p.add_argument("--stages", default="1,2", help="the sweep's pipeline stages")
-    p.add_argument("--context-loop", default="0", help="0, 1 or 0,1: the committed keys in the main loop, in a "
+    p.add_argument("--context-loop", default="1", help="0, 1 or 0,1: the committed keys in the main loop, in a "
                    "loop of their own (SplitConfig.context_loop), or both")
     return p.parse_args(argv)
 
@@ -81,7 +81,7 @@ def sdpa_reference(q, k_cache, v_cache, slots, parents, keys) -> torch.Tensor:
 
 
 def sweep_grid(rows: int, head_dim: int, block_ms=(16, 32, 64, 128), warps=(4, 8), stages=(1, 2),
-               context_loops=(0,)):
+               context_loops=(1,)):
     """Tilings of the stacked query rows and the keys, key splits of the 1024-key bucket, and the kernel's variants."""
     from ddtree_serve.kernels.tree_attention import SplitConfig
 

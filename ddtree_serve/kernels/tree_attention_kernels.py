@@ -20,6 +20,8 @@ import triton.language as tl
 
 # Finite stand-in for -inf as the running maximum: exp(m_old - m_new) then never computes inf - inf.
 _NEG_BIG = tl.constexpr(-1.0e30)
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -34,14 +36,15 @@ def _row_block(T, ROWS, NUM_KV: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
-def _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale, m_i, l_i, acc):
-    """One key tile of the online softmax: scores of the visible keys ([BLOCK_M, BLOCK_N] mask), the running
-    maximum, normaliser and output updated -> (m_i, l_i, acc)."""
+def _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale2, m_i, l_i, acc):
+    """One key tile of the online softmax in base 2: scores of the visible keys ([BLOCK_M, BLOCK_N] mask) times
+    scale2 (the softmax scale times log2(e); the multiply fuses into the exponent's subtraction), the running
+    maximum (of scaled scores), normaliser and output updated -> (m_i, l_i, acc)."""
     k = tl.load(k_base + offs_n[:, None] * stride_kr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    s = tl.where(visible, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    s = tl.where(visible, tl.dot(q, tl.trans(k)), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale2)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale2 - m_new[:, None])
     v = tl.load(v_base + offs_n[:, None] * stride_vr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
@@ -81,6 +84,7 @@ def tree_attention_split_kernel(
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
     anc_base = anc_ptr + b * stride_ab + t[:, None] * stride_at
 
+    scale2 = scale * _LOG2E
     m_i = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
@@ -91,7 +95,7 @@ def tree_attention_split_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < context_stop
             m_i, l_i, acc = _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, n_ok[None, :], stride_kr,
-                                         stride_vr, scale, m_i, l_i, acc)
+                                         stride_vr, scale2, m_i, l_i, acc)
         first = tl.maximum(start, ctx)
     for n0 in range(first, stop, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -100,7 +104,7 @@ def tree_attention_split_kernel(
         in_block = j >= 0
         anc = tl.load(anc_base + j[None, :], mask=row_ok[:, None] & in_block[None, :] & n_ok[None, :], other=0)
         visible = n_ok[None, :] & ((j < 0)[None, :] | (anc != 0))
-        m_i, l_i, acc = _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale,
+        m_i, l_i, acc = _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale2,
                                      m_i, l_i, acc)
 
     seen = l_i > 0
@@ -111,7 +115,7 @@ def tree_attention_split_kernel(
     else:
         part = (b * NUM_KV + kvh) * num_splits + pid_s
         tl.store(acc_ptr + (part * ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
-        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))   # natural log
         tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
 
 
