@@ -980,7 +980,7 @@ def test_cuda_triton_tree_attention_equals_sdpa_over_the_gathered_masked_rows(he
     chosen = choose_config(bsz, kv_heads, rep * nodes, key_len, head_dim)
     unsplit = SplitConfig(chosen.block_m, chosen.block_n, 1, -(-key_len // chosen.block_n) * chosen.block_n)
     for cfg in (None, unsplit, dataclasses.replace(chosen, context_loop=False),
-                dataclasses.replace(unsplit, context_loop=False)):
+                dataclasses.replace(unsplit, context_loop=False), dataclasses.replace(chosen, balanced=True)):
         got = tree_attention(q, k_cache, v_cache, slots, tree_keys, key_len, scale, cfg)
         _assert_close_to_reference(got, ref, (cfg, "eager"))
     captured = CapturedFunction.capture(lambda x: tree_attention(x, k_cache, v_cache, slots, tree_keys, key_len, scale),

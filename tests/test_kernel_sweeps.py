@@ -21,6 +21,9 @@ def test_every_attention_split_covers_the_key_bucket_in_whole_tiles(rows, head_d
     assert all(cfg.context_loop for cfg in configs)   # the masked main loop only where asked for
     both = list(tree_attention_kernel.sweep_grid(rows, head_dim, context_loops=(0, 1)))
     assert len(both) == 2 * len(configs) and sum(cfg.context_loop for cfg in both) == len(configs)
+    assert not any(cfg.balanced for cfg in configs)
+    fair = list(tree_attention_kernel.sweep_grid(rows, head_dim, balanced=(0, 1)))
+    assert [c for c in fair if not c.balanced] == configs and all(c.splits > 1 for c in fair if c.balanced)
 
 
 def test_the_tree_wy_sweep_holds_both_forms_and_only_tilings_the_kernel_takes():

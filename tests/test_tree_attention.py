@@ -63,7 +63,8 @@ for heads, kv_heads, head_dim, nodes in [(8, 2, 64, 1), (8, 2, 64, 5), (4, 4, 64
         values.repeat_interleave(rep, 2).transpose(1, 2), attn_mask=mask[:, None], scale=scale).transpose(1, 2)
     tree_keys = TreeKeys(ctx, ancestor_mask_batch(parents, sizes))
     for cfg in (None, SplitConfig(16, 64, 1, 192), SplitConfig(16, 32, 3, 64),
-                SplitConfig(16, 64, 1, 192, context_loop=False), SplitConfig(16, 32, 3, 64, context_loop=False)):
+                SplitConfig(16, 64, 1, 192, context_loop=False), SplitConfig(16, 32, 3, 64, context_loop=False),
+                SplitConfig(16, 32, 3, 64, balanced=True), SplitConfig(16, 32, 4, 64, context_loop=False, balanced=True)):
         got = tree_attention(q, k_cache, v_cache, slots, tree_keys, key_len, scale, cfg).float()
         assert (got - ref).abs().max().item() < 2e-2, (heads, nodes, cfg)
 print("ok")
@@ -73,8 +74,8 @@ print("ok")
 @needs_triton
 def test_the_kernel_under_tritons_interpreter_equals_sdpa_over_the_masked_rows():
     """Decode and tree blocks, GQA and not, one slice, the chosen split and an uneven one, each with the committed
-    keys in the main loop and in a loop of their own (fp16: see test_quantization_backend on the interpreter's
-    bf16)."""
+    keys in the main loop and in a loop of their own, and slices balanced on each sequence's keys (fp16: see
+    test_quantization_backend on the interpreter's bf16)."""
     _run_interpreted(INTERPRETER_PATCH + INTERPRETED_ATTENTION)
 
 

@@ -48,7 +48,9 @@ class SplitConfig:
     """One launch: BLOCK_M stacked query rows and BLOCK_N keys per tile; the keys split into `splits` slices of
     split_len rows (a multiple of BLOCK_N). context_loop: the committed keys in a loop of their own, without the
     ancestor mask's loads, layout shuffle and compares (compiled for sm_90 at 16 x 32 tiles: 208 instructions a
-    warp per key tile against 310 in the masked loop)."""
+    warp per key tile against 310 in the masked loop). balanced: each sequence's own keys [0, ctx_len + T) cut
+    into `splits` slices of whole tiles, instead of slices of split_len keys of the launch's key bucket (which
+    leave the slices past a short sequence's keys idle)."""
 
     block_m: int
     block_n: int
@@ -57,6 +59,7 @@ class SplitConfig:
     num_warps: int = 4
     num_stages: int = 2
     context_loop: bool = True
+    balanced: bool = False
 
 
 def switched_off() -> bool:
@@ -122,6 +125,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     anc = keys.ancestors.contiguous().view(torch.uint8)
     grid = (bsz * num_kv, -(-rows // cfg.block_m), cfg.splits)
+    split_len = -cfg.block_n if cfg.balanced else cfg.split_len   # the kernels' code for balanced slices
     if cfg.splits > 1:
         acc = torch.empty(bsz, num_kv, cfg.splits, rows, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz, num_kv, cfg.splits, rows, dtype=torch.float32, device=q.device)
@@ -129,7 +133,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
         acc = lse = out   # not written: the single slice stores the output itself
     kernels.tree_attention_split_kernel[grid](
         q, k_cache, v_cache, slots, keys.ctx_lens, anc, acc, lse, out,
-        tmax, rows, cfg.splits, cfg.split_len, scale, slots.stride(0), keys.ctx_lens.stride(0),
+        tmax, rows, cfg.splits, split_len, scale, slots.stride(0), keys.ctx_lens.stride(0),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(row_dim), k_cache.stride(head_dim_at),
         v_cache.stride(0), v_cache.stride(row_dim), v_cache.stride(head_dim_at),
@@ -140,7 +144,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
     )
     if cfg.splits > 1:
         kernels.tree_attention_merge_kernel[(bsz * num_kv, -(-rows // MERGE_BLOCK_M))](
-            acc, lse, keys.ctx_lens, out, tmax, rows, cfg.splits, cfg.split_len, keys.ctx_lens.stride(0),
+            acc, lse, keys.ctx_lens, out, tmax, rows, cfg.splits, split_len, keys.ctx_lens.stride(0),
             out.stride(0), out.stride(1), out.stride(2),
             REP=rep, NUM_KV=num_kv, BLOCK_M=MERGE_BLOCK_M, HEAD_DIM=head_dim, num_warps=4,
         )

@@ -36,6 +36,15 @@ def _row_block(T, ROWS, NUM_KV: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
+def _slice_len(split_len, keys, num_splits):
+    """Keys per slice: split_len when > 0 (slices of the launch's key bucket), else balanced on this sequence's
+    `keys`: its tiles of -split_len keys shared out over the num_splits slices."""
+    tile = tl.abs(split_len)
+    balanced = tl.cdiv(tl.cdiv(keys, tile), num_splits) * tile
+    return tl.where(split_len > 0, split_len, balanced)
+
+
+@triton.jit
 def _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale2, m_i, l_i, acc):
     """One key tile of the online softmax in base 2: scores of the visible keys ([BLOCK_M, BLOCK_N] mask) times
     scale2 (the softmax scale times log2(e); the multiply fuses into the exponent's subtraction), the running
@@ -61,7 +70,7 @@ def tree_attention_split_kernel(
     REP: tl.constexpr, NUM_KV: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CONTEXT_LOOP: tl.constexpr,
 ):
-    """One (sequence, KV head), one block of stacked query rows, one slice of split_len keys. Not SPLIT (one
+    """One (sequence, KV head), one block of stacked query rows, one slice of keys (_slice_len). Not SPLIT (one
     slice): the normalised output into out [B, T, n_heads, D]; else the slice's normalised output (float32) and
     log-sum-exp into acc [B, NUM_KV, num_splits, ROWS, D] and lse [B, NUM_KV, num_splits, ROWS] (-inf: no visible
     key); a slice that starts past the sequence's keys returns at once and writes nothing. The slice count is a
@@ -75,11 +84,11 @@ def tree_attention_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)   # slots and ctx_lens may be columns of a packed batch
-    start = pid_s * split_len
+    start = pid_s * _slice_len(split_len, ctx + T, num_splits)
     if SPLIT and start >= ctx + T:
         return   # a slice past this sequence's keys (its key bucket is longer): the merge skips it
     slot = tl.load(slots_ptr + b * stride_slot).to(tl.int64)
-    stop = tl.minimum(start + split_len, ctx + T)
+    stop = tl.minimum(start + _slice_len(split_len, ctx + T, num_splits), ctx + T)
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
     anc_base = anc_ptr + b * stride_ab + t[:, None] * stride_at
@@ -132,7 +141,7 @@ def tree_attention_merge_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     first = (b * NUM_KV + kvh) * num_splits
     ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
-    live = tl.minimum(tl.cdiv(ctx + T, split_len), num_splits)
+    live = tl.minimum(tl.cdiv(ctx + T, _slice_len(split_len, ctx + T, num_splits)), num_splits)
     top = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
     for s in range(live):
         top = tl.maximum(top, tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")))
