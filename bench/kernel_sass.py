@@ -1,0 +1,259 @@
+"""Our Triton kernels compiled for a Hopper GPU on a machine without one: registers, spills, shared memory and the
+SASS instructions of each loop, per warp and per iteration (a static profile).
+
+The device is lent by the half hour; this runs anywhere Triton is installed (its wheel bundles ptxas and cuobjdump).
+Each case runs the real launcher (tree_attention, tree_layout, tree_wy_core, ...) on CPU tensors of the real shapes
+with Triton's launch replaced by a recorder, then compiles every recorded launch exactly as Triton's runtime
+would (its own argument specialisation: ints divisible by 16, the value 1 as a constant, aligned pointers) for
+sm_90, and reads the cubin. What it measures is instructions, not time: on the H100, Nsight Compute found the
+tree-attention split kernel instruction-bound (issue slots 34 % busy at 1.6 instructions a cycle, ~340
+instructions a warp per key tile: the count this reports for that kernel), so fewer instructions per key tile is
+the lever, and the device's sweep (bench.tree_attention_kernel) has the last word.
+
+    python -m bench.kernel_sass [--cases attention,layout,tree_wy] [--arch 90] [--out-dir bench/results]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from bench import common
+
+CASES = ("attention", "layout", "tree_wy")
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch: the JIT function, its grid and the arguments it was given."""
+
+    fn: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class SassLoop:
+    """One loop of the SASS (a backward branch): instructions a warp runs per iteration, by opcode."""
+
+    instructions: int
+    mix: dict[str, int]
+
+
+@dataclass
+class SassReport:
+    """What the cubin says of one compiled launch."""
+
+    kernel: str
+    registers: int
+    stack_bytes: int
+    shared_bytes: int
+    instructions: int
+    loops: list[SassLoop] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Within it, launching any Triton kernel records the launch (list yielded) instead of running it."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+    real_getitem = JITFunction.__getitem__
+
+    def record(self, grid):
+        return lambda *args, **kwargs: launches.append(Launch(self, tuple(grid), args, dict(kwargs)))
+
+    JITFunction.__getitem__ = record
+    try:
+        yield launches
+    finally:
+        JITFunction.__getitem__ = real_getitem
+
+
+def compile_launch(launch: Launch, arch: int = 90):
+    """The launch compiled for CUDA sm_<arch> as Triton's runtime would compile it -> triton CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.fn
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(launch.kwargs)
+    kwargs.setdefault("debug", False)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _tool(name: str) -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_report(compiled) -> SassReport:
+    """Registers, spills, shared memory, instruction count and the loops of a compiled kernel's SASS."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)   # a stack frame: registers spilled (or local arrays)
+    instructions = parse_sass(sass)
+    return SassReport(compiled.metadata.name, int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else 0,
+                      int(compiled.metadata.shared), len(instructions), sass_loops(instructions))
+
+
+def parse_sass(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text) of every instruction in cuobjdump -sass output."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def opcode(instruction: str) -> str:
+    """The opcode without its predicate and modifiers: '@!P2 FMUL.FTZ R1, ...' -> 'FMUL'."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def sass_loops(instructions: list[tuple[int, str]]) -> list[SassLoop]:
+    """Every backward branch's body [target, branch], in address order: the instructions of one iteration."""
+    loops = []
+    for addr, text in instructions:
+        m = re.search(r"\bBRA\s+(?:`?\(?\.?L?_?x?_?\d*\)?\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            body = [t for a, t in instructions if lo <= a <= addr]
+            loops.append(SassLoop(len(body), dict(collections.Counter(map(opcode, body)).most_common())))
+    return loops
+
+
+# ---- cases: the real launchers on CPU tensors of the real shapes ----
+
+def attention_launches(nodes: int, variants: dict[str, dict]) -> list[tuple[str, Launch]]:
+    """The tree-attention split and merge launches of one 8B-heads block (32 query heads, 8 KV heads, head dim
+    128, bf16, a 512-token context in the 1024-key bucket) at the chosen tiling and each variant of it."""
+    import dataclasses
+
+    from ddtree_serve.kernels import tree_attention as ta
+
+    heads, kv_heads, head_dim, key_len = 32, 8, 128, 1024
+    q = torch.zeros(1, nodes, heads, head_dim, dtype=torch.bfloat16)
+    cache = torch.zeros(2, key_len + 128, kv_heads, head_dim, dtype=torch.bfloat16)
+    keys = ta.TreeKeys(torch.full((1,), 512), torch.ones(1, nodes, nodes, dtype=torch.bool))
+    chosen = ta.choose_config(1, kv_heads, heads // kv_heads * nodes, key_len, head_dim)
+    out = []
+    for name, change in {"chosen": {}, **variants}.items():
+        cfg = dataclasses.replace(chosen, **change)
+        with recorded_launches() as launches:
+            ta.tree_attention(q, cache, cache, torch.zeros(1, dtype=torch.long), keys, key_len, head_dim ** -0.5, cfg)
+        label = (f"{nodes} nodes, {name}: BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} warps "
+                 f"{cfg.num_warps}{' context loop' if cfg.context_loop else ''}{' balanced' if cfg.balanced else ''}")
+        out += [(label, launch) for launch in launches]
+    return out
+
+
+def layout_launches(nodes: int) -> list[tuple[str, Launch]]:
+    """The tree-layout launch of one 65-node tree with the GDN conv windows (kernel 4)."""
+    from target_svc.tree_layout import tree_layout
+
+    with recorded_launches() as launches:
+        tree_layout(torch.full((1, nodes), -1, dtype=torch.long), torch.full((1,), nodes), 4)
+    return [(f"{nodes} nodes", launch) for launch in launches]
+
+
+def tree_wy_launches(nodes: int) -> list[tuple[str, Launch]]:
+    """The tree WY core of one Qwen3.6-27B GDN layer (48 value heads of 128 x 128; float32, as the layer calls it)
+    on a `nodes` tree, at the tiling choose_config gives it."""
+    from target_svc.gdn_tree_kernel import tree_wy_core
+
+    heads, dk, dv = 48, 128, 128
+    qh = torch.zeros(1, heads, nodes, dk)
+    vh = torch.zeros(1, heads, nodes, dv)
+    g = torch.zeros(1, heads, nodes)
+    anc = torch.ones(1, nodes, nodes, dtype=torch.bool)
+    s0 = torch.zeros(1, heads, dk, dv, dtype=torch.float32)
+    with recorded_launches() as launches:
+        tree_wy_core(qh, qh, vh, g, g, anc, s0)
+    return [(f"{nodes} nodes", launch) for launch in launches]
+
+
+def case_launches(case: str) -> list[tuple[str, Launch]]:
+    """The labelled launches of one case."""
+    if case == "attention":
+        variants = {"masked loop": {"context_loop": False}, "balanced": {"balanced": True},
+                    "BM 64": {"block_m": 64, "block_n": 64, "splits": 8, "split_len": 128}}
+        return [x for nodes in (1, 17, 65) for x in attention_launches(nodes, variants if nodes == 65 else {})]
+    if case == "layout":
+        return layout_launches(65)
+    if case == "tree_wy":
+        return tree_wy_launches(65)
+    raise ValueError(f"unknown case {case!r} (of {', '.join(CASES)})")
+
+
+def report_rows(case: str, arch: int) -> list[dict]:
+    """One row per compiled launch of the case."""
+    rows = []
+    for label, launch in case_launches(case):
+        rep = sass_report(compile_launch(launch, arch))
+        loops = [lp.instructions for lp in rep.loops]
+        main = max(rep.loops, key=lambda lp: lp.instructions) if rep.loops else None
+        rows.append({"case": case, "launch": label, "kernel": launch.fn.__name__,
+                     "warps": launch.kwargs.get("num_warps", 4), "registers": rep.registers,
+                     "stack_bytes": rep.stack_bytes, "shared_bytes": rep.shared_bytes,
+                     "instructions": rep.instructions, "loop_instructions": loops,
+                     "main_loop_mix": dict(list(main.mix.items())[:12]) if main else {}})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.kernel_sass", description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100 / H200)")
+    p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    args = p.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("needs triton (pip install triton==3.6.0)", file=sys.stderr)
+        return 2
+    rows = [r for case in args.cases.split(",") for r in report_rows(case, args.arch)]
+    table = common.md_table(
+        ["case", "launch", "kernel", "warps", "registers", "stack B", "shared B", "instructions",
+         "per loop iteration (a warp)", "main loop: top opcodes"],
+        [[r["case"], r["launch"], r["kernel"], r["warps"], r["registers"], r["stack_bytes"], r["shared_bytes"],
+          r["instructions"], " / ".join(map(str, r["loop_instructions"])) or "-",
+          ", ".join(f"{k} {v}" for k, v in list(r["main_loop_mix"].items())[:8])] for r in rows])
+    import triton
+    md = (f"# Triton kernels compiled for sm_{args.arch} (static: no GPU)\n\n"
+          f"Command: `{common.command_line('bench.kernel_sass')}`  \nDate: {common.now_utc()}  \n"
+          f"Triton {triton.__version__}, torch {torch.__version__}, compiled on {common.cpu_model()}\n\n"
+          "Each launch as the real launcher makes it (CPU tensors of the real shapes, the launch recorded and "
+          "compiled as Triton's runtime would). Instructions per loop iteration are a warp's, one SASS loop each "
+          "(the tree-attention split kernel with the context loop has two: committed keys, then the block's).\n\n"
+          + table + "\n")
+    print(md)
+    common.write_outputs(args.out_dir, f"kernel-sass-sm{args.arch}", {"arch": args.arch, "rows": rows,
+                                                                       "triton": triton.__version__,
+                                                                       "date": common.now_utc(),
+                                                                       "command": common.command_line(
+                                                                           "bench.kernel_sass")}, md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

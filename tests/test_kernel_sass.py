@@ -1,0 +1,61 @@
+"""bench.kernel_sass: the real launchers' Triton launches, recorded on the CPU and compiled for sm_90 without a GPU.
+
+Compiling for the GPU is also a check no interpreter test makes: a kernel that Triton or ptxas rejects for
+Hopper fails here, in CI, rather than on the lent device."""
+from __future__ import annotations
+
+import pytest
+
+from bench import kernel_sass
+from tests.test_quantization_backend import needs_triton
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/                   FFMA R2, R0, R0, R1 ;
+        /*0030*/              @!P2 FMUL.FTZ R2, R2, 0.5 ;
+        /*0040*/               @P0 BRA 0x10 ;
+        /*0050*/                   EXIT ;
+        /*0060*/                   BRA 0x60;
+"""
+
+
+def test_the_sass_parser_finds_each_backward_branch_as_a_loop_with_its_opcodes():
+    instructions = kernel_sass.parse_sass(SASS)
+    assert len(instructions) == 7
+    loops = kernel_sass.sass_loops(instructions)
+    # 0x10..0x40 is the loop; the trailing self-branch (0x60 -> 0x60) is not backward.
+    assert [lp.instructions for lp in loops] == [4]
+    assert loops[0].mix == {"S2R": 1, "FFMA": 1, "FMUL": 1, "BRA": 1}
+
+
+def test_a_recorded_launch_keeps_its_kernel_grid_and_constants():
+    pytest.importorskip("triton")
+    launches = kernel_sass.layout_launches(17)
+    assert len(launches) == 1
+    label, launch = launches[0]
+    assert launch.fn.__name__ == "tree_layout_kernel" and launch.grid == (1,)
+    assert launch.kwargs["BT"] == 32 and launch.kwargs["KERN"] == 4
+
+
+@needs_triton
+@pytest.mark.parametrize("case", kernel_sass.CASES)
+def test_every_case_compiles_for_hopper_with_a_register_count_and_a_loop(case):
+    rows = kernel_sass.report_rows(case, arch=90)
+    assert rows
+    for row in rows:
+        assert 0 < row["registers"] <= 255, row
+        assert row["instructions"] > 0 and row["loop_instructions"], row
+
+
+@needs_triton
+def test_the_attention_context_loop_compiles_to_two_loops_the_first_without_the_mask():
+    """With the committed keys in their own loop the split kernel has two SASS loops, and the first (no ancestor
+    mask: no loads, no compares of it) is the shorter."""
+    (_, chosen), = [x for x in kernel_sass.attention_launches(65, {}) if x[1].fn.__name__.endswith("split_kernel")]
+    masked = [x for x in kernel_sass.attention_launches(65, {"masked": {"context_loop": False}})
+              if "masked" in x[0] and x[1].fn.__name__.endswith("split_kernel")]
+    both = kernel_sass.sass_report(kernel_sass.compile_launch(chosen)).loops
+    one = kernel_sass.sass_report(kernel_sass.compile_launch(masked[0][1])).loops
+    assert len(both) == 2 and len(one) == 1
+    assert both[0].instructions < both[1].instructions
