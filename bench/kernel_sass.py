@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     args = p.parse_args(argv)
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         print("needs triton (pip install triton==3.6.0)", file=sys.stderr)
         return 2
@@ -238,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         [[r["case"], r["launch"], r["kernel"], r["warps"], r["registers"], r["stack_bytes"], r["shared_bytes"],
           r["instructions"], " / ".join(map(str, r["loop_instructions"])) or "-",
           ", ".join(f"{k} {v}" for k, v in list(r["main_loop_mix"].items())[:8])] for r in rows])
-    import triton
     md = (f"# Triton kernels compiled for sm_{args.arch} (static: no GPU)\n\n"
           f"Command: `{common.command_line('bench.kernel_sass')}`  \nDate: {common.now_utc()}  \n"
           f"Triton {triton.__version__}, torch {torch.__version__}, compiled on {common.cpu_model()}\n\n"
