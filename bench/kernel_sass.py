@@ -176,10 +176,12 @@ def layout_launches(nodes: int) -> list[tuple[str, Launch]]:
     return [(f"{nodes} nodes", launch) for launch in launches]
 
 
-def tree_wy_launches(nodes: int) -> list[tuple[str, Launch]]:
+def tree_wy_launches(nodes: int, variants: dict[str, dict]) -> list[tuple[str, Launch]]:
     """The tree WY core of one Qwen3.6-27B GDN layer (48 value heads of 128 x 128; float32, as the layer calls it)
-    on a `nodes` tree, at the tiling choose_config gives it."""
-    from target_svc.gdn_tree_kernel import tree_wy_core
+    on a `nodes` tree, at the tiling choose_config gives it and each variant of that tiling."""
+    import dataclasses
+
+    from target_svc.gdn_tree_kernel import choose_config, tree_wy_core
 
     heads, dk, dv = 48, 128, 128
     qh = torch.zeros(1, heads, nodes, dk)
@@ -187,9 +189,16 @@ def tree_wy_launches(nodes: int) -> list[tuple[str, Launch]]:
     g = torch.zeros(1, heads, nodes)
     anc = torch.ones(1, nodes, nodes, dtype=torch.bool)
     s0 = torch.zeros(1, heads, dk, dv, dtype=torch.float32)
-    with recorded_launches() as launches:
-        tree_wy_core(qh, qh, vh, g, g, anc, s0)
-    return [(f"{nodes} nodes", launch) for launch in launches]
+    chosen = choose_config(heads, dv)
+    out = []
+    for name, change in {"chosen": {}, **variants}.items():
+        cfg = dataclasses.replace(chosen, **change)
+        with recorded_launches() as launches:
+            tree_wy_core(qh, qh, vh, g, g, anc, s0, cfg)
+        label = (f"{nodes} nodes, {name}: BT {cfg.block_t} BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps}"
+                 f" {cfg.phases} phase{'s' if cfg.phases > 1 else ''}")
+        out += [(label, launch) for launch in launches]
+    return out
 
 
 def case_launches(case: str) -> list[tuple[str, Launch]]:
@@ -201,7 +210,7 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
     if case == "layout":
         return layout_launches(65)
     if case == "tree_wy":
-        return tree_wy_launches(65)
+        return tree_wy_launches(65, {"three phases": {"phases": 3}, "4 warps": {"num_warps": 4}})
     raise ValueError(f"unknown case {case!r} (of {', '.join(CASES)})")
 
 

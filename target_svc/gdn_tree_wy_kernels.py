@@ -295,19 +295,20 @@ def tree_wy_prepare_kernel(
             for j0 in range(0, c0 + BC, BC):
                 js = j0 + tl.arange(0, BC)
                 jmask = js < r0
-                a = tl.load(anc_ptr + cols[:, None] * stride_ai + js[None, :] * stride_aj,
-                            mask=cmask[:, None] & jmask[None, :], other=0)
+                a_cj = tl.load(anc_ptr + cols[:, None] * stride_ai + js[None, :] * stride_aj,
+                               mask=cmask[:, None] & jmask[None, :], other=0)
                 g_j = tl.load(g_ptr + js * stride_gt, mask=jmask, other=0.0)
-                cum_c += tl.sum(tl.where(a != 0, g_j[None, :], 0.0), axis=1)
+                cum_c += tl.sum(tl.where(a_cj != 0, g_j[None, :], 0.0), axis=1)
             k_c = tl.load(k_ptr + cols[:, None] * stride_kt + offs_k[None, :], mask=cmask[:, None], other=0.0)
-            a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
-                        mask=rmask[:, None] & cmask[None, :], other=0)
-            decay = _exp_where(a != 0, cum_r[:, None] - cum_c[None, :])
-            kk = tl.dot(kb_r, tl.trans(k_c), input_precision="ieee") * decay
-            qk = tl.dot(q_r, tl.trans(k_c), input_precision="ieee") * decay
+            # Names of their own: Triton types a name once per loop, and these are BT x BC, not BT x BT.
+            a_rc = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
+                           mask=rmask[:, None] & cmask[None, :], other=0)
+            decay_rc = _exp_where(a_rc != 0, cum_r[:, None] - cum_c[None, :])
+            kk = tl.dot(kb_r, tl.trans(k_c), input_precision="ieee") * decay_rc
+            qk_rc = tl.dot(q_r, tl.trans(k_c), input_precision="ieee") * decay_rc
             box = rmask[:, None] & cmask[None, :]
             tl.store(akk_ptr + bh * T * T + rows[:, None] * T + cols[None, :], kk, mask=box)
-            tl.store(aqk_ptr + bh * T * T + rows[:, None] * T + cols[None, :], qk, mask=box)
+            tl.store(aqk_ptr + bh * T * T + rows[:, None] * T + cols[None, :], qk_rc, mask=box)
 
 
 @triton.jit(do_not_specialize=["T"])
