@@ -28,7 +28,7 @@ import torch
 
 from bench import common
 
-CASES = ("attention", "layout", "tree_wy")
+CASES = ("attention", "layout", "tree_wy", "kv_write", "int8")
 
 
 @dataclass
@@ -201,6 +201,33 @@ def tree_wy_launches(nodes: int, variants: dict[str, dict]) -> list[tuple[str, L
     return out
 
 
+def kv_write_launches(nodes: int) -> list[tuple[str, Launch]]:
+    """One layer's K/V rows of a `nodes` block written into the 8B's slot cache (8 KV heads of 128, bf16)."""
+    from target_svc.kv_cache import write_kv_rows
+
+    cache = torch.zeros(2, 1024, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, nodes, 8, 128, dtype=torch.bfloat16)
+    with recorded_launches() as launches:
+        write_kv_rows(cache, cache, torch.zeros(1, dtype=torch.long), torch.zeros(1, nodes, dtype=torch.long), k, k)
+    return [(f"{nodes} nodes", launch) for launch in launches]
+
+
+def int8_launches() -> list[tuple[str, Launch]]:
+    """The weight-only int8 kernels at the 8B's gate/up projection (4096 -> 2 x 12288): the GEMV of a decode
+    token and the tiled matmul of a 65-node verify, at the tilings kernel_config picks."""
+    from target_svc.int8_matmul import matmul
+
+    n, k = 2 * 12288, 4096
+    qweight = torch.zeros(n, k, dtype=torch.int8)
+    scales = torch.ones(n, dtype=torch.bfloat16)
+    out = []
+    for rows in (1, 65):
+        with recorded_launches() as launches:
+            matmul(torch.zeros(rows, k, dtype=torch.bfloat16), qweight, scales)
+        out += [(f"{rows} rows x {k} -> {n}", launch) for launch in launches]
+    return out
+
+
 def case_launches(case: str) -> list[tuple[str, Launch]]:
     """The labelled launches of one case."""
     if case == "attention":
@@ -209,6 +236,10 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
         return [x for nodes in (1, 17, 65) for x in attention_launches(nodes, variants if nodes == 65 else {})]
     if case == "layout":
         return layout_launches(65)
+    if case == "kv_write":
+        return kv_write_launches(65)
+    if case == "int8":
+        return int8_launches()
     if case == "tree_wy":
         return tree_wy_launches(65, {"three phases": {"phases": 3}, "4 warps": {"num_warps": 4}})
     raise ValueError(f"unknown case {case!r} (of {', '.join(CASES)})")

@@ -40,12 +40,12 @@ def test_a_recorded_launch_keeps_its_kernel_grid_and_constants():
 
 @needs_triton
 @pytest.mark.parametrize("case", kernel_sass.CASES)
-def test_every_case_compiles_for_hopper_with_a_register_count_and_a_loop(case):
+def test_every_case_compiles_for_hopper_with_a_register_count_and_its_loops(case):
     rows = kernel_sass.report_rows(case, arch=90)
     assert rows
     for row in rows:
-        assert 0 < row["registers"] <= 255, row
-        assert row["instructions"] > 0 and row["loop_instructions"], row
+        assert 0 < row["registers"] <= 255 and row["instructions"] > 0, row
+        assert bool(row["loop_instructions"]) == (row["kernel"] != "write_kv_kernel"), row   # one row a program
 
 
 @needs_triton
