@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -147,8 +148,6 @@ def sass_loops(instructions: list[tuple[int, str]]) -> list[SassLoop]:
 def attention_launches(nodes: int, variants: dict[str, dict]) -> list[tuple[str, Launch]]:
     """The tree-attention split and merge launches of one 8B-heads block (32 query heads, 8 KV heads, head dim
     128, bf16, a 512-token context in the 1024-key bucket) at the chosen tiling and each variant of it."""
-    import dataclasses
-
     from ddtree_serve.kernels import tree_attention as ta
 
     heads, kv_heads, head_dim, key_len = 32, 8, 128, 1024
@@ -179,8 +178,6 @@ def layout_launches(nodes: int) -> list[tuple[str, Launch]]:
 def tree_wy_launches(nodes: int, variants: dict[str, dict]) -> list[tuple[str, Launch]]:
     """The tree WY core of one Qwen3.6-27B GDN layer (48 value heads of 128 x 128; float32, as the layer calls it)
     on a `nodes` tree, at the tiling choose_config gives it and each variant of that tiling."""
-    import dataclasses
-
     from target_svc.gdn_tree_kernel import choose_config, tree_wy_core
 
     heads, dk, dv = 48, 128, 128
@@ -213,9 +210,10 @@ def kv_write_launches(nodes: int) -> list[tuple[str, Launch]]:
 
 
 def int8_launches() -> list[tuple[str, Launch]]:
-    """The weight-only int8 kernels at the 8B's gate/up projection (4096 -> 2 x 12288): the GEMV of a decode
-    token and the tiled matmul of a 65-node verify, at the tilings kernel_config picks."""
-    from target_svc.int8_matmul import matmul
+    """The weight-only int8 kernels at the 8B's gate/up projection (4096 -> 2 x 12288) at the tilings
+    kernel_config picks for a decode token and a 65-node verify, and the GEMV kernel (with its split-K reduction)
+    for a decode token."""
+    from target_svc.int8_matmul import choose_gemv_config, matmul
 
     n, k = 2 * 12288, 4096
     qweight = torch.zeros(n, k, dtype=torch.int8)
@@ -225,7 +223,10 @@ def int8_launches() -> list[tuple[str, Launch]]:
         with recorded_launches() as launches:
             matmul(torch.zeros(rows, k, dtype=torch.bfloat16), qweight, scales)
         out += [(f"{rows} rows x {k} -> {n}", launch) for launch in launches]
-    return out
+    gemv = dataclasses.replace(choose_gemv_config(1, n, k), split_k=2)
+    with recorded_launches() as launches:
+        matmul(torch.zeros(1, k, dtype=torch.bfloat16), qweight, scales, config=gemv)
+    return out + [(f"1 row x {k} -> {n}, GEMV split 2", launch) for launch in launches]
 
 
 def case_launches(case: str) -> list[tuple[str, Launch]]:
