@@ -90,14 +90,19 @@ def _tree_head(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, s
 
 
 @triton.jit
-def _load_s0(s0_ptr, s0_index_ptr, b, h, offs_k, offs_v, stride_sb, stride_sh, stride_sk, stride_si,
-             INDEXED: tl.constexpr):
-    """Tree b's initial state, head h, value block offs_v: s0[s0_index[b]] of a pool (INDEXED) or s0[b]."""
+def _s0_base(s0_ptr, s0_index_ptr, b, h, stride_sb, stride_sh, stride_si, INDEXED: tl.constexpr):
+    """Tree b's initial state of head h: s0[s0_index[b], h] of a pool (INDEXED) or s0[b, h]."""
     if INDEXED:
         row = tl.load(s0_index_ptr + b * stride_si).to(tl.int64)
     else:
         row = b.to(tl.int64)
-    return tl.load(s0_ptr + row * stride_sb + h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :])
+    return s0_ptr + row * stride_sb + h * stride_sh
+
+
+@triton.jit
+def _load_s0(s0_base, offs_k, offs_v, stride_sk):
+    """Value block offs_v of the state at s0_base (rows offs_k)."""
+    return tl.load(s0_base + offs_k[:, None] * stride_sk + offs_v[None, :])
 
 
 @triton.jit
@@ -115,8 +120,8 @@ def _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v):
 
 
 @triton.jit
-def _block_terms(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0, s_root, g0,
-                 stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj,
+def _block_terms(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0_base, s_root,
+                 g0, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk,
                  BT: tl.constexpr, BC: tl.constexpr):
     """What a block of nodes needs before any earlier block's u: (G of its rows, q, k and beta k rows, its right-hand
     side less the root state's term, its outputs' root-state term). Rows past T load as zeros (k = v = beta = 0:
@@ -142,6 +147,9 @@ def _block_terms(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0,
     rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s_root, input_precision="ieee")
     o = tl.dot(q_r * e_r[:, None], s_root, input_precision="ieee")
     if tl.min(in_root.to(tl.int32), axis=0) == 0:  # padding in this block: its outputs start from S_0
+        # Read again here, not kept from the root step: a value block of S_0 held through the whole walk was 32
+        # registers a thread of a kernel that spilled (sm_90, bench.kernel_sass).
+        s0 = _load_s0(s0_base, offs_k, offs_v, stride_sk)
         o = tl.where(in_root[:, None], o, tl.dot(q_r * e_r[:, None], s0, input_precision="ieee"))
     return cum_r, q_r, k_r, kb_r, rhs, o
 
@@ -174,9 +182,8 @@ def tree_wy_core_kernel(
     offs_k = tl.arange(0, DK)
     offs_v = pid_v * BV + tl.arange(0, BV)
     loc = tl.arange(0, BT)
-    # S_0's value block stays in registers: every block of nodes reads it.
-    s0 = _load_s0(s0_ptr, s0_index_ptr, b, h, offs_k, offs_v, stride_sb, stride_sh, stride_sk, stride_si,
-                  INDEXED)
+    s0_base = _s0_base(s0_ptr, s0_index_ptr, b, h, stride_sb, stride_sh, stride_si, INDEXED)
+    s0 = _load_s0(s0_base, offs_k, offs_v, stride_sk)   # the root step's; blocks with padding read it again
     strict = loc[:, None] > loc[None, :]
 
     # Node 0, the root of every real node, as one recurrent step: u_0 = beta_0 v_0 - S_0^T (beta_0 e^{g_0} k_0),
@@ -193,8 +200,8 @@ def tree_wy_core_kernel(
         rows = r0 + loc
         rmask = rows < T
         cum_r, q_r, k_r, kb_r, rhs, o = _block_terms(
-            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0, s_root, g0,
-            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, BT, BC)
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0_base, s_root, g0,
+            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk, BT, BC)
 
         # Ancestors in earlier blocks, the root aside: solved already (rows 1 .. r0 - 1 of u and cum).
         for c0 in range(1, r0, BC):
@@ -262,16 +269,16 @@ def tree_wy_prepare_kernel(
     offs_k = tl.arange(0, DK)
     offs_v = pid_v * BV + tl.arange(0, BV)
     loc = tl.arange(0, BT)
-    s0 = _load_s0(s0_ptr, s0_index_ptr, b, h, offs_k, offs_v, stride_sb, stride_sh, stride_sk, stride_si,
-                  INDEXED)
+    s0_base = _s0_base(s0_ptr, s0_index_ptr, b, h, stride_sb, stride_sh, stride_si, INDEXED)
+    s0 = _load_s0(s0_base, offs_k, offs_v, stride_sk)
     _, _, s_root, g0 = _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v)
 
     r0 = 1 + blk * BT
     rows = r0 + loc
     rmask = rows < T
     cum_r, q_r, k_r, kb_r, rhs, o = _block_terms(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0, s_root, g0,
-        stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, BT, BC)
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0_base, s_root, g0,
+        stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk, BT, BC)
     out_mask = rmask[:, None]
     tl.store(rhs_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], rhs, mask=out_mask)
     tl.store(core_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], o, mask=out_mask)
@@ -329,8 +336,8 @@ def tree_wy_solve_kernel(
     offs_k = tl.arange(0, DK)
     offs_v = pid_v * BV + tl.arange(0, BV)
     loc = tl.arange(0, BT)
-    s0 = _load_s0(s0_ptr, s0_index_ptr, b, h, offs_k, offs_v, stride_sb, stride_sh, stride_sk, stride_si,
-                  INDEXED)
+    s0 = _load_s0(_s0_base(s0_ptr, s0_index_ptr, b, h, stride_sb, stride_sh, stride_si, INDEXED), offs_k, offs_v,
+                  stride_sk)
     u0, o0, _, g0 = _root_step(q_ptr + b * stride_qb + h * stride_qh, k_ptr + b * stride_kb + h * stride_kh,
                                v_ptr + b * stride_vb + h * stride_vh, g_ptr + b * stride_gb + h * stride_gh,
                                beta_ptr + b * stride_bb + h * stride_bh, s0, offs_k, offs_v)
