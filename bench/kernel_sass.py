@@ -199,14 +199,19 @@ def tree_wy_launches(nodes: int, variants: dict[str, dict]) -> list[tuple[str, L
 
 
 def kv_write_launches(nodes: int) -> list[tuple[str, Launch]]:
-    """One layer's K/V rows of a `nodes` block written into the 8B's slot cache (8 KV heads of 128, bf16)."""
-    from target_svc.kv_cache import write_kv_rows
+    """One layer's K/V rows of a `nodes` block written into the 8B's slot cache (8 KV heads of 128, bf16), and a
+    commit's compaction of a 17-row path in all 36 layers."""
+    from target_svc.kv_cache import move_rows_in_place, write_kv_rows
 
     cache = torch.zeros(2, 1024, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, nodes, 8, 128, dtype=torch.bfloat16)
+    rows = torch.zeros(1, 17, dtype=torch.long)
+    layers = torch.zeros(36, 2, 64, 8, 128, dtype=torch.bfloat16)   # the 8B's 36 layers (a short capacity)
     with recorded_launches() as launches:
         write_kv_rows(cache, cache, torch.zeros(1, dtype=torch.long), torch.zeros(1, nodes, dtype=torch.long), k, k)
-    return [(f"{nodes} nodes", launch) for launch in launches]
+        move_rows_in_place(layers, layers, torch.zeros(1, dtype=torch.long), rows, rows)
+    return [(f"{nodes} nodes" if launch.fn.__name__ == "write_kv_kernel" else "17-row path, 36 layers", launch)
+            for launch in launches]
 
 
 def int8_launches() -> list[tuple[str, Launch]]:

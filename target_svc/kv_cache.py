@@ -16,8 +16,8 @@ _KV_WRITE_BLOCK = 1024   # values per load/store of the write kernel (n_kv * hea
 
 
 def kv_write_kernel_available(device: torch.device | str) -> bool:
-    """Whether write_kv goes through the Triton kernel on device: CUDA, Triton installed, DDTREE_KV_WRITE_KERNEL not
-    off."""
+    """Whether write_kv and move_rows go through the Triton kernels on device: CUDA, Triton installed,
+    DDTREE_KV_WRITE_KERNEL not off."""
     if os.environ.get(KV_WRITE_ENV_VAR, "").strip().lower() in ("off", "0", "false", "no"):
         return False
     device = torch.device(device)
@@ -64,7 +64,9 @@ class KVCache:
     ctx_len: list[int]  # committed tokens per slot (host-side: known without a device sync)
     slot_of: dict[str, int] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
-    write_kernel: bool = False   # write_kv through target_svc/kv_cache_kernels.py (one launch, not two index_puts)
+    # write_kv and move_rows through target_svc/kv_cache_kernels.py (one launch each: two index_puts, and a gather
+    # and a scatter of K and of V)
+    write_kernel: bool = False
 
     @classmethod
     def allocate(cls, spec: CacheSpec) -> "KVCache":
@@ -142,10 +144,32 @@ class KVCache:
         """
         if self.spec.num_full_layers == 0:
             return
+        if self.write_kernel and src_rows.numel():
+            move_rows_in_place(self.k, self.v, slots, src_rows, dst_rows)
+            return
         b_idx = slots[:, None].expand_as(src_rows)
         for buf in (self.k, self.v):
             rows = buf[:, b_idx, src_rows]  # [L, B, D, n_kv, hd]
             buf[:, b_idx, dst_rows] = rows
+
+
+def move_rows_in_place(k: Tensor, v: Tensor, slots: Tensor, src_rows: Tensor, dst_rows: Tensor) -> None:
+    """KVCache.move_rows through the Triton kernel: rows src_rows[b, :] of slot slots[b] -> dst_rows[b, :] in every
+    layer of k, v [L, slots, capacity, n_kv, hd] (contiguous); one launch, no sync."""
+    layers, _, _, n_kv, hd = k.shape
+    bsz, width = src_rows.shape
+    if not (k.is_contiguous() and v.is_contiguous()) or v.shape != k.shape:
+        raise ValueError("the slot cache must be contiguous, K and V of one shape")
+    c = n_kv * hd
+    block_d = max(2, 1 << (width - 1).bit_length())
+    block_c = min(1 << (c - 1).bit_length(), max(64, 8192 // block_d))   # <= 8192 values a tile and buffer
+    kernels = importlib.import_module("target_svc.kv_cache_kernels")  # Triton: only once a launch is certain
+    kernels.move_rows_kernel[(layers, bsz, -(-c // block_c))](
+        k, v, slots, src_rows, dst_rows,
+        width, k.stride(0), k.stride(1), k.stride(2), slots.stride(0), src_rows.stride(0), src_rows.stride(1),
+        dst_rows.stride(0), dst_rows.stride(1),
+        C=c, BLOCK_D=block_d, BLOCK_C=block_c, num_warps=4 if block_d * block_c <= 4096 else 8,
+    )
 
 
 def write_kv_rows(k_cache: Tensor, v_cache: Tensor, slots: Tensor, rows: Tensor, k: Tensor, v: Tensor) -> None:

@@ -826,6 +826,51 @@ def test_cuda_kv_write_kernel_writes_what_index_put_writes_and_replays_in_a_grap
             assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+@pytest.mark.parametrize("n_kv, head_dim, width", [(8, 128, 17), (4, 256, 65), (8, 128, 2)])
+def test_cuda_move_rows_kernel_moves_what_the_gather_and_scatter_move_and_replays_in_a_graph(n_kv, head_dim, width):
+    """KVCache.move_rows through the Triton kernel (target_svc/kv_cache_kernels.py): the very bytes of the
+    gather-then-scatter, with paths whose rows move past each other, padded pairs, and a padding row in the
+    scratch slot; eagerly and replayed in a graph on new paths."""
+    from ddtree_serve.decoding.acceptance import compaction_indices_batch
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc.kv_cache import kv_write_kernel_available, move_rows_in_place
+
+    if not kv_write_kernel_available("cuda"):
+        pytest.skip("needs Triton")
+    shape = (6, 5, 400, n_kv, head_dim)
+    k0 = torch.randn(shape, device="cuda").bfloat16()
+    v0 = torch.randn(shape, device="cuda").bfloat16()
+    k, v = k0.clone(), v0.clone()
+
+    def inputs(seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        paths = torch.full((3, width), -1, dtype=torch.long)
+        n_acc = torch.tensor([width, max(1, width // 3), 1])
+        for b in range(2):   # increasing node indices from the root: a path of a tree whose parents come first
+            steps = torch.randint(1, 4, (int(n_acc[b]) - 1,), generator=gen)
+            paths[b, : int(n_acc[b])] = torch.cat([torch.zeros(1, dtype=torch.long), steps.cumsum(0)])
+        paths[2, 0] = 0   # a padding row: its root only
+        src, dst = compaction_indices_batch(paths, n_acc, torch.tensor([37, 0, 5]))
+        return torch.tensor([3, 0, 4], device="cuda"), src.cuda(), dst.cuda()
+
+    def move(slots, src, dst):
+        move_rows_in_place(k, v, slots, src, dst)
+        return k
+
+    captured = CapturedFunction.capture(move, inputs(1), pool=None)
+    for seed in (2, 3):
+        slots, src, dst = inputs(seed)
+        want_k, want_v = k0.clone(), v0.clone()
+        b_idx = slots[:, None].expand_as(src)
+        for buf in (want_k, want_v):
+            buf[:, b_idx, dst] = buf[:, b_idx, src]
+        for run in (lambda: move(slots, src, dst), lambda: captured(slots, src, dst)):
+            k.copy_(k0), v.copy_(v0)
+            run()
+            torch.cuda.synchronize()
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
 @pytest.mark.parametrize("nodes", [2, 17, 65, 128])
 def test_cuda_tree_layout_kernel_equals_the_pytorch_structure_and_windows_and_replays_in_a_graph(nodes):
     """The one-launch tree structure (target_svc/tree_layout.py) gives the very integers of the PyTorch path, eagerly

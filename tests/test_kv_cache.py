@@ -145,3 +145,34 @@ def test_the_write_kernel_under_tritons_interpreter_writes_what_index_put_writes
     """Rows of two slots, a value tensor sliced out of a fused projection, node widths of one partial block, one
     block and two."""
     _run_interpreted(INTERPRETER_PATCH + INTERPRETED_WRITE)
+
+
+INTERPRETED_MOVE = """
+import torch
+from target_svc.kv_cache import move_rows_in_place
+from ddtree_serve.decoding.acceptance import compaction_indices_batch
+torch.manual_seed(0)
+for n_kv, hd in [(2, 6), (8, 128)]:
+    k = torch.randn(3, 4, 40, n_kv, hd)
+    v = torch.randn(3, 4, 40, n_kv, hd)
+    # Paths of three rows: rows past each other (node 2 -> 1 while node 5 -> 2), a lone root, a chain in place.
+    path = torch.tensor([[0, 2, 5, 9], [0, -1, -1, -1], [0, 1, 2, 3]])
+    n_acc = torch.tensor([4, 1, 4])
+    slots = torch.tensor([3, 1, 0])
+    src, dst = compaction_indices_batch(path, n_acc, torch.tensor([10, 0, 30]))
+    want_k, want_v = k.clone(), v.clone()
+    b_idx = slots[:, None].expand_as(src)
+    for buf in (want_k, want_v):
+        buf[:, b_idx, dst] = buf[:, b_idx, src]
+    move_rows_in_place(k, v, slots, src, dst)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v), (n_kv, hd)
+    assert torch.equal(k[:, 3, 11], want_k[:, 3, 11])
+print("ok")
+"""
+
+
+@needs_triton
+def test_the_move_kernel_under_tritons_interpreter_moves_what_the_gather_and_scatter_move() -> None:
+    """A commit's compaction in every layer: rows that are one pair's source and another's destination, a lone
+    root, a chain already in place, values of one partial column block and of one whole block."""
+    _run_interpreted(INTERPRETER_PATCH + INTERPRETED_MOVE)
