@@ -145,23 +145,30 @@ def sass_loops(instructions: list[tuple[int, str]]) -> list[SassLoop]:
 
 # ---- cases: the real launchers on CPU tensors of the real shapes ----
 
-def attention_launches(nodes: int, variants: dict[str, dict]) -> list[tuple[str, Launch]]:
-    """The tree-attention split and merge launches of one 8B-heads block (32 query heads, 8 KV heads, head dim
-    128, bf16, a 512-token context in the 1024-key bucket) at the chosen tiling and each variant of it."""
+# (query heads, KV heads, head dim) of the attention cases: the target 8B's, and the 27B's full-attention layers
+ATTENTION_HEADS = {"8b": (32, 8, 128), "27b": (24, 4, 256)}
+
+
+def attention_launches(nodes: int, variants: dict[str, dict], batch: int = 1, shape: str = "8b"
+                       ) -> list[tuple[str, Launch]]:
+    """The tree-attention split and merge launches of one block (bf16, a 512-token context in the 1024-key bucket)
+    at the heads of `shape`, at the tiling choose_config gives it and each variant of that tiling."""
     from ddtree_serve.kernels import tree_attention as ta
 
-    heads, kv_heads, head_dim, key_len = 32, 8, 128, 1024
-    q = torch.zeros(1, nodes, heads, head_dim, dtype=torch.bfloat16)
-    cache = torch.zeros(2, key_len + 128, kv_heads, head_dim, dtype=torch.bfloat16)
-    keys = ta.TreeKeys(torch.full((1,), 512), torch.ones(1, nodes, nodes, dtype=torch.bool))
-    chosen = ta.choose_config(1, kv_heads, heads // kv_heads * nodes, key_len, head_dim)
+    heads, kv_heads, head_dim = ATTENTION_HEADS[shape]
+    key_len = 1024
+    q = torch.zeros(batch, nodes, heads, head_dim, dtype=torch.bfloat16)
+    cache = torch.zeros(batch + 1, key_len + 128, kv_heads, head_dim, dtype=torch.bfloat16)
+    keys = ta.TreeKeys(torch.full((batch,), 512), torch.ones(batch, nodes, nodes, dtype=torch.bool))
+    chosen = ta.choose_config(batch, kv_heads, heads // kv_heads * nodes, key_len, head_dim)
     out = []
     for name, change in {"chosen": {}, **variants}.items():
         cfg = dataclasses.replace(chosen, **change)
         with recorded_launches() as launches:
-            ta.tree_attention(q, cache, cache, torch.zeros(1, dtype=torch.long), keys, key_len, head_dim ** -0.5, cfg)
-        label = (f"{nodes} nodes, {name}: BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} warps "
-                 f"{cfg.num_warps}{' context loop' if cfg.context_loop else ''}{' balanced' if cfg.balanced else ''}")
+            ta.tree_attention(q, cache, cache, torch.arange(batch), keys, key_len, head_dim ** -0.5, cfg)
+        label = (f"{shape} b{batch} {nodes} nodes, {name}: BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} "
+                 f"warps {cfg.num_warps}{' context loop' if cfg.context_loop else ''}"
+                 f"{' balanced' if cfg.balanced else ''}")
         out += [(label, launch) for launch in launches]
     return out
 
@@ -239,7 +246,9 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
     if case == "attention":
         variants = {"masked loop": {"context_loop": False}, "balanced": {"balanced": True},
                     "BM 64": {"block_m": 64, "block_n": 64, "splits": 8, "split_len": 128}}
-        return [x for nodes in (1, 17, 65) for x in attention_launches(nodes, variants if nodes == 65 else {})]
+        return ([x for nodes in (1, 17, 65) for x in attention_launches(nodes, variants if nodes == 65 else {})]
+                + attention_launches(65, {}, batch=8)                       # the wide-batch tiling
+                + [x for nodes in (1, 65) for x in attention_launches(nodes, {}, shape="27b")])
     if case == "layout":
         return layout_launches(65)
     if case == "kv_write":
