@@ -45,16 +45,23 @@ def _slice_len(split_len, keys, num_splits):
 
 
 @triton.jit
-def _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale2, m_i, l_i, acc):
+def _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale2, m_i, l_i, acc,
+                 MASKED: tl.constexpr = True):
     """One key tile of the online softmax in base 2: scores of the visible keys ([BLOCK_M, BLOCK_N] mask) times
     scale2 (the softmax scale times log2(e); the multiply fuses into the exponent's subtraction), the running
-    maximum (of scaled scores), normaliser and output updated -> (m_i, l_i, acc)."""
-    k = tl.load(k_base + offs_n[:, None] * stride_kr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    s = tl.where(visible, tl.dot(q, tl.trans(k)), float("-inf"))
+    maximum (of scaled scores), normaliser and output updated -> (m_i, l_i, acc). Not MASKED: a whole tile of
+    keys every row sees (n_ok and visible unused)."""
+    if MASKED:
+        k = tl.load(k_base + offs_n[:, None] * stride_kr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.where(visible, tl.dot(q, tl.trans(k)), float("-inf"))
+        v = tl.load(v_base + offs_n[:, None] * stride_vr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * stride_kr + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k))
+        v = tl.load(v_base + offs_n[:, None] * stride_vr + offs_d[None, :])
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale2)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * scale2 - m_new[:, None])
-    v = tl.load(v_base + offs_n[:, None] * stride_vr + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
@@ -76,8 +83,8 @@ def tree_attention_split_kernel(
     key); a slice that starts past the sequence's keys returns at once and writes nothing. The slice count is a
     runtime argument, not a constant: every key length then shares one compiled kernel (as a constant, each count
     compiled its own pair, and a cold start spent minutes compiling them). CONTEXT_LOOP: the slice's committed
-    keys (visible to every row) in a loop of their own, without the ancestor mask's loads and compares; the
-    block's keys after them."""
+    keys (visible to every row) in loops of their own, without the ancestor mask's loads and compares (whole tiles
+    without bounds, then the partial one); the block's keys after them."""
     pid_s = tl.program_id(2)
     b, kvh, rows, row_ok, t, head = _row_block(T, ROWS, NUM_KV, REP, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -100,7 +107,12 @@ def tree_attention_split_kernel(
     first = start
     if CONTEXT_LOOP:
         context_stop = tl.minimum(stop, ctx)
-        for n0 in range(start, context_stop, BLOCK_N):
+        whole_stop = start + tl.maximum(context_stop - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, whole_stop, BLOCK_N):   # whole tiles: no masks at all
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _attend_tile(q, k_base, v_base, offs_n, offs_d, offs_n, offs_n, stride_kr, stride_vr,
+                                         scale2, m_i, l_i, acc, MASKED=False)
+        for n0 in range(whole_stop, context_stop, BLOCK_N):   # the last, partial one
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < context_stop
             m_i, l_i, acc = _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, n_ok[None, :], stride_kr,
