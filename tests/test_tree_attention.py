@@ -47,7 +47,9 @@ for heads, kv_heads, head_dim, nodes in [(8, 2, 64, 1), (8, 2, 64, 5), (4, 4, 64
     bsz, dtype = 3, torch.float16
     k_cache = torch.randn(bsz + 1, 300, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(bsz + 1, 300, kv_heads, head_dim).to(dtype)
-    packed = torch.tensor([[2, 100], [0, 0], [3, 37]])   # strided columns, as the verify batch hands them over
+    # strided columns, as the verify batch hands them over; contexts of whole tiles and a partial one, none, and
+    # whole tiles exactly (the context loop's two loops and its empty partial one)
+    packed = torch.tensor([[2, 100], [0, 0], [3, 64]])
     slots, ctx = packed[:, 0], packed[:, 1]
     parents = torch.full((bsz, nodes), -1, dtype=torch.long)
     for i in range(1, nodes):
