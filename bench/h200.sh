@@ -11,7 +11,7 @@
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel)
 #   attnsweep  the tree-attention kernel's tilings and key splits for decode and verify blocks at the 8B and 27B heads
 #              (bench.tree_attention_kernel --sweep; ATTN_ARGS, e.g. "--shapes 8b --nodes 17,65 --batches 1
-#              --block-ms 16,32,64 --warps 2,4 --stages 2 --context-loop 0,1 --balanced 0,1")
+#              --block-ms 16,32,64 --warps 2,4 --stages 2 --context-loop 0,1 --balanced 0,1 --max-registers 0,96")
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8; STEP8_ARGS e.g. --nodes 1,16,65,129, STEP8_S)
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
 #   speed8b    calibrated speed through the services at batch 1 and 8, 32 prompts x 256 tokens, transformers on one

@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", default="1,2", help="the sweep's pipeline stages")
     p.add_argument("--context-loop", default="1", help="0, 1 or 0,1: the committed keys in the main loop, in a "
                    "loop of their own (SplitConfig.context_loop), or both")
+    p.add_argument("--max-registers", default="0", help="register caps a thread to try (0: ptxas's choice), "
+                   "e.g. 0,96 (SplitConfig.max_registers)")
     p.add_argument("--balanced", default="0", help="0, 1 or 0,1: key slices of the bucket, of each sequence's own "
                    "keys (SplitConfig.balanced), or both")
     return p.parse_args(argv)
@@ -83,13 +85,13 @@ def sdpa_reference(q, k_cache, v_cache, slots, parents, keys) -> torch.Tensor:
 
 
 def sweep_grid(rows: int, head_dim: int, block_ms=(16, 32, 64, 128), warps=(4, 8), stages=(1, 2),
-               context_loops=(1,), balanced=(0,)):
+               context_loops=(1,), balanced=(0,), max_registers=(0,)):
     """Tilings of the stacked query rows and the keys, key splits of the 1024-key bucket, and the kernel's variants."""
     from ddtree_serve.kernels.tree_attention import SplitConfig
 
     block_ns = (32, 64) if head_dim <= 128 else (32,)
-    for block_m, block_n, splits, num_warps, num_stages, context_loop, fair in itertools.product(
-            block_ms, block_ns, (1, 2, 3, 4, 6, 8, 12, 16), warps, stages, context_loops, balanced):
+    for block_m, block_n, splits, num_warps, num_stages, context_loop, fair, regs in itertools.product(
+            block_ms, block_ns, (1, 2, 3, 4, 6, 8, 12, 16), warps, stages, context_loops, balanced, max_registers):
         if block_m > 16 and block_m >= 2 * rows or block_m * head_dim > 128 * 128:
             continue   # a tile mostly padding, or one past the registers
         tiles = -(-KEY_BUCKET // block_n)
@@ -97,7 +99,7 @@ def sweep_grid(rows: int, head_dim: int, block_ms=(16, 32, 64, 128), warps=(4, 8
             continue
         per_split = -(-tiles // splits)
         yield SplitConfig(block_m, block_n, -(-tiles // per_split), per_split * block_n, num_warps, num_stages,
-                          bool(context_loop), bool(fair))
+                          bool(context_loop), bool(fair), regs or None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{shape} b{batch} {nodes} nodes"
         default = tree_attention.choose_config(batch, kv_heads, rows, KEY_BUCKET, head_dim)
         grid = sweep_grid(rows, head_dim, *(tuple(map(int, v.split(","))) for v in (
-            args.block_ms, args.warps, args.stages, args.context_loop, args.balanced)))
+            args.block_ms, args.warps, args.stages, args.context_loop, args.balanced, args.max_registers)))
         configs = [("default", default)] + ([("", c) for c in grid] if args.sweep else [])
         for tag, cfg in configs:
             label = (f"{tag + ' ' if tag else ''}BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} "
                      f"warps {cfg.num_warps} stages {cfg.num_stages}{' context loop' if cfg.context_loop else ''}"
-                     f"{' balanced' if cfg.balanced else ''}")
+                     f"{' balanced' if cfg.balanced else ''}"
+                     f"{f' max {cfg.max_registers} registers' if cfg.max_registers else ''}")
             def call(cfg=cfg):
                 return tree_attention.tree_attention(q, k_cache, v_cache, slots, keys, KEY_BUCKET, scale, cfg)
 

@@ -58,7 +58,9 @@ def test_the_attention_context_loop_compiles_to_three_loops_the_first_without_an
     (_, chosen), = [x for x in kernel_sass.attention_launches(65, {}) if x[1].fn.__name__.endswith("split_kernel")]
     masked = [x for x in kernel_sass.attention_launches(65, {"masked": {"context_loop": False}})
               if "masked" in x[0] and x[1].fn.__name__.endswith("split_kernel")]
-    both = kernel_sass.sass_report(kernel_sass.compile_launch(chosen)).loops
+    report = kernel_sass.sass_report(kernel_sass.compile_launch(chosen))
+    assert report.registers <= 96 and report.stack_bytes == 0   # choose_config's cap, and no spill under it
+    both = report.loops
     one = kernel_sass.sass_report(kernel_sass.compile_launch(masked[0][1])).loops
     assert len(both) == 3 and len(one) == 1
     assert both[0].instructions < min(both[1].instructions, both[2].instructions, one[0].instructions)

@@ -34,7 +34,9 @@ def test_a_tree_block_of_one_sequence_takes_narrow_tiles_and_a_wide_batch_keeps_
     for nodes, splits in [(17, 16), (65, 4), (129, 2)]:
         cfg = choose_config(1, 8, 4 * nodes, 1024, 128, num_sms=132)
         assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.num_warps) == (16, 32, splits, 4), nodes
-    assert choose_config(8, 8, 4 * 65, 1024, 128, num_sms=132).block_m == 64
+        assert cfg.max_registers == 96   # 5 programs of 4 warps an SM: 65536 / 640 = 102, in units of 8
+    wide = choose_config(8, 8, 4 * 65, 1024, 128, num_sms=132)
+    assert wide.block_m == 64 and wide.max_registers is None
     assert choose_config(1, 4, 6 * 65, 1024, 256, num_sms=132).block_m == 32   # the 27B's heads: not swept yet
 
 

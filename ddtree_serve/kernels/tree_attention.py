@@ -50,7 +50,8 @@ class SplitConfig:
     ancestor mask's loads, layout shuffle and compares, whole tiles without bounds either (compiled for sm_90 at
     16 x 32 tiles: 185 SASS instructions a warp per whole key tile against 310 in the masked loop). balanced:
     each sequence's own keys [0, ctx_len + T) cut into `splits` slices of whole tiles, instead of slices of
-    split_len keys of the launch's key bucket (which leave the slices past a short sequence's keys idle)."""
+    split_len keys of the launch's key bucket (which leave the slices past a short sequence's keys idle).
+    max_registers: a cap on registers a thread, so that more programs fit on an SM at once."""
 
     block_m: int
     block_n: int
@@ -60,6 +61,7 @@ class SplitConfig:
     num_stages: int = 2
     context_loop: bool = True
     balanced: bool = False
+    max_registers: int | None = None   # ptxas's cap a thread (Triton's maxnreg); None: ptxas's own choice
 
 
 def switched_off() -> bool:
@@ -100,7 +102,17 @@ def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: in
     splits = -(-tiles // per_split)   # no slice that starts past the keys
     split_len = per_split * block_n
     num_warps = 8 if block_m * head_dim >= 64 * 128 else 4
-    return SplitConfig(block_m, block_n, splits, split_len, num_warps)
+    # Tree tiles aim at _TREE_PROGRAMS_PER_SM programs an SM; left alone ptxas gives the kernel 105 registers a
+    # thread (sm_90, bench.kernel_sass), 4 programs an SM, so a 65-node block's 544 programs (and a 17-node
+    # chain's 640) take a second, mostly idle wave (Nsight Compute, H100, at 137 registers then: 1.37 waves).
+    # 96 fits 5 (65536 / (5 x 128) rounded down to the allocation unit of 8): no spill, +2 instructions a tile.
+    regs = _register_cap(per_sm, num_warps) if tree_tiles else None
+    return SplitConfig(block_m, block_n, splits, split_len, num_warps, max_registers=regs)
+
+
+def _register_cap(programs_per_sm: int, num_warps: int) -> int:
+    """The most registers a thread that lets programs_per_sm programs of num_warps warps share an SM's 64K."""
+    return 65536 // (programs_per_sm * num_warps * 32) // 8 * 8
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, keys: TreeKeys, key_len: int,
@@ -141,6 +153,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
         out.stride(0), out.stride(1), out.stride(2),
         REP=rep, NUM_KV=num_kv, SPLIT=cfg.splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, CONTEXT_LOOP=cfg.context_loop, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
     )
     if cfg.splits > 1:
         kernels.tree_attention_merge_kernel[(bsz * num_kv, -(-rows // MERGE_BLOCK_M))](
