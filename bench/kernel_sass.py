@@ -135,7 +135,7 @@ def sass_loops(instructions: list[tuple[int, str]]) -> list[SassLoop]:
     """Every backward branch's body [target, branch], in address order: the instructions of one iteration."""
     loops = []
     for addr, text in instructions:
-        m = re.search(r"\bBRA\s+(?:`?\(?\.?L?_?x?_?\d*\)?\s*)?0x([0-9a-f]+)", text)
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             lo = int(m.group(1), 16)
             body = [t for a, t in instructions if lo <= a <= addr]

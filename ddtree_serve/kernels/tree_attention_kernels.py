@@ -91,11 +91,12 @@ def tree_attention_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)   # slots and ctx_lens may be columns of a packed batch
-    start = pid_s * _slice_len(split_len, ctx + T, num_splits)
+    slice_len = _slice_len(split_len, ctx + T, num_splits)
+    start = pid_s * slice_len
     if SPLIT and start >= ctx + T:
         return   # a slice past this sequence's keys (its key bucket is longer): the merge skips it
     slot = tl.load(slots_ptr + b * stride_slot).to(tl.int64)
-    stop = tl.minimum(start + _slice_len(split_len, ctx + T, num_splits), ctx + T)
+    stop = tl.minimum(start + slice_len, ctx + T)
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
     anc_base = anc_ptr + b * stride_ab + t[:, None] * stride_at
