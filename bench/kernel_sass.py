@@ -244,9 +244,9 @@ def int8_launches() -> list[tuple[str, Launch]]:
 def case_launches(case: str) -> list[tuple[str, Launch]]:
     """The labelled launches of one case."""
     if case == "attention":
-        variants = {"masked loop": {"context_loop": False}, "balanced": {"balanced": True},
-                    "BM 64": {"block_m": 64, "block_n": 64, "splits": 8, "split_len": 128,
-                              "max_registers": None}}
+        variants = {"masked loop": {"context_loop": False}, "unbalanced": {"balanced": False},
+                    "16 x 32 at 96 registers": {"block_m": 16, "block_n": 32, "splits": 4, "split_len": 256,
+                                                "balanced": False, "max_registers": 96}}
         return ([x for nodes in (1, 17, 65) for x in attention_launches(nodes, variants if nodes == 65 else {})]
                 + attention_launches(65, {}, batch=8)                       # the wide-batch tiling
                 + [x for nodes in (1, 65) for x in attention_launches(nodes, {}, shape="27b")])

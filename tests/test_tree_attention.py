@@ -28,15 +28,15 @@ def test_a_one_token_decode_spreads_its_keys_over_the_sms_and_a_wide_batch_does_
     assert wide.splits == 1
 
 
-def test_a_tree_block_of_one_sequence_takes_narrow_tiles_and_a_wide_batch_keeps_wide_ones():
-    """The H100 sweep's fastest tilings at the 8B heads, 512-token context in the 1024-key bucket (17 nodes: 16
-    splits; 65: 4; 129: 2), and the 64-row tiles where the grid is full without them."""
-    for nodes, splits in [(17, 16), (65, 4), (129, 2)]:
+def test_a_tree_block_of_one_sequence_takes_balanced_32_by_64_tiles_and_a_wide_batch_keeps_wide_ones():
+    """The H100 sweep's fastest tilings at the 8B heads, 512-token context in the 1024-key bucket (17 nodes: 8
+    balanced splits, 65: 3), no register cap, and the 64-row tiles where the grid is full without them."""
+    for nodes, splits in [(17, 8), (65, 3), (129, 2)]:
         cfg = choose_config(1, 8, 4 * nodes, 1024, 128, num_sms=132)
-        assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.num_warps) == (16, 32, splits, 4), nodes
-        assert cfg.max_registers == 96   # 5 programs of 4 warps an SM: 65536 / 640 = 102, in units of 8
+        assert (cfg.block_m, cfg.block_n, cfg.splits, cfg.num_warps) == (32, 64, splits, 4), nodes
+        assert cfg.balanced and cfg.context_loop and cfg.max_registers is None
     wide = choose_config(8, 8, 4 * 65, 1024, 128, num_sms=132)
-    assert wide.block_m == 64 and wide.max_registers is None
+    assert wide.block_m == 64 and not wide.balanced
     assert choose_config(1, 4, 6 * 65, 1024, 256, num_sms=132).block_m == 32   # the 27B's heads: not swept yet
 
 

@@ -26,7 +26,8 @@ MAX_BLOCK_NODES = 129
 DTYPES = (torch.bfloat16, torch.float16)
 # Programs in flight the split aims at, per SM: a decode step has one program per KV head without a split.
 _PROGRAMS_PER_SM = 2
-# The same for a tree block's 16-row tiles (fastest at 4-5 per SM in the sweep: 65 nodes 4 splits, 544 programs).
+# A block is a tree block of a few sequences (narrower tiles, balanced slices) while its 16-row blocks number at
+# most this many an SM; past it the grid is full without a split, and the wide tiles are the faster.
 _TREE_PROGRAMS_PER_SM = 5
 _MAX_SPLITS = 64
 # Rows per merge program: the merge reads every live slice's partial rows, so small blocks spread those reads over
@@ -84,35 +85,30 @@ def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: in
     programs per SM.
 
     A tree block of a few sequences (more than 16 rows, head_dim <= 128, its 16-row blocks at most
-    _TREE_PROGRAMS_PER_SM per SM unsplit) takes 16-row, 32-key tiles and up to that many programs per SM: the
-    tiling sweep on an H100 at the 8B heads (bench/results/h100-tree-attention-2026-12-05/) found it fastest at 17,
-    65 and 129 nodes, 1.3-1.7x faster than the wider tiles, which remain for wide batches (grids full anyway)."""
+    _TREE_PROGRAMS_PER_SM per SM unsplit) takes 32-row, 64-key tiles, its committed keys in loops of their own and
+    slices balanced on each sequence's own keys, 2 to _PROGRAMS_PER_SM programs an SM: the sweep on an H100 at the
+    8B heads (bench/results/h100-tree-attention-2026-12-05-2130/) found that 1.2-1.3x faster at 17 and 65 nodes
+    than the 16 x 32 tiles at 5 programs an SM (with or without a register cap). Wide batches keep the 64-row
+    tiles (their grids are full anyway)."""
     tree_tiles = 16 < rows and head_dim <= 128 and batch * num_kv * -(-rows // 16) <= _TREE_PROGRAMS_PER_SM * num_sms
     if tree_tiles:
-        block_m, block_n, per_sm = 16, 32, _TREE_PROGRAMS_PER_SM
+        block_m, block_n = 32, 64
     else:
         block_m = 16 if rows <= 16 else 32 if rows <= 32 or head_dim > 128 else 64
-        block_n, per_sm = (64 if head_dim <= 128 else 32), _PROGRAMS_PER_SM
+        block_n = 64 if head_dim <= 128 else 32
     base = batch * num_kv * -(-rows // block_m)
     tiles = max(1, -(-key_len // block_n))
-    splits = 1
-    while splits * 2 <= min(tiles, _MAX_SPLITS) and base * splits * 2 <= per_sm * num_sms:
-        splits *= 2
+    if tree_tiles:   # any count (not only powers of two); at least two tiles of the bucket a slice
+        splits = max(1, min(max(2, _PROGRAMS_PER_SM * num_sms // base), tiles // 2, _MAX_SPLITS))
+    else:
+        splits = 1
+        while splits * 2 <= min(tiles, _MAX_SPLITS) and base * splits * 2 <= _PROGRAMS_PER_SM * num_sms:
+            splits *= 2
     per_split = -(-tiles // splits)
     splits = -(-tiles // per_split)   # no slice that starts past the keys
     split_len = per_split * block_n
     num_warps = 8 if block_m * head_dim >= 64 * 128 else 4
-    # Tree tiles aim at _TREE_PROGRAMS_PER_SM programs an SM; left alone ptxas gives the kernel 105 registers a
-    # thread (sm_90, bench.kernel_sass), 4 programs an SM, so a 65-node block's 544 programs (and a 17-node
-    # chain's 640) take a second, mostly idle wave (Nsight Compute, H100, at 137 registers then: 1.37 waves).
-    # 96 fits 5 (65536 / (5 x 128) rounded down to the allocation unit of 8): no spill, +2 instructions a tile.
-    regs = _register_cap(per_sm, num_warps) if tree_tiles else None
-    return SplitConfig(block_m, block_n, splits, split_len, num_warps, max_registers=regs)
-
-
-def _register_cap(programs_per_sm: int, num_warps: int) -> int:
-    """The most registers a thread that lets programs_per_sm programs of num_warps warps share an SM's 64K."""
-    return 65536 // (programs_per_sm * num_warps * 32) // 8 * 8
+    return SplitConfig(block_m, block_n, splits, split_len, num_warps, balanced=tree_tiles and splits > 1)
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, keys: TreeKeys, key_len: int,
