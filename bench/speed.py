@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 import time
 
@@ -61,9 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "GPU's long generations its eager generate() would take most of the run")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--max-tree-nodes", type=int, default=None,
-                   help="the target's largest verify block (default: the target's own, 257); 129 gives budget 128 "
-                        "a graph bucket of its own instead of the 257-node one")
+    p.add_argument("--target-args", default="",
+                   help="extra flags of the target service, one string (e.g. \"--graph-node-sizes 64,129\": each "
+                        "budget's verify in a graph bucket of its exact size)")
     p.add_argument("--transport", default="inline", choices=["inline", "shm", "cuda-ipc"],
                    help="how the target sends context features to the drafter")
     p.add_argument("--step-transport", default="grpc", choices=["grpc", "socket"],
@@ -264,8 +265,7 @@ def main(argv=None) -> None:
                                target_args=([] if args.kernel_warmup_passes is None
                                             else ["--kernel-warmup-passes", str(args.kernel_warmup_passes)])
                                + (["--no-early-push"] if args.no_early_push else [])
-                               + ([] if args.max_tree_nodes is None
-                                  else ["--max-tree-nodes", str(args.max_tree_nodes)]))
+                               + shlex.split(args.target_args))
     runs: list[dict] = []
     try:
         common.wait_for_graphs(stack)   # nothing timed, the reference run included, while graphs capture

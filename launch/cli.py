@@ -130,6 +130,7 @@ def target_config(args):
 
     return TargetServerConfig(model_dir=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                               max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes,
+                              graph_node_sizes=args.graph_node_sizes,
                               prefill_chunk=args.prefill_chunk, enforce_eager=args.enforce_eager,
                               lazy_graphs=args.lazy_graphs,
                               allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s,
@@ -352,6 +353,12 @@ def _int_in(lo: int, hi: int | None = None, what: str = ""):
     return parse
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated integers >= 1 (an empty string: none)."""
+    parse = _int_in(1)
+    return tuple(parse(part.strip()) for part in text.split(",") if part.strip())
+
+
 def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     """argparse type: a finite float in [lo, hi] ((lo, hi] with lo_open)."""
     def parse(text: str) -> float:
@@ -400,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, 50051)
     _add_model_args(p)
     p.add_argument("--max-tree-nodes", type=_int_in(2), default=257, help="largest verify block (root + budget)")
+    p.add_argument("--graph-node-sizes", type=_int_list, default=(),
+                   help="verify block sizes (root + budget, comma-separated) to capture CUDA graphs for besides 1, "
+                        "4^k + 1 and --max-tree-nodes, e.g. 64 for budget-63 trees or 129 for budget 128 (a block "
+                        "pads to the next captured size)")
     p.add_argument("--no-early-push", action="store_true",
                    help="push a verify's features after its results reach the host (by default, over shm/cuda-ipc, "
                         "they go out as soon as the verify is queued and the drafter's store and draft queue behind "

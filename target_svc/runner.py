@@ -48,6 +48,7 @@ class TargetConfig:
     max_batch: int = 8
     max_seq_len: int = 2048
     max_tree_nodes: int = 257
+    graph_node_sizes: tuple[int, ...] = ()   # verify sizes captured besides 1, 4^k + 1 and max_tree_nodes
     prefill_chunk: int = 512   # prompt positions per forward (0: whole prompts at once); bounds prefill memory
     # Prompts of at most this many chains of min(max_tree_nodes, 65) tokens are prefilled as fully accepted chains
     # through the verify functions, i.e. through the captured verify graphs (None: PREFILL_VERIFY_CHUNKS when there are graphs,
@@ -202,7 +203,8 @@ class TargetRunner:
         self.model = TargetModel(self.target, self.memory.max_batch, self.max_seq_len, cfg.max_tree_nodes)
         self.graphs: VerifyGraphs | None = None
         if not cfg.enforce_eager and VerifyGraphs.supports(self.model):
-            self.graphs = VerifyGraphs(self.model, self.max_batch, cfg.max_tree_nodes, self.model.cache.spec.capacity)
+            self.graphs = VerifyGraphs(self.model, self.max_batch, cfg.max_tree_nodes, self.model.cache.spec.capacity,
+                                       cfg.graph_node_sizes)
         self.device = self.target.device
         self.feature_layers: tuple[int, ...] = ()
         self.seqs: dict[str, _Sequence] = {}

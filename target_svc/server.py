@@ -39,6 +39,7 @@ class TargetServerConfig(ModelServiceConfig):
 
     model_dir: str
     max_tree_nodes: int = 257
+    graph_node_sizes: tuple[int, ...] = ()   # verify sizes captured besides 1, 4^k + 1 and max_tree_nodes
     prefill_chunk: int = 512
     allowed_drafters: tuple[str, ...] = ()   # AttachDrafter targets allowed (empty: any, for secret holders)
     quantize: str = "none"                   # "int8": weight-only int8 decoder projections
@@ -86,7 +87,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         runner_cfg = TargetConfig(model_dir=self.cfg.model_dir, device=self.cfg.device, dtype=dtype,
                                   max_batch=self.cfg.max_batch, max_seq_len=self.cfg.max_seq_len,
                                   max_tree_nodes=self.cfg.max_tree_nodes, prefill_chunk=self.cfg.prefill_chunk,
-                                  enforce_eager=self.cfg.enforce_eager, quantize=self.cfg.quantize,
+                                  graph_node_sizes=self.cfg.graph_node_sizes, enforce_eager=self.cfg.enforce_eager, quantize=self.cfg.quantize,
                                   lazy_graphs=self.cfg.lazy_graphs,
                                   gpu_memory_utilization=self.cfg.gpu_memory_utilization,
                                   kv_cache_memory_bytes=None if self.cfg.kv_cache_memory_gb is None

@@ -140,10 +140,11 @@ class VerifyGraphs:
     replays its forward and then its commit with no other replay in between.
     """
 
-    def __init__(self, model: TargetModel, max_batch: int, max_nodes: int, capacity: int) -> None:
+    def __init__(self, model: TargetModel, max_batch: int, max_nodes: int, capacity: int,
+                 extra_nodes: tuple[int, ...] = ()) -> None:
         self.model = model
         self.batch_buckets = power_of_two_buckets(max_batch)
-        self.node_buckets = tree_node_buckets(max_nodes)
+        self.node_buckets = tree_node_buckets(max_nodes, extra_nodes)
         self.key_buckets = key_buckets(capacity)
         self.forwards = GraphCache("target verify forward")
         self.walks = GraphCache("target verify walk")

@@ -110,6 +110,16 @@ def test_the_gpu_memory_cap_reaches_the_target_config():
     assert cli.target_config(parser.parse_args(["target", "--model", "m"])).gpu_memory_cap_gb is None
 
 
+def test_graph_node_sizes_reach_the_target_config_and_a_zero_is_refused(capsys):
+    parser = cli.build_parser()
+    cfg = cli.target_config(parser.parse_args(["target", "--model", "m", "--graph-node-sizes", "64, 129"]))
+    assert cfg.graph_node_sizes == (64, 129)
+    assert cli.target_config(parser.parse_args(["target", "--model", "m"])).graph_node_sizes == ()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["target", "--model", "m", "--graph-node-sizes", "64,0"])
+    assert "out of range" in capsys.readouterr().err
+
+
 def test_a_gpu_memory_cap_on_the_cpu_exits_with_one_line(tmp_path, capsys):
     # The refusal is the target's (MemoryPlanError before the weights load), printed as one line with exit 1.
     with pytest.raises(SystemExit) as info:

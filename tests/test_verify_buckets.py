@@ -35,6 +35,14 @@ def test_tree_nodes_bucket_as_decode_steps_and_budget_trees():
     assert pick_bucket(tree_node_buckets(65), 33) == 65  # a budget-32 tree pads to the budget-64 bucket
 
 
+def test_a_deployments_own_verify_sizes_add_buckets_up_to_the_largest_block():
+    buckets = tree_node_buckets(129, (64, 129, 300))
+    assert buckets == (1, 5, 17, 64, 65, 129)   # 300 is past the largest block: no bucket
+    assert pick_bucket(buckets, 64) == 64       # a budget-63 tree no longer pads to 65 rows
+    with pytest.raises(ValueError):
+        tree_node_buckets(65, (0,))
+
+
 def test_attended_rows_use_one_bucket_up_to_4096_then_powers_of_two():
     assert key_buckets(2305) == (512, 1024, 2048, 2305)
     assert key_buckets(300) == (300,)

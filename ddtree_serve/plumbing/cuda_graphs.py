@@ -48,8 +48,9 @@ def key_buckets(capacity: int) -> tuple[int, ...]:
     return out
 
 
-def tree_node_buckets(max_nodes: int) -> tuple[int, ...]:
-    """1 (a decode step), then 4^k + 1 (a budget-4^k tree has 4^k + 1 nodes; a 16-node chain rounds to 17).
+def tree_node_buckets(max_nodes: int, extra: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """1 (a decode step), then 4^k + 1 (a budget-4^k tree has 4^k + 1 nodes; a 16-node chain rounds to 17), and
+    the extra sizes up to max_nodes (a deployment's own budgets, e.g. 64 for budget-63 trees, 129 for budget 128).
 
     Every bucket is a graph per batch and key bucket, captured at start-up (the 27B's 80 buckets: ~110 s on the
     H200) and holding its live outputs in the shared pool. Powers of four keep the
@@ -60,7 +61,9 @@ def tree_node_buckets(max_nodes: int) -> tuple[int, ...]:
         out.append(b + 1)
         b *= 4
     out.append(max_nodes)
-    return tuple(sorted(set(out)))
+    if any(n < 1 for n in extra):
+        raise ValueError(f"graph node sizes must be >= 1, got {extra}")
+    return tuple(sorted(set(out) | {n for n in extra if n <= max_nodes}))
 
 
 def power_of_two_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
