@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="weight-only quantization of the target's decoder projections (TargetConfig.quantize)")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--nodes", default="1,16,65", help="tree sizes (1 = autoregressive, 16 = chain, 65 = budget 64)")
+    p.add_argument("--graph-node-sizes", default="", help="verify sizes captured besides 1, 4^k + 1 and the largest "
+                   "(the target's --graph-node-sizes; e.g. 64: a 64-node tree in a bucket of its own, not 65's)")
     p.add_argument("--context", type=int, default=512, help="prompt length of every sequence")
     p.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median reported)")
     p.add_argument("--work-dir", default=None, help="where checkpoints are written (default: a temporary dir)")
@@ -300,6 +302,7 @@ def main(argv=None) -> None:
     dtype = getattr(torch, args.dtype)
     batches = [int(x) for x in args.batches.split(",")]
     nodes_list = [int(x) for x in args.nodes.split(",")]
+    sizes = tuple(int(x) for x in args.graph_node_sizes.split(",") if x.strip())
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="ddtree-step-cost-"))
     t0 = time.perf_counter()
     if args.reuse_checkpoints and checkpoint_matches(work, args.shape, args.layers):
@@ -310,7 +313,8 @@ def main(argv=None) -> None:
     build_s = time.perf_counter() - t0
     max_batch = max(batches)
     runner = TargetRunner(TargetConfig(str(target_dir), device=args.device, dtype=dtype, max_batch=max_batch,
-                                       max_seq_len=2048, max_tree_nodes=max(nodes_list), quantize=args.quantize))
+                                       max_seq_len=2048, max_tree_nodes=max(nodes_list), quantize=args.quantize,
+                                       graph_node_sizes=sizes))
     drafter = DrafterRunner(DrafterConfig(str(drafter_dir), str(target_dir), device=args.device, dtype=dtype,
                                           max_batch=max_batch, max_seq_len=2048))
     runner.set_feature_layers(drafter.target_layer_ids)
