@@ -9,6 +9,8 @@
 #              early pushes behind the interprocess event, the services over cuda-ipc with and without them)
 #   attnprof   Nsight Compute (where installed) on the tree-attention split kernel of a 65-node block (ATTN_PROF_NODES)
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel)
+#   fusedmerge the tree-attention merge fused into the split kernel: GPU tests with it on, its kernel A/B, the 8B step
+#              costs with it on (run after 8b in the same call: those are the A/B's other half)
 #   attnsweep  the tree-attention kernel's tilings and key splits for decode and verify blocks at the 8B and 27B heads
 #              (bench.tree_attention_kernel --sweep; ATTN_ARGS, e.g. "--shapes 8b --nodes 17,65 --batches 1
 #              --block-ms 16,32,64 --warps 2,4 --stages 2 --context-loop 0,1 --balanced 0,1 --max-registers 0,96")
@@ -82,6 +84,18 @@ for s in $SECTIONS; do
       timeout ${ATTN_SWEEP_S:-360} python3 -m bench.tree_attention_kernel --sweep ${ATTN_ARGS:-} --out-dir "$R" \
         > "$R/tree-attention-kernel.log" 2>&1
       grep "^|" "$R/tree-attention-kernel.log" | head -80 ;;
+    fusedmerge)   # the merge fused into the split kernel's last slice (DDTREE_ATTENTION_FUSED_MERGE=on; off by
+                  # default until this runs): GPU tests, the kernel with and without it, step costs with it (after
+                  # the 8b section of the same call, whose step costs are the A/B's other half)
+      DDTREE_ATTENTION_FUSED_MERGE=on timeout ${TESTS_S:-240} python3 -m pytest -q tests/test_gpu.py \
+        -k "triton_tree_attention or graph_steps or attending_in_place" > "$R/gpu-tests-fused.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-fused.log" | head -12
+      timeout 150 python3 -m bench.tree_attention_kernel --shapes 8b,27b --nodes 1,17,65 --batches 1,8 \
+        --fused-merge 0,1 --out-dir "$R" > "$R/tree-attention-fused.log" 2>&1
+      grep "^|" "$R/tree-attention-fused.log" | head -30
+      DDTREE_ATTENTION_FUSED_MERGE=on timeout ${STEP8_S:-240} python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 \
+        --steps 10 --work-dir /tmp/w8 --reuse-checkpoints --out-dir "$R/fused" > "$R/step-cost-8b-fused.log" 2>&1
+      grep "^|" "$R/step-cost-8b-fused.log" | head -14 ;;
     attnprof)   # Nsight Compute on the split kernel of one 65-node block at the 8B heads (why every tiling lands 18-26 us)
       if command -v ncu > /dev/null; then
         timeout ${ATTN_PROF_S:-240} ncu --clock-control none --kernel-name tree_attention_split_kernel --launch-skip 3 --launch-count 1 \

@@ -168,7 +168,7 @@ def attention_launches(nodes: int, variants: dict[str, dict], batch: int = 1, sh
             ta.tree_attention(q, cache, cache, torch.arange(batch), keys, key_len, head_dim ** -0.5, cfg)
         label = (f"{shape} b{batch} {nodes} nodes, {name}: BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} "
                  f"warps {cfg.num_warps}{' context loop' if cfg.context_loop else ''}"
-                 f"{' balanced' if cfg.balanced else ''}")
+                 f"{' balanced' if cfg.balanced else ''}{' fused merge' if cfg.fused_merge else ''}")
         out += [(label, launch) for launch in launches]
     return out
 
@@ -247,7 +247,9 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
         variants = {"masked loop": {"context_loop": False}, "unbalanced": {"balanced": False},
                     "16 x 32 at 96 registers": {"block_m": 16, "block_n": 32, "splits": 4, "split_len": 256,
                                                 "balanced": False, "max_registers": 96}}
-        return ([x for nodes in (1, 17, 65) for x in attention_launches(nodes, variants if nodes == 65 else {})]
+        fused = {"fused merge": {"fused_merge": True}}
+        return ([x for nodes in (1, 17, 65) for x in attention_launches(nodes, {**variants, **fused} if nodes == 65
+                                                                         else fused)]
                 + attention_launches(65, {}, batch=8)                       # the wide-batch tiling
                 + [x for nodes in (1, 65) for x in attention_launches(nodes, {}, shape="27b")])
     if case == "layout":

@@ -18,6 +18,7 @@ Prints a markdown table (and writes it with --out-dir).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "e.g. 0,96 (SplitConfig.max_registers)")
     p.add_argument("--balanced", default="0", help="0, 1 or 0,1: key slices of the bucket, of each sequence's own "
                    "keys (SplitConfig.balanced), or both")
+    p.add_argument("--fused-merge", default="0", help="0, 1 or 0,1: split launches merge in a second kernel, in "
+                   "their last slice (SplitConfig.fused_merge; the default tiling too), or both")
     return p.parse_args(argv)
 
 
@@ -123,11 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         grid = sweep_grid(rows, head_dim, *(tuple(map(int, v.split(","))) for v in (
             args.block_ms, args.warps, args.stages, args.context_loop, args.balanced, args.max_registers)))
         configs = [("default", default)] + ([("", c) for c in grid] if args.sweep else [])
+        fused = sorted({bool(int(v)) for v in args.fused_merge.split(",")})
+        configs = [(tag, dataclasses.replace(c, fused_merge=f)) for tag, c in configs for f in fused
+                   if not f or c.splits > 1]
+        # As in a forward: the fused merges' counts made once, outside the timed calls (each launch leaves them 0).
+        keys = dataclasses.replace(keys, merge_counts=torch.zeros(batch * kv_heads * -(-rows // 16),
+                                                                  dtype=torch.int32, device="cuda"))
         for tag, cfg in configs:
             label = (f"{tag + ' ' if tag else ''}BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} "
                      f"warps {cfg.num_warps} stages {cfg.num_stages}{' context loop' if cfg.context_loop else ''}"
                      f"{' balanced' if cfg.balanced else ''}"
-                     f"{f' max {cfg.max_registers} registers' if cfg.max_registers else ''}")
+                     f"{f' max {cfg.max_registers} registers' if cfg.max_registers else ''}"
+                     f"{' fused merge' if cfg.fused_merge else ''}")
             def call(cfg=cfg):
                 return tree_attention.tree_attention(q, k_cache, v_cache, slots, keys, KEY_BUCKET, scale, cfg)
 

@@ -519,8 +519,11 @@ class DrafterRunner:
         noise = self.model.embed(ids, self.embed_weight)
         positions = ctx_len[:, None] + torch.arange(bs, device=dev)
         if self.slot_attention:
+            mc = self.model.config
+            counts = tree_attention.merge_counts(b, mc.num_key_value_heads, mc.num_attention_heads
+                                                 // mc.num_key_value_heads * bs, dev)
             past = SlotContext(self.k_cache, self.v_cache, slots, positions,
-                               TreeKeys(ctx_len, self._block_sees_block[:b]), key_len + bs)
+                               TreeKeys(ctx_len, self._block_sees_block[:b], counts), key_len + bs)
             h = self.model(noise, None, positions, past=past)
         else:
             h = self._gathered_forward(noise, positions, ctx_len, slots, key_len)

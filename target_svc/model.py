@@ -242,7 +242,9 @@ class TargetModel:
         t = self.target
         bsz, tmax = parents.shape
         if self.tree_attention_on and tmax <= tree_attention.MAX_BLOCK_NODES:
-            return TreeKeys(ctx_lens, anc)
+            counts = tree_attention.merge_counts(bsz, t.num_kv_heads, t.num_heads // t.num_kv_heads * tmax,
+                                                 ctx_lens.device)
+            return TreeKeys(ctx_lens, anc, counts)
         mask = tree_attention_mask(ctx_lens, parents, sizes, key_len, anc)  # [B, Tmax, key_len]
         # GQA without copying K/V per query head: the rep query heads of one KV head are stacked along the query
         # axis ([B, n_kv, rep * Tmax, D] against [B, n_kv, key_len, D]), so the mask repeats per stacked head.

@@ -1025,12 +1025,22 @@ def test_cuda_triton_tree_attention_equals_sdpa_over_the_gathered_masked_rows(he
     chosen = choose_config(bsz, kv_heads, rep * nodes, key_len, head_dim)
     unsplit = SplitConfig(chosen.block_m, chosen.block_n, 1, -(-key_len // chosen.block_n) * chosen.block_n)
     for cfg in (None, unsplit, dataclasses.replace(chosen, context_loop=False),
-                dataclasses.replace(unsplit, context_loop=False), dataclasses.replace(chosen, balanced=True)):
+                dataclasses.replace(unsplit, context_loop=False), dataclasses.replace(chosen, balanced=True),
+                dataclasses.replace(chosen, fused_merge=True)):
         got = tree_attention(q, k_cache, v_cache, slots, tree_keys, key_len, scale, cfg)
         _assert_close_to_reference(got, ref, (cfg, "eager"))
     captured = CapturedFunction.capture(lambda x: tree_attention(x, k_cache, v_cache, slots, tree_keys, key_len, scale),
                                         [q], torch.cuda.graph_pool_handle())
     assert torch.equal(captured(q), tree_attention(q, k_cache, v_cache, slots, tree_keys, key_len, scale))
+    # The fused merge in a graph, its counts shared by the replays (each launch leaves them zero): the same output.
+    fused = dataclasses.replace(chosen, fused_merge=True)
+    shared = TreeKeys(ctx, tree_keys.ancestors, torch.zeros(bsz * kv_heads * -(-(rep * nodes) // 16),
+                                                            dtype=torch.int32, device="cuda"))
+    captured = CapturedFunction.capture(lambda x: tree_attention(x, k_cache, v_cache, slots, shared, key_len, scale,
+                                                                 fused), [q], torch.cuda.graph_pool_handle())
+    for _ in range(3):
+        _assert_close_to_reference(captured(q), ref, (fused, "graph"))
+    assert not shared.merge_counts.any()
 
 
 @needs_triton

@@ -3,6 +3,7 @@ Triton's interpreter where the triton package is installed (on the GPU: tests/te
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ddtree_serve.kernels.tree_attention import MAX_BLOCK_NODES, choose_config
 from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted, needs_triton
@@ -40,6 +41,19 @@ def test_a_tree_block_of_one_sequence_takes_balanced_32_by_64_tiles_and_a_wide_b
     assert choose_config(1, 4, 6 * 65, 1024, 256, num_sms=132).block_m == 32   # the 27B's heads: not swept yet
 
 
+def test_the_fused_merge_is_off_by_default_and_its_counts_cover_any_tiling(monkeypatch):
+    from ddtree_serve.kernels.tree_attention import FUSED_MERGE_ENV, merge_counts
+
+    monkeypatch.delenv(FUSED_MERGE_ENV, raising=False)
+    assert merge_counts(2, 8, 4 * 65, torch.device("cpu")) is None
+    assert not choose_config(1, 8, 4, 1024, 128).fused_merge
+    monkeypatch.setenv(FUSED_MERGE_ENV, "on")
+    counts = merge_counts(2, 8, 4 * 65, torch.device("cpu"))
+    assert counts.dtype == torch.int32 and counts.numel() == 2 * 8 * 17 and not counts.any()   # 16-row blocks
+    assert choose_config(1, 8, 4, 1024, 128, fused_merge=True).fused_merge
+    assert not choose_config(64, 8, 4 * 65, 2048, 128, fused_merge=True).fused_merge   # one slice: nothing to merge
+
+
 INTERPRETED_ATTENTION = """
 import torch, torch.nn.functional as F
 from ddtree_serve.decoding.tree_mask import ancestor_mask_batch, tree_attention_mask
@@ -68,9 +82,17 @@ for heads, kv_heads, head_dim, nodes in [(8, 2, 64, 1), (8, 2, 64, 5), (4, 4, 64
     tree_keys = TreeKeys(ctx, ancestor_mask_batch(parents, sizes))
     for cfg in (None, SplitConfig(16, 64, 1, 192), SplitConfig(16, 32, 3, 64),
                 SplitConfig(16, 64, 1, 192, context_loop=False), SplitConfig(16, 32, 3, 64, context_loop=False),
-                SplitConfig(16, 32, 3, 64, balanced=True), SplitConfig(16, 32, 4, 64, context_loop=False, balanced=True)):
+                SplitConfig(16, 32, 3, 64, balanced=True), SplitConfig(16, 32, 4, 64, context_loop=False, balanced=True),
+                SplitConfig(16, 32, 3, 64, fused_merge=True), SplitConfig(16, 32, 4, 64, balanced=True, fused_merge=True)):
         got = tree_attention(q, k_cache, v_cache, slots, tree_keys, key_len, scale, cfg).float()
         assert (got - ref).abs().max().item() < 2e-2, (heads, nodes, cfg)
+    # The fused merge's counts, shared by two launches (two layers of one forward): each launch leaves them zero.
+    counts = torch.zeros(bsz * kv_heads * -(-(rep * nodes) // 16), dtype=torch.int32)
+    shared = TreeKeys(ctx, tree_keys.ancestors, counts)
+    for _ in range(2):
+        got = tree_attention(q, k_cache, v_cache, slots, shared, key_len, scale,
+                             SplitConfig(16, 32, 3, 64, balanced=True, fused_merge=True)).float()
+        assert (got - ref).abs().max().item() < 2e-2 and not counts.any(), (heads, nodes)
 print("ok")
 """
 
@@ -78,8 +100,9 @@ print("ok")
 @needs_triton
 def test_the_kernel_under_tritons_interpreter_equals_sdpa_over_the_masked_rows():
     """Decode and tree blocks, GQA and not, one slice, the chosen split and an uneven one, each with the committed
-    keys in the main loop and in a loop of their own, and slices balanced on each sequence's keys (fp16: see
-    test_quantization_backend on the interpreter's bf16)."""
+    keys in the main loop and in a loop of their own, slices balanced on each sequence's keys, and the merge fused
+    into the split's last slice, its counts left zero for the next launch (fp16: see test_quantization_backend on
+    the interpreter's bf16)."""
     _run_interpreted(INTERPRETER_PATCH + INTERPRETED_ATTENTION)
 
 

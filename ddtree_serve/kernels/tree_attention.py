@@ -17,6 +17,9 @@ import torch
 from torch import Tensor
 
 ENV_VAR = "DDTREE_TREE_ATTENTION"   # "off": SDPA over gathered rows even where the kernel runs
+# "on": split launches merge in their last slice (SplitConfig.fused_merge) instead of a merge kernel. Off by default
+# until timed on a GPU (interpreter-tested; saves a launch a layer).
+FUSED_MERGE_ENV = "DDTREE_ATTENTION_FUSED_MERGE"
 HEAD_DIMS = (64, 128, 256)
 # Blocks up to this many nodes take the kernel (decode, verify trees up to budget 128, prompts as verify chains);
 # longer prompt chunks keep cuDNN's flash attention, whose tensor-core pipeline wins once the queries are many.
@@ -42,6 +45,9 @@ class TreeKeys:
 
     ctx_lens: Tensor    # [B] int64
     ancestors: Tensor   # [B, T, T] bool
+    # The fused merge's arrival counts (int32 zeros, merge_counts(); each launch leaves them zero, so one buffer
+    # serves every layer of a forward). None: a launch that fuses its merge makes its own.
+    merge_counts: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,8 @@ class SplitConfig:
     16 x 32 tiles: 185 SASS instructions a warp per whole key tile against 310 in the masked loop). balanced:
     each sequence's own keys [0, ctx_len + T) cut into `splits` slices of whole tiles, instead of slices of
     split_len keys of the launch's key bucket (which leave the slices past a short sequence's keys idle).
-    max_registers: a cap on registers a thread, so that more programs fit on an SM at once."""
+    max_registers: a cap on registers a thread, so that more programs fit on an SM at once. fused_merge: the last
+    slice of each row block to finish merges the slices (counted by an atomic), instead of a second launch."""
 
     block_m: int
     block_n: int
@@ -63,11 +70,25 @@ class SplitConfig:
     context_loop: bool = True
     balanced: bool = False
     max_registers: int | None = None   # ptxas's cap a thread (Triton's maxnreg); None: ptxas's own choice
+    fused_merge: bool = False
 
 
 def switched_off() -> bool:
     """True when DDTREE_TREE_ATTENTION turns the kernel off (SDPA over gathered rows in both services)."""
     return os.environ.get(ENV_VAR, "").strip().lower() in ("off", "0", "false", "no")
+
+
+def fused_merge_on() -> bool:
+    """True when DDTREE_ATTENTION_FUSED_MERGE=on: launches that split their keys merge in their last slice."""
+    return os.environ.get(FUSED_MERGE_ENV, "").strip().lower() in ("on", "1", "true", "yes")
+
+
+def merge_counts(batch: int, num_kv: int, rows: int, device: torch.device) -> Tensor | None:
+    """The arrival counts a forward's fused merges share (enough for any tiling of `rows` stacked query rows per KV
+    head), or None where the fused merge is off."""
+    if not fused_merge_on():
+        return None
+    return torch.zeros(batch * num_kv * -(-rows // 16), dtype=torch.int32, device=device)
 
 
 def available(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
@@ -78,8 +99,8 @@ def available(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
     return head_dim in HEAD_DIMS and dtype in DTYPES and importlib.util.find_spec("triton") is not None
 
 
-def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: int, num_sms: int = 132
-                  ) -> SplitConfig:
+def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: int, num_sms: int = 132,
+                  fused_merge: bool = False) -> SplitConfig:
     """The tiling and split for `rows` stacked query rows per KV head over key_len keys: a pure function of the
     shape. The keys are split (each slice whole tiles, at least one) while the grid stays under a budget of
     programs per SM.
@@ -89,7 +110,8 @@ def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: in
     slices balanced on each sequence's own keys, 2 to _PROGRAMS_PER_SM programs an SM: the sweep on an H100 at the
     8B heads (bench/results/h100-tree-attention-2026-12-05-2130/) found that 1.2-1.3x faster at 17 and 65 nodes
     than the 16 x 32 tiles at 5 programs an SM (with or without a register cap). Wide batches keep the 64-row
-    tiles (their grids are full anyway)."""
+    tiles (their grids are full anyway). fused_merge: a split launch merges in its last slice
+    (SplitConfig.fused_merge)."""
     tree_tiles = 16 < rows and head_dim <= 128 and batch * num_kv * -(-rows // 16) <= _TREE_PROGRAMS_PER_SM * num_sms
     if tree_tiles:
         block_m, block_n = 32, 64
@@ -108,7 +130,8 @@ def choose_config(batch: int, num_kv: int, rows: int, key_len: int, head_dim: in
     splits = -(-tiles // per_split)   # no slice that starts past the keys
     split_len = per_split * block_n
     num_warps = 8 if block_m * head_dim >= 64 * 128 else 4
-    return SplitConfig(block_m, block_n, splits, split_len, num_warps, balanced=tree_tiles and splits > 1)
+    return SplitConfig(block_m, block_n, splits, split_len, num_warps, balanced=tree_tiles and splits > 1,
+                       fused_merge=fused_merge and splits > 1)
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, keys: TreeKeys, key_len: int,
@@ -129,18 +152,22 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
     rows = rep * tmax
     if q.stride(-1) != 1:
         q = q.contiguous()
-    cfg = config or choose_config(bsz, num_kv, rows, key_len, head_dim, _num_sms(q.device))
+    cfg = config or choose_config(bsz, num_kv, rows, key_len, head_dim, _num_sms(q.device), fused_merge_on())
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     anc = keys.ancestors.contiguous().view(torch.uint8)
     grid = (bsz * num_kv, -(-rows // cfg.block_m), cfg.splits)
     split_len = -cfg.block_n if cfg.balanced else cfg.split_len   # the kernels' code for balanced slices
+    fused = cfg.fused_merge and cfg.splits > 1
     if cfg.splits > 1:
         acc = torch.empty(bsz, num_kv, cfg.splits, rows, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz, num_kv, cfg.splits, rows, dtype=torch.float32, device=q.device)
     else:
         acc = lse = out   # not written: the single slice stores the output itself
+    counts = keys.merge_counts
+    if fused and (counts is None or counts.numel() < grid[0] * grid[1]):
+        counts = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=q.device)
     kernels.tree_attention_split_kernel[grid](
-        q, k_cache, v_cache, slots, keys.ctx_lens, anc, acc, lse, out,
+        q, k_cache, v_cache, slots, keys.ctx_lens, anc, acc, lse, out, counts if fused else out,
         tmax, rows, cfg.splits, split_len, scale, slots.stride(0), keys.ctx_lens.stride(0),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(row_dim), k_cache.stride(head_dim_at),
@@ -148,10 +175,10 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
         anc.stride(0), anc.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         REP=rep, NUM_KV=num_kv, SPLIT=cfg.splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HEAD_DIM=head_dim, CONTEXT_LOOP=cfg.context_loop, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
+        HEAD_DIM=head_dim, CONTEXT_LOOP=cfg.context_loop, FUSED_MERGE=fused, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **({} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}),
     )
-    if cfg.splits > 1:
+    if cfg.splits > 1 and not fused:
         kernels.tree_attention_merge_kernel[(bsz * num_kv, -(-rows // MERGE_BLOCK_M))](
             acc, lse, keys.ctx_lens, out, tmax, rows, cfg.splits, split_len, keys.ctx_lens.stride(0),
             out.stride(0), out.stride(1), out.stride(2),

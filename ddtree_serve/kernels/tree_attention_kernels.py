@@ -6,7 +6,7 @@ logic). Why not SDPA: the reference path gathers each sequence's rows out of the
 cuDNN's flash kernel gives a 1-token decode one program per KV head, which walks all keys alone (~27 us per layer at
 the 8B shape on the H200, against ~1 us of reading). Here each program takes one KV head, one block of stacked
 query rows and one slice of the keys, straight from the cache; a second kernel merges the slices' partial results
-by their log-sum-exp.
+by their log-sum-exp, or (FUSED_MERGE) the last slice of a row block to finish does, counted by an atomic.
 
 Query rows of one KV head are stacked as row = g * T + t (g: the query head within the KV head's group, t: the
 block node), so the REP heads that share a KV head share every key tile. Key p of sequence b is visible to node t
@@ -45,6 +45,34 @@ def _slice_len(split_len, keys, num_splits):
 
 
 @triton.jit
+def _live_slices(ctx, T, num_splits, split_len):
+    """How many slices of a sequence with ctx + T keys start before its last key (the ones the split kernel runs)."""
+    return tl.minimum(tl.cdiv(ctx + T, _slice_len(split_len, ctx + T, num_splits)), num_splits)
+
+
+@triton.jit
+def _merged_rows(acc_ptr, lse_ptr, first, live, ROWS, rows, row_ok, offs_d, BLOCK_M: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
+    """The rows' output: the live slices' partial outputs (slices first .. first + live - 1 of acc / lse) weighted
+    by exp(lse - max lse), in a fixed order. CACHE: the loads' cache modifier (".cg" for partials other programs
+    of the same launch wrote: read from L2, where their release left them, not from a stale L1 line)."""
+    top = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
+    for s in range(live):
+        top = tl.maximum(top, tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf"),
+                                      cache_modifier=CACHE))
+    num = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for s in range(live):
+        w = tl.exp(tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf"),
+                           cache_modifier=CACHE) - top)
+        part = tl.load(acc_ptr + ((first + s) * ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :],
+                       mask=row_ok[:, None], other=0.0, cache_modifier=CACHE)
+        num += w[:, None] * part
+        den += w
+    return num / tl.where(den > 0, den, 1.0)[:, None]
+
+
+@triton.jit
 def _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, stride_vr, scale2, m_i, l_i, acc,
                  MASKED: tl.constexpr = True):
     """One key tile of the online softmax in base 2: scores of the visible keys ([BLOCK_M, BLOCK_N] mask) times
@@ -67,7 +95,7 @@ def _attend_tile(q, k_base, v_base, offs_n, offs_d, n_ok, visible, stride_kr, st
 
 @triton.jit
 def tree_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, anc_ptr, acc_ptr, lse_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, anc_ptr, acc_ptr, lse_ptr, out_ptr, count_ptr,
     T, ROWS, num_splits, split_len, scale, stride_slot, stride_ctx,
     stride_qb, stride_qt, stride_qh,
     stride_ks, stride_kr, stride_kh,
@@ -76,6 +104,7 @@ def tree_attention_split_kernel(
     stride_ob, stride_ot, stride_oh,
     REP: tl.constexpr, NUM_KV: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, CONTEXT_LOOP: tl.constexpr,
+    FUSED_MERGE: tl.constexpr = False,
 ):
     """One (sequence, KV head), one block of stacked query rows, one slice of keys (_slice_len). Not SPLIT (one
     slice): the normalised output into out [B, T, n_heads, D]; else the slice's normalised output (float32) and
@@ -84,7 +113,10 @@ def tree_attention_split_kernel(
     runtime argument, not a constant: every key length then shares one compiled kernel (as a constant, each count
     compiled its own pair, and a cold start spent minutes compiling them). CONTEXT_LOOP: the slice's committed
     keys (visible to every row) in loops of their own, without the ancestor mask's loads and compares (whole tiles
-    without bounds, then the partial one); the block's keys after them."""
+    without bounds, then the partial one); the block's keys after them. FUSED_MERGE (with SPLIT): each live slice
+    of a row block adds one to its count (count_ptr, int32 per (sequence, KV head, row block), zero at launch)
+    after storing its partials; the last to arrive merges them into out and sets the count back to zero, so the
+    next launch (or graph replay) finds it so."""
     pid_s = tl.program_id(2)
     b, kvh, rows, row_ok, t, head = _row_block(T, ROWS, NUM_KV, REP, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -139,6 +171,19 @@ def tree_attention_split_kernel(
         tl.store(acc_ptr + (part * ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))   # natural log
         tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
+        if FUSED_MERGE:
+            # Every thread's stores before the one atomic (release at GPU scope: they are visible to whoever
+            # acquires the count after it), and the acquire before the last slice reads the others' partials.
+            tl.debug_barrier()
+            count_at = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            arrived = tl.atomic_add(count_at, 1, sem="acq_rel", scope="gpu")
+            live = _live_slices(ctx, T, num_splits, split_len)
+            if arrived == live - 1:
+                merged = _merged_rows(acc_ptr, lse_ptr, (b * NUM_KV + kvh) * num_splits, live, ROWS, rows, row_ok,
+                                      offs_d, BLOCK_M, HEAD_DIM, ".cg")
+                tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh
+                         + offs_d[None, :], merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.atomic_xchg(count_at, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -152,20 +197,8 @@ def tree_attention_merge_kernel(
     the split kernel wrote) weighted by exp(lse - max lse), in a fixed order."""
     b, kvh, rows, row_ok, t, head = _row_block(T, ROWS, NUM_KV, REP, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    first = (b * NUM_KV + kvh) * num_splits
     ctx = tl.load(ctx_ptr + b * stride_ctx).to(tl.int32)
-    live = tl.minimum(tl.cdiv(ctx + T, _slice_len(split_len, ctx + T, num_splits)), num_splits)
-    top = tl.full((BLOCK_M,), _NEG_BIG, dtype=tl.float32)
-    for s in range(live):
-        top = tl.maximum(top, tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")))
-    num = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    den = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for s in range(live):
-        w = tl.exp(tl.load(lse_ptr + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf")) - top)
-        part = tl.load(acc_ptr + ((first + s) * ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :],
-                       mask=row_ok[:, None], other=0.0)
-        num += w[:, None] * part
-        den += w
-    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    out = _merged_rows(acc_ptr, lse_ptr, (b * NUM_KV + kvh) * num_splits, _live_slices(ctx, T, num_splits, split_len),
+                       ROWS, rows, row_ok, offs_d, BLOCK_M, HEAD_DIM, "")
     tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
