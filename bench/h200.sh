@@ -18,7 +18,9 @@
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
 #   speed8b    calibrated speed through the services at batch 1 and 8, 32 prompts x 256 tokens, transformers on one
 #              prompt (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_BATCH e.g. 8,32 for issue 9's batch-32 table too,
-#              SPEED8_ARGS adds flags, SPEED8_S: its time limit, ~300 s on an
+#              SPEED8_ARGS adds flags, SPEED8_TARGET_ARGS the target's, e.g. "--max-tree-nodes 129
+#              --graph-node-sizes 64" with SPEED8_BUDGETS=16,63,64,128: every budget in a graph bucket of its
+#              exact size, SPEED8_S: its time limit, ~300 s on an
 #              H100; step sockets, the gateway polling STEP_SPIN_US=20000)
 #   overheadab the step's host overhead, variants of one call: base, spin (--step-spin-us 20000), pin (--pin-cpus),
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
@@ -120,7 +122,8 @@ for s in $SECTIONS; do
       timeout ${SPEED8_S:-420} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
         --dtype bfloat16 --num-prompts 32 --max-tokens 256 --hf-prompts 1 --no-hf-batch --batch ${SPEED8_BATCH:-8} \
         --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
-        --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} ${SPEED8_ARGS:-} --out-dir "$R" \
+        --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} ${SPEED8_ARGS:-} \
+        --target-args="${SPEED8_TARGET_ARGS:-}" --out-dir "$R" \
         --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
       grep -E "tok/s|segments|CALIB|Error|error" "$R/speed-8b.log" | tail -20 ;;
     overheadab)   # the step's host overhead A/B in one call (needs /tmp/w8): batch 1, ar/dflash/ddtree b64, each
