@@ -63,8 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--target-args", default="",
-                   help="extra flags of the target service, one string (e.g. --target-args=\"--graph-node-sizes 64,129\": each "
-                        "budget's verify in a graph bucket of its exact size)")
+                   help="extra flags of the target service, one string (e.g. "
+                        "--target-args=\"--graph-node-sizes 64,129\": each budget's verify in a graph bucket of "
+                        "its exact size)")
     p.add_argument("--transport", default="inline", choices=["inline", "shm", "cuda-ipc"],
                    help="how the target sends context features to the drafter")
     p.add_argument("--step-transport", default="grpc", choices=["grpc", "socket"],
