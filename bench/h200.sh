@@ -31,6 +31,7 @@
 #   rpchop     one gRPC hop between the services on this host's CPUs (bench.rpc_hop, tiny CPU models), and a
 #              unary call against a message on an open stream (bench.grpc_stream_hop)
 #   int8       bf16 / int8 / int4 step costs at the 8B shape (builds /tmp/w8 unless there), kernel microbench
+#   dotsweep   the int8 dot kernel's tilings at 17 and 65 rows (bench.int8_kernel --dot-sweep; DOT_ARGS)
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
@@ -174,6 +175,10 @@ for s in $SECTIONS; do
       done
       timeout 200 python3 -m bench.int8_kernel --ms ${INT8_MS:-1,65,2048} --out-dir "$R" > "$R/int8-kernel.log" 2>&1
       grep "^|" "$R/int8-kernel.log" | head -30 ;;
+    dotsweep)   # the int8 dot kernel's tilings at verify blocks (17 and 65 rows; the default pads 65 rows to one
+                # 128-row tile): which tiling brings a 64-node int8 verify under 1.5x its decode step
+      timeout ${DOT_SWEEP_S:-400} python3 -m bench.int8_kernel --dot-sweep ${DOT_ARGS:-} > "$R/int8-dot-sweep.log" 2>&1
+      sed -n '/^best dot tiling/,$p' "$R/int8-dot-sweep.log" | head -20 ;;
     gemv)   # the int8 GEMV path's tilings against the dot kernel at 1 and 4 rows (decides DDTREE_INT8_GEMV's default)
       timeout ${GEMV_SWEEP_S:-300} python3 -m bench.int8_kernel --gemv-sweep ${GEMV_ARGS:-} > "$R/int8-gemv-sweep.log" 2>&1
       tail -20 "$R/int8-gemv-sweep.log" ;;

@@ -66,6 +66,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warps", default="4,8", help="GEMV sweep: warps per program")
     p.add_argument("--stages", default="2", help="GEMV sweep: num_stages (e.g. 1,2,3)")
     p.add_argument("--weights", default="int8", help="GEMV sweep: weight formats (int8, bf16 or both)")
+    p.add_argument("--dot-sweep", action="store_true",
+                   help="time the int8 dot kernel under every tiling of its grid (M default 17,65: verify blocks)")
+    p.add_argument("--dot-block-m", default="16,32,64,128", help="dot sweep: output rows per program")
+    p.add_argument("--dot-block-n", default="32,64,128", help="dot sweep: output columns per program")
+    p.add_argument("--dot-block-k", default="64,128", help="dot sweep: K step")
+    p.add_argument("--dot-splits", default="1,2,4", help="dot sweep: K splits")
+    p.add_argument("--dot-warps", default="4", help="dot sweep: warps per program")
+    p.add_argument("--dot-stages", default="3", help="dot sweep: num_stages")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -200,6 +208,58 @@ def gemv_sweep(args, device: torch.device) -> None:
         print(f"{fmt} | {name} | {n} | {k} | {m} | {tiling} | {t:.4f} | {err:.1e}")
 
 
+def dot_sweep(args, device: torch.device) -> None:
+    """One line per (shape, M, dot-kernel tiling) of int8 weights: ms per call against cuBLAS's bf16 and the default
+    tiling, and the error; then the best tiling of each (shape, M). The default tiling pads M to its bucket's tile
+    (65 rows: one 128-row tile, half of its MMA work on padding): which tiling a verify block wants."""
+    from target_svc.int8_matmul import TileConfig
+
+    ms = _ints(args.ms or "17,65")
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    grid = list(itertools.product(_ints(args.dot_block_m), _ints(args.dot_block_n), _ints(args.dot_block_k),
+                                  _ints(args.dot_splits), _ints(args.dot_warps), _ints(args.dot_stages)))
+    print("shape | N | K | M | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, warps, stages) | ms/call | x bf16 | err",
+          flush=True)
+    best = []
+    for name, n, k in SHAPES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+                 for _ in range(copies_for(n * k * 2))]
+        ws = [quantize_weight(dense[i % len(dense)], 8) for i in range(copies_for(n * k))]
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+            ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
+            bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in dense], args.calls, args.replays)
+            default = int8_matmul.choose_config(m, n, k, 8, 0, num_sms)
+            cases = [("default", default)] + [
+                ("", TileConfig(bm, bn, bk, split, False, warps, stages))
+                for bm, bn, bk, split, warps, stages in grid
+                if (bm == 16 or bm < 2 * m) and split * 2 * bk <= k]
+            results = []
+            for label, cfg in cases:
+                tiling = (f"{label} " if label else "") + str((cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k,
+                                                               cfg.num_warps, cfg.num_stages))
+                try:
+                    err = _rel_err(int8_matmul.matmul(x, ws[0].qweight, ws[0].scales, None, 8, cfg), ref)
+                    t = graph_ms([lambda w=w: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg) for w in ws],
+                                 args.calls, args.replays)
+                    if not label:
+                        results.append((t, tiling, err))
+                    line = f"{t:.4f} | {t / bf16:.2f} | {err:.1e}"
+                except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit: the sweep goes on
+                    line = f"FAILED | | {type(exc).__name__}: {str(exc)[:80]}"
+                    torch.cuda.synchronize()
+                print(f"{name} | {n} | {k} | {m} | {tiling} | {line}", flush=True)
+            if results:
+                t, tiling, err = min(results)
+                best.append((name, n, k, m, tiling, t, t / bf16, err))
+        del ws, dense
+        torch.cuda.empty_cache()
+    print("\nbest dot tiling per shape and M (x bf16: against cuBLAS F.linear on the bf16 weight):")
+    for name, n, k, m, tiling, t, ratio, err in best:
+        print(f"{name} | {n} | {k} | {m} | {tiling} | {t:.4f} | {ratio:.2f} | {err:.1e}")
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "–" if v is None else format(v, spec)
 
@@ -210,9 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     if not int8_matmul.available(device):
         raise SystemExit(f"the Triton kernels cannot run on {device} (CUDA device of capability >= 8.0 and "
                          "the triton package needed)")
-    if args.gemv_sweep:
+    if args.gemv_sweep or args.dot_sweep:
         with torch.inference_mode():
-            gemv_sweep(args, device)
+            (gemv_sweep if args.gemv_sweep else dot_sweep)(args, device)
         return
     ms = _ints(args.ms or "1,8,65,520")
     bits_list = [int(v) for v in args.bits.split(",")]
