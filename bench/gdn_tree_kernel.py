@@ -14,6 +14,7 @@ Prints a markdown table (and writes it with --out-dir).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 
@@ -30,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 64-node blocks at Dk 128: ptxas (sm_90) spills 64 KB and more per thread and takes about a minute per
     # variant (several at 4 warps), so they are swept only when asked for.
     p.add_argument("--block-t", default="16,32", help="diagonal block sizes of the sweep grid (of 16, 32, 64)")
+    p.add_argument("--precision", default="ieee", help="the dots' precisions to time (TileConfig.precision), e.g. "
+                   "ieee,bf16x3,tf32x3,tf32: the default tiles at each, and with --sweep every tiling at each")
     return p.parse_args(argv)
 
 
@@ -100,11 +103,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([name, "PyTorch core", f"{ref_ms:.4f}", "", mode])
         print(" | ".join(rows[-1]), flush=True)
         grid = sweep_grid(tuple(int(x) for x in args.block_t.split(","))) if args.sweep else []
-        configs = [None, *grid]
+        default = gdn_tree_kernel.choose_config(len(trees) * VALUE_HEADS, HEAD_DIM,
+                                                torch.cuda.get_device_properties(0).multi_processor_count)
+        configs = [None] + [dataclasses.replace(cfg, precision=precision) for precision in args.precision.split(",")
+                            for cfg in [default, *grid] if (cfg, precision) != (default, "ieee")]
         for cfg in configs:
             label = "kernel, default tiles" if cfg is None else (
                 f"kernel BT {cfg.block_t} {cfg.invert} BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps} "
-                f"stages {cfg.num_stages}" + (f" {cfg.phases} launches" if cfg.phases > 1 else ""))
+                f"stages {cfg.num_stages}" + (f" {cfg.phases} launches" if cfg.phases > 1 else "")
+                + ("" if cfg.precision == "ieee" else f" {cfg.precision}"))
             rows.append(sweep_row(name, label, lambda cfg=cfg: gdn_tree_kernel.tree_wy_core(*inputs, config=cfg),
                                   lambda got: agreement(got[:2], want[:2]), args.calls, args.replays))
     finish_sweep("bench.gdn_tree_kernel", "gdn-tree-kernel", ["case", "core", "ms per call", "agreement", "mode"], rows,

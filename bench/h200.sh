@@ -8,7 +8,8 @@
 #              and commit, graphs == eager with the shared structure and model-dtype logits; 2026-12-05: cuda-ipc
 #              early pushes behind the interprocess event, the services over cuda-ipc with and without them)
 #   attnprof   Nsight Compute (where installed) on the tree-attention split kernel of a 65-node block (ATTN_PROF_NODES)
-#   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel)
+#   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel;
+#              TREE_SWEEP= (empty) for the default tiles only) at each dot precision (TREE_PRECISION)
 #   fusedmerge the tree-attention merge fused into the split kernel: GPU tests with it on, its kernel A/B, the 8B step
 #              costs with it on (run after 8b in the same call: those are the A/B's other half)
 #   attnsweep  the tree-attention kernel's tilings and key splits for decode and verify blocks at the 8B and 27B heads
@@ -109,7 +110,8 @@ for s in $SECTIONS; do
         echo "no ncu on this machine"
       fi ;;
     treekernel)   # the fused tree WY core against the PyTorch one at 27B heads, every tiling of the sweep
-      timeout ${TREE_BENCH_S:-300} python3 -m bench.gdn_tree_kernel --sweep --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
+      timeout ${TREE_BENCH_S:-300} python3 -m bench.gdn_tree_kernel ${TREE_SWEEP---sweep} \
+        --precision ${TREE_PRECISION:-ieee,bf16x3,tf32x3,tf32} --out-dir "$R" > "$R/gdn-tree-kernel.log" 2>&1
       grep "^|" "$R/gdn-tree-kernel.log" | head -60 ;;
     8b)
       timeout ${STEP8_S:-240} python3 -m bench.step_cost --shape qwen3-8b --batches 1,8 --steps 10 --profile --work-dir /tmp/w8 \

@@ -200,7 +200,8 @@ def tree_wy_launches(nodes: int, variants: dict[str, dict]) -> list[tuple[str, L
         with recorded_launches() as launches:
             tree_wy_core(qh, qh, vh, g, g, anc, s0, cfg)
         label = (f"{nodes} nodes, {name}: BT {cfg.block_t} BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps}"
-                 f" {cfg.phases} phase{'s' if cfg.phases > 1 else ''}")
+                 f" {cfg.phases} phase{'s' if cfg.phases > 1 else ''}"
+                 f"{'' if cfg.precision == 'ieee' else ' ' + cfg.precision}")
         out += [(label, launch) for launch in launches]
     return out
 
@@ -259,7 +260,9 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
     if case == "int8":
         return int8_launches()
     if case == "tree_wy":
-        return tree_wy_launches(65, {"three phases": {"phases": 3}, "4 warps": {"num_warps": 4}})
+        return tree_wy_launches(65, {"three phases": {"phases": 3}, "4 warps": {"num_warps": 4},
+                                     "tf32x3": {"precision": "tf32x3"}, "tf32": {"precision": "tf32"},
+                                     "bf16x3": {"precision": "bf16x3"}, "bf16x6": {"precision": "bf16x6"}})
     raise ValueError(f"unknown case {case!r} (of {', '.join(CASES)})")
 
 

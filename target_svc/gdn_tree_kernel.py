@@ -29,6 +29,9 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 _BLOCK_T = (16, 32, 64)
 # The three-launch form keeps two [T, T] float32 products per (tree, head): past this many nodes, one launch.
 THREE_PHASE_MAX_NODES = 256
+# The dots' precisions (Triton's input_precision) the kernels take: IEEE float32, and tensor-core products split
+# into several TF32 or bf16 parts (gdn_tree_wy_kernels.py).
+PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32")
 # Flat offsets inside the kernel are int32.
 _MAX_ELEMENTS = 2**31 - 1
 
@@ -49,6 +52,9 @@ class TileConfig:
     # earlier blocks' u is made first by a program per block in parallel, the substitution runs on precomputed
     # products, the outputs are added last (gdn_tree_wy_kernels.py; trees of up to THREE_PHASE_MAX_NODES nodes)
     phases: int = 1
+    # The dots' precision (the diagonal inverse's aside): "ieee" float32 FMAs, "tf32x3" three TF32 tensor-core
+    # products a dot (about float32's accuracy), "tf32" one (~1e-3 relative; for the sweep)
+    precision: str = "ieee"
 
 
 def available(device: torch.device | str) -> bool:
@@ -121,7 +127,8 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
     cfg = config or choose_config(bsz * heads, dv, _num_sms(vh.device))
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
-            or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 3)):
+            or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 3)
+            or cfg.precision not in PRECISIONS):
         raise ValueError(f"bad tiles for Dv {dv}: {cfg}")
     qh, kh, vh, s0 = _unit_last(qh), _unit_last(kh), _unit_last(vh), _unit_last(s0)
     # Same bytes, loaded as 0/1; dense, because Triton specialises on strides divisible by 16 and the variants
@@ -146,7 +153,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         beta.stride(0), beta.stride(1), beta.stride(2), anc_u8.stride(0), anc_u8.stride(1), anc_u8.stride(2),
         s0.stride(0), s0.stride(1), s0.stride(2), 0 if s0_index is None else s0_index.stride(0),
         DK=dk, DV=dv, BT=cfg.block_t, BC=cfg.block_c, BV=cfg.block_v, INVERT=cfg.invert,
-        INDEXED=s0_index is not None,
+        INDEXED=s0_index is not None, PRECISION=cfg.precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return core, u, cum
@@ -175,7 +182,7 @@ def _three_launches(kernels, qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta
         beta.stride(0), beta.stride(1), beta.stride(2), anc_u8.stride(0), anc_u8.stride(1), anc_u8.stride(2),
         s0.stride(0), s0.stride(1), s0.stride(2), index_stride,
         DK=dk, DV=dv, BT=bt, BC=cfg.block_c, BV=cfg.block_v, INVERT=cfg.invert, INDEXED=s0_index is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     kernels.tree_wy_solve_kernel[(value_blocks, bsz * heads)](
         qh, kh, vh, g, beta, s0, index, core, u, cum, rhs, inv, akk,
@@ -183,9 +190,10 @@ def _three_launches(kernels, qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta
         qh.stride(0), qh.stride(1), kh.stride(0), kh.stride(1), vh.stride(0), vh.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), s0.stride(0), s0.stride(1), s0.stride(2), index_stride,
         DK=dk, DV=dv, BT=bt, BC=cfg.block_c, BV=cfg.block_v, INDEXED=s0_index is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     kernels.tree_wy_output_kernel[(value_blocks, blocks, bsz * heads)](
-        core, u, aqk, t, DV=dv, BT=bt, BC=cfg.block_c, BV=cfg.block_v, num_warps=cfg.num_warps,
+        core, u, aqk, t, DV=dv, BT=bt, BC=cfg.block_c, BV=cfg.block_v, PRECISION=cfg.precision,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -32,8 +32,12 @@ that differ in their value block all write the same G, computed by the same inst
 the same bits, so which write lands last does not matter, and each program reads only rows it wrote itself
 before its barrier.
 
-Products are float32 dots with IEEE precision (not TF32): the results match the PyTorch reference to float32
-rounding, as the tree's acceptance decisions need.
+Products are float32 dots with IEEE precision by default (PRECISION "ieee", not TF32): the results match the
+PyTorch reference to float32 rounding, as the tree's acceptance decisions need. PRECISION "tf32x3" runs them on
+the tensor cores as three TF32 products each (the operands split into a high and a low TF32 part; the low x low
+product dropped), about float32's accuracy for the issue slots of a few MMAs instead of a dot's FFMAs; "tf32"
+(one product, ~1e-3 relative) is for the sweep only. The diagonal block's inverse stays IEEE: its doubling
+products compound their rounding.
 """
 from __future__ import annotations
 
@@ -122,7 +126,7 @@ def _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v):
 @triton.jit
 def _block_terms(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0_base, s_root,
                  g0, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk,
-                 BT: tl.constexpr, BC: tl.constexpr):
+                 BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr):
     """What a block of nodes needs before any earlier block's u: (G of its rows, q, k and beta k rows, its right-hand
     side less the root state's term, its outputs' root-state term). Rows past T load as zeros (k = v = beta = 0:
     they solve to u = 0 and are never stored); rows outside the root's subtree (padding) use S_0 and G."""
@@ -144,13 +148,13 @@ def _block_terms(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0,
     e_r = tl.exp(cum_r - tl.where(in_root, g0, 0.0))  # e^{G_i - g_0} against S_r; e^{G_i} against S_0
     kb_r = k_r * beta_r[:, None]  # the reference's k_beta
     # A node outside the root's subtree is padding: k = beta = 0, so its right-hand side has no state term.
-    rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s_root, input_precision="ieee")
-    o = tl.dot(q_r * e_r[:, None], s_root, input_precision="ieee")
+    rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s_root, input_precision=PRECISION)
+    o = tl.dot(q_r * e_r[:, None], s_root, input_precision=PRECISION)
     if tl.min(in_root.to(tl.int32), axis=0) == 0:  # padding in this block: its outputs start from S_0
         # Read again here, not kept from the root step: a value block of S_0 held through the whole walk was 32
         # registers a thread of a kernel that spilled (sm_90, bench.kernel_sass).
         s0 = _load_s0(s0_base, offs_k, offs_v, stride_sk)
-        o = tl.where(in_root[:, None], o, tl.dot(q_r * e_r[:, None], s0, input_precision="ieee"))
+        o = tl.where(in_root[:, None], o, tl.dot(q_r * e_r[:, None], s0, input_precision=PRECISION))
     return cum_r, q_r, k_r, kb_r, rhs, o
 
 
@@ -163,7 +167,7 @@ def tree_wy_core_kernel(
     stride_gb, stride_gh, stride_gt, stride_bb, stride_bh, stride_bt, stride_ab, stride_ai, stride_aj,
     stride_sb, stride_sh, stride_sk, stride_si,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    INVERT: tl.constexpr, INDEXED: tl.constexpr,
+    INVERT: tl.constexpr, INDEXED: tl.constexpr, PRECISION: tl.constexpr = "ieee",
 ):
     """core, u [B, H, T, DV] and cum [B, H, T] (contiguous float32) of one (b, h, value block); q, k [B, H, T, DK],
     v [B, H, T, DV] and s0 [B or pool, H, DK, DV] have unit stride along their last dim, anc [B, T, T] is uint8
@@ -201,7 +205,8 @@ def tree_wy_core_kernel(
         rmask = rows < T
         cum_r, q_r, k_r, kb_r, rhs, o = _block_terms(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0_base, s_root, g0,
-            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk, BT, BC)
+            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk, BT, BC,
+            PRECISION)
 
         # Ancestors in earlier blocks, the root aside: solved already (rows 1 .. r0 - 1 of u and cum).
         for c0 in range(1, r0, BC):
@@ -213,19 +218,19 @@ def tree_wy_core_kernel(
             a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
                         mask=rmask[:, None] & cmask[None, :], other=0)
             decay = _exp_where(a != 0, cum_r[:, None] - cum_c[None, :])
-            kk = tl.dot(kb_r, tl.trans(k_c), input_precision="ieee") * decay
-            qk = tl.dot(q_r, tl.trans(k_c), input_precision="ieee") * decay
-            rhs -= tl.dot(kk, u_c, input_precision="ieee")
-            o += tl.dot(qk, u_c, input_precision="ieee")
+            kk = tl.dot(kb_r, tl.trans(k_c), input_precision=PRECISION) * decay
+            qk = tl.dot(q_r, tl.trans(k_c), input_precision=PRECISION) * decay
+            rhs -= tl.dot(kk, u_c, input_precision=PRECISION)
+            o += tl.dot(qk, u_c, input_precision=PRECISION)
 
         # The diagonal block: A_RR, then (I + A_RR)^-1 in registers.
         a = tl.load(anc_ptr + rows[:, None] * stride_ai + rows[None, :] * stride_aj,
                     mask=rmask[:, None] & rmask[None, :], other=0)
         decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
-        sys_a = tl.where(strict, tl.dot(kb_r, tl.trans(k_r), input_precision="ieee") * decay, 0.0)
+        sys_a = tl.where(strict, tl.dot(kb_r, tl.trans(k_r), input_precision=PRECISION) * decay, 0.0)
         inv = _invert_unit_lower(sys_a, loc, BT, INVERT)
-        u_r = tl.dot(inv, rhs, input_precision="ieee")
-        o += tl.dot(tl.dot(q_r, tl.trans(k_r), input_precision="ieee") * decay, u_r, input_precision="ieee")
+        u_r = tl.dot(inv, rhs, input_precision=PRECISION)
+        o += tl.dot(tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION) * decay, u_r, input_precision=PRECISION)
 
         out_mask = rmask[:, None]
         tl.store(u_ptr + rows[:, None] * DV + offs_v[None, :], u_r, mask=out_mask)
@@ -253,7 +258,7 @@ def tree_wy_prepare_kernel(
     stride_gb, stride_gh, stride_gt, stride_bb, stride_bh, stride_bt, stride_ab, stride_ai, stride_aj,
     stride_sb, stride_sh, stride_sk, stride_si,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    INVERT: tl.constexpr, INDEXED: tl.constexpr,
+    INVERT: tl.constexpr, INDEXED: tl.constexpr, PRECISION: tl.constexpr = "ieee",
 ):
     """Block blk = program_id(1) of nodes 1 + blk*BT ..: rhs (beta V less the root state's term) and the outputs'
     root-state term (into core) for value block program_id(0); the first value block's program also G (cum), the
@@ -278,7 +283,8 @@ def tree_wy_prepare_kernel(
     rmask = rows < T
     cum_r, q_r, k_r, kb_r, rhs, o = _block_terms(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0_base, s_root, g0,
-        stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk, BT, BC)
+        stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk, BT, BC,
+            PRECISION)
     out_mask = rmask[:, None]
     tl.store(rhs_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], rhs, mask=out_mask)
     tl.store(core_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], o, mask=out_mask)
@@ -289,10 +295,10 @@ def tree_wy_prepare_kernel(
         a = tl.load(anc_ptr + rows[:, None] * stride_ai + rows[None, :] * stride_aj, mask=square, other=0)
         decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
         strict = loc[:, None] > loc[None, :]
-        sys_a = tl.where(strict, tl.dot(kb_r, tl.trans(k_r), input_precision="ieee") * decay, 0.0)
+        sys_a = tl.where(strict, tl.dot(kb_r, tl.trans(k_r), input_precision=PRECISION) * decay, 0.0)
         inv = _invert_unit_lower(sys_a, loc, BT, INVERT)
         tl.store(inv_ptr + (bh * NB + blk) * BT * BT + loc[:, None] * BT + loc[None, :], inv)
-        qk = tl.dot(q_r, tl.trans(k_r), input_precision="ieee") * decay
+        qk = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION) * decay
         tl.store(aqk_ptr + bh * T * T + rows[:, None] * T + rows[None, :], qk, mask=square)
         for c0 in range(1, r0, BC):
             cols = c0 + tl.arange(0, BC)
@@ -311,8 +317,8 @@ def tree_wy_prepare_kernel(
             a_rc = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
                            mask=rmask[:, None] & cmask[None, :], other=0)
             decay_rc = _exp_where(a_rc != 0, cum_r[:, None] - cum_c[None, :])
-            kk = tl.dot(kb_r, tl.trans(k_c), input_precision="ieee") * decay_rc
-            qk_rc = tl.dot(q_r, tl.trans(k_c), input_precision="ieee") * decay_rc
+            kk = tl.dot(kb_r, tl.trans(k_c), input_precision=PRECISION) * decay_rc
+            qk_rc = tl.dot(q_r, tl.trans(k_c), input_precision=PRECISION) * decay_rc
             box = rmask[:, None] & cmask[None, :]
             tl.store(akk_ptr + bh * T * T + rows[:, None] * T + cols[None, :], kk, mask=box)
             tl.store(aqk_ptr + bh * T * T + rows[:, None] * T + cols[None, :], qk_rc, mask=box)
@@ -326,7 +332,7 @@ def tree_wy_solve_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh,
     stride_sb, stride_sh, stride_sk, stride_si,
     DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    INDEXED: tl.constexpr,
+    INDEXED: tl.constexpr, PRECISION: tl.constexpr = "ieee",
 ):
     """The root step, then U block by block: rhs less A's earlier columns times their u, times the inverse."""
     pid_v = tl.program_id(0)
@@ -357,9 +363,9 @@ def tree_wy_solve_kernel(
             cmask = cols < r0
             a = tl.load(akk_ptr + rows[:, None] * T + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
             u_c = tl.load(u_ptr + cols[:, None] * DV + offs_v[None, :], mask=cmask[:, None], other=0.0)
-            rhs -= tl.dot(a, u_c, input_precision="ieee")
+            rhs -= tl.dot(a, u_c, input_precision=PRECISION)
         inv = tl.load(inv_ptr + (bh * NB + blk) * BT * BT + loc[:, None] * BT + loc[None, :])
-        u_r = tl.dot(inv, rhs, input_precision="ieee")
+        u_r = tl.dot(inv, rhs, input_precision=PRECISION)
         tl.store(u_ptr + rows[:, None] * DV + offs_v[None, :], u_r, mask=rmask[:, None])
         tl.debug_barrier()  # the next blocks read these rows back
 
@@ -367,7 +373,7 @@ def tree_wy_solve_kernel(
 @triton.jit(do_not_specialize=["T"])
 def tree_wy_output_kernel(
     core_ptr, u_ptr, aqk_ptr, T,
-    DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    DV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr = "ieee",
 ):
     """Block blk's outputs: the root-state term (in core) plus QK's row times U over nodes 1 .. block end."""
     pid_v = tl.program_id(0)
@@ -385,5 +391,5 @@ def tree_wy_output_kernel(
         a = tl.load(aqk_ptr + bh * T * T + rows[:, None] * T + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                     other=0.0)
         u_c = tl.load(u_ptr + bh * T * DV + cols[:, None] * DV + offs_v[None, :], mask=cmask[:, None], other=0.0)
-        o += tl.dot(a, u_c, input_precision="ieee")
+        o += tl.dot(a, u_c, input_precision=PRECISION)
     tl.store(core_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], o, mask=rmask[:, None])

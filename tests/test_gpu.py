@@ -763,6 +763,24 @@ def test_tree_wy_kernel_equals_the_reference_core_under_the_swept_tilings(tiles)
 
 
 @needs_tree_kernel
+@pytest.mark.parametrize("precision, tol", [("tf32x3", TREE_KERNEL_TOL), ("bf16x6", TREE_KERNEL_TOL),
+                                            ("bf16x3", 1e-3), ("tf32", 1e-2)])
+def test_tree_wy_kernel_on_tensor_cores_stays_within_its_precisions_error(precision, tol):
+    """The dots on the tensor cores (TileConfig.precision, one launch and three): three TF32 or six bf16 parts a
+    product keep float32's tolerance; three bf16 parts (~2^-16 a product) and one TF32 (2^-11) are looser."""
+    from target_svc.gdn_tree_kernel import TileConfig, tree_wy_core
+    from target_svc.gdn_tree_wy import _wy_core_reference
+
+    args = _tree_core_inputs_27b([_tree_parents(65, 16, 1), _tree_parents(40, 16, 2)], seed=5)
+    want = _wy_core_reference(*args)
+    for phases in (1, 3):
+        config = TileConfig(block_t=16, block_c=32, block_v=64, num_warps=8, num_stages=1, phases=phases,
+                            precision=precision)
+        for name, x, ref in zip(("core", "u", "cum"), tree_wy_core(*args, config=config), want):
+            assert _rel_err(x, ref) <= tol, f"{config}: {name} {_rel_err(x, ref):.2e}"
+
+
+@needs_tree_kernel
 @pytest.mark.parametrize("phases", [1, 3])
 @pytest.mark.parametrize("nodes", [16, 65])
 def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes, phases):
