@@ -154,6 +154,26 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref).abs().max() / ref.abs().max()).item()
 
 
+def _time_tilings(cases, call, ws, ref, args, prefix: str, describe) -> list[tuple[float, str, float]]:
+    """Each (label, config) of cases timed as call(w, config) over the weight copies ws: one line per case (prefix,
+    the tiling, ms per call, describe(ms), the error against ref; FAILED where it does not compile or fit) ->
+    (ms, tiling, error) of the unlabelled cases (the grid's)."""
+    results = []
+    for label, cfg in cases:
+        tiling = (f"{label} " if label else "") + ("" if cfg is None else str(tuple(cfg.__dict__.values())))
+        try:
+            err = _rel_err(call(ws[0], cfg), ref)
+            t = graph_ms([lambda w=w: call(w, cfg) for w in ws], args.calls, args.replays)
+            if not label:
+                results.append((t, tiling, err))
+            line = f"{t:.4f} | {describe(t)} | {err:.1e}"
+        except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit: the sweep goes on
+            line = f"FAILED | | {type(exc).__name__}: {str(exc)[:80]}"
+            torch.cuda.synchronize()
+        print(f"{prefix} | {tiling} | {line}", flush=True)
+    return results
+
+
 def gemv_sweep(args, device: torch.device) -> None:
     """One line per (weights, shape, M, GEMV tiling): ms per call and error; then the best tiling of each."""
     from target_svc.int8_matmul import GemvConfig
@@ -186,19 +206,8 @@ def gemv_sweep(args, device: torch.device) -> None:
                 cases = [baseline, ("default GEMV", int8_matmul.choose_gemv_config(m, n, k, num_sms))]
                 cases += [("", GemvConfig(*t)) for t in grid
                           if t[2] <= -(-k // t[1]) and m <= int8_matmul.GEMV_MAX_ROWS]
-                results = []
-                for label, cfg in cases:
-                    tiling = (f"{label} " if label else "") + ("" if cfg is None else str(tuple(cfg.__dict__.values())))
-                    try:
-                        err = _rel_err(call(ws[0], cfg), ref)
-                        t = graph_ms([lambda w=w: call(w, cfg) for w in ws], args.calls, args.replays)
-                        if not label:
-                            results.append((t, tiling, err))
-                        line = f"{t:.4f} | {nbytes / t / 1e6:.0f} | {err:.1e}"
-                    except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit: the sweep goes on
-                        line = f"FAILED | | {type(exc).__name__}: {str(exc)[:80]}"
-                        torch.cuda.synchronize()
-                    print(f"{fmt} | {name} | {n} | {k} | {m} | {tiling} | {line}", flush=True)
+                results = _time_tilings(cases, call, ws, ref, args, f"{fmt} | {name} | {n} | {k} | {m}",
+                                        lambda t, nbytes=nbytes: f"{nbytes / t / 1e6:.0f}")
                 if results:
                     best.append((fmt, name, n, k, m, *min(results)))
             del ws, dense
@@ -218,7 +227,8 @@ def dot_sweep(args, device: torch.device) -> None:
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     grid = list(itertools.product(_ints(args.dot_block_m), _ints(args.dot_block_n), _ints(args.dot_block_k),
                                   _ints(args.dot_splits), _ints(args.dot_warps), _ints(args.dot_stages)))
-    print("shape | N | K | M | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, warps, stages) | ms/call | x bf16 | err",
+    print("shape | N | K | M | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, swap AB, warps, stages) | ms/call | x bf16 "
+          "| err",
           flush=True)
     best = []
     for name, n, k in SHAPES:
@@ -235,21 +245,9 @@ def dot_sweep(args, device: torch.device) -> None:
                 ("", TileConfig(bm, bn, bk, split, False, warps, stages))
                 for bm, bn, bk, split, warps, stages in grid
                 if (bm == 16 or bm < 2 * m) and split * 2 * bk <= k]
-            results = []
-            for label, cfg in cases:
-                tiling = (f"{label} " if label else "") + str((cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k,
-                                                               cfg.num_warps, cfg.num_stages))
-                try:
-                    err = _rel_err(int8_matmul.matmul(x, ws[0].qweight, ws[0].scales, None, 8, cfg), ref)
-                    t = graph_ms([lambda w=w: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg) for w in ws],
-                                 args.calls, args.replays)
-                    if not label:
-                        results.append((t, tiling, err))
-                    line = f"{t:.4f} | {t / bf16:.2f} | {err:.1e}"
-                except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit: the sweep goes on
-                    line = f"FAILED | | {type(exc).__name__}: {str(exc)[:80]}"
-                    torch.cuda.synchronize()
-                print(f"{name} | {n} | {k} | {m} | {tiling} | {line}", flush=True)
+            results = _time_tilings(
+                cases, lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
+                f"{name} | {n} | {k} | {m}", lambda t, bf16=bf16: f"{t / bf16:.2f}")
             if results:
                 t, tiling, err = min(results)
                 best.append((name, n, k, m, tiling, t, t / bf16, err))
