@@ -91,8 +91,8 @@ def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -
 
 def summarize_quantized(runs: list[dict]) -> dict:
     """Weight-only quantization at the 8B shape, from step-cost runs of one session (bf16, int8, int4 on one
-    checkpoint): each format's 1-token forward, its ratio to bf16's, and its 65-node verify over its own 1-token
-    forward (CUDA-graph replays, device time)."""
+    checkpoint): each format's 1-token forward, its ratio to bf16's, and its 65-node verify (and 64-node, where
+    measured) over its own 1-token forward (CUDA-graph replays, device time)."""
     by_mode = {r.get("quantize", "none"): r for r in runs}
     out = {}
     base = by_mode.get("none")
@@ -105,6 +105,10 @@ def summarize_quantized(runs: list[dict]) -> dict:
         out[f"{name}_weight_read_floor_ms_8b"] = round(run["floors"]["weight_read_floor_ms"], 3)
         out[f"{name}_gemv_floor_ms_8b"] = round(run["floors"]["gemv_floor_ms"], 3)
         out[f"{name}_verify64_over_ar_8b"] = _ratio(v65["forward_graph_ms"], ar["forward_graph_ms"])
+        # A 64-node tree (budget 63) where the run measured one in a bucket of its own (--graph-node-sizes 64).
+        v64 = next((r for r in run["target"] if r.get("batch") == 1 and r.get("nodes") == 64), None)
+        if v64 is not None:
+            out[f"{name}_verify_64_nodes_over_ar_8b"] = _ratio(v64["forward_graph_ms"], ar["forward_graph_ms"])
         if mode != "none" and base_ar:
             out[f"{name}_ar_over_bf16_8b"] = _ratio(ar["forward_graph_ms"], base_ar)
     return out

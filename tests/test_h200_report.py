@@ -56,6 +56,19 @@ def test_every_batched_size_of_a_run_gets_its_ddtree_over_ar(tmp_path):
     assert data["ddtree_budget_8b_b32"] == data["ddtree_budget_8b_b8"]
 
 
+def test_a_quantized_run_with_a_64_node_bucket_reports_both_tree_sizes():
+    """summarize_quantized: the 65-node verify over the 1-token forward, and the 64-node one where the run measured
+    it (budget 63 in a bucket of its own); without that row, no 64-node key."""
+    rows = [{"batch": 1, "nodes": n, "forward_graph_ms": ms} for n, ms in ((1, 4.0), (64, 5.0), (65, 8.0))]
+    runs = [{"quantize": q, "target": rows, "floors": {"weight_read_floor_ms": 3.0, "gemv_floor_ms": 3.5}}
+            for q in ("none", "int8")]
+    out = h200_report.summarize_quantized(runs)
+    assert out["int8_verify64_over_ar_8b"] == pytest.approx(2.0, rel=1e-3)
+    assert out["int8_verify_64_nodes_over_ar_8b"] == pytest.approx(1.25, rel=1e-3)
+    runs[1]["target"] = [r for r in rows if r["nodes"] != 64]
+    assert "int8_verify_64_nodes_over_ar_8b" not in h200_report.summarize_quantized(runs)
+
+
 def test_the_speed_bench_reads_one_or_several_batched_sizes():
     from bench.speed import batch_sizes
 
