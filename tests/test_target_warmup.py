@@ -37,3 +37,18 @@ def test_a_bucket_given_up_is_no_longer_picked_and_its_neighbours_still_are(chec
     assert graphs.shape_for(3, 10, small - 20) is None and graphs.shape_for(4, 17, small) is None
     assert graphs.shape_for(3, 10, large) is not None and graphs.shape_for(1, 10, small - 20) is not None
     assert shape in graphs.eager_shapes
+
+
+def test_a_deployments_graph_node_sizes_become_verify_buckets_of_their_own(checkpoints):
+    """--graph-node-sizes 64: a 64-node tree (budget 63) picks a 64-node bucket, a 65-node one still 65's."""
+    from target_svc.runner import TargetConfig, TargetRunner
+    from target_svc.verify import VerifyGraphs
+
+    target_dir, _ = checkpoints("qwen3")
+    runner = TargetRunner(TargetConfig(str(target_dir), max_batch=2, max_seq_len=1024, max_tree_nodes=129,
+                                       graph_node_sizes=(64,)))
+    graphs = VerifyGraphs(runner.model, 2, 129, runner.model.cache.spec.capacity, runner.cfg.graph_node_sizes)
+    assert graphs.node_buckets == (1, 5, 17, 64, 65, 129)
+    small = graphs.key_buckets[0]
+    assert graphs.shape_for(1, 64, small).nodes == 64 and graphs.shape_for(1, 65, small).nodes == 65
+    assert graphs.shape_for(1, 100, small).nodes == 129
