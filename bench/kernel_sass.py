@@ -161,15 +161,23 @@ def attention_launches(nodes: int, variants: dict[str, dict], batch: int = 1, sh
     cache = torch.zeros(batch + 1, key_len + 128, kv_heads, head_dim, dtype=torch.bfloat16)
     keys = ta.TreeKeys(torch.full((batch,), 512), torch.ones(batch, nodes, nodes, dtype=torch.bool))
     chosen = ta.choose_config(batch, kv_heads, heads // kv_heads * nodes, key_len, head_dim)
+    return variant_launches(
+        chosen, variants,
+        lambda cfg: ta.tree_attention(q, cache, cache, torch.arange(batch), keys, key_len, head_dim ** -0.5, cfg),
+        lambda name, cfg: (f"{shape} b{batch} {nodes} nodes, {name}: BM {cfg.block_m} BN {cfg.block_n} splits "
+                           f"{cfg.splits} warps {cfg.num_warps}{' context loop' if cfg.context_loop else ''}"
+                           f"{' balanced' if cfg.balanced else ''}{' fused merge' if cfg.fused_merge else ''}"))
+
+
+def variant_launches(chosen, variants: dict[str, dict], launch, label) -> list[tuple[str, Launch]]:
+    """The launches launch(config) records at the chosen config and at each variant of it (fields replaced),
+    labelled label(name, config)."""
     out = []
     for name, change in {"chosen": {}, **variants}.items():
         cfg = dataclasses.replace(chosen, **change)
         with recorded_launches() as launches:
-            ta.tree_attention(q, cache, cache, torch.arange(batch), keys, key_len, head_dim ** -0.5, cfg)
-        label = (f"{shape} b{batch} {nodes} nodes, {name}: BM {cfg.block_m} BN {cfg.block_n} splits {cfg.splits} "
-                 f"warps {cfg.num_warps}{' context loop' if cfg.context_loop else ''}"
-                 f"{' balanced' if cfg.balanced else ''}{' fused merge' if cfg.fused_merge else ''}")
-        out += [(label, launch) for launch in launches]
+            launch(cfg)
+        out += [(label(name, cfg), recorded) for recorded in launches]
     return out
 
 
@@ -193,17 +201,11 @@ def tree_wy_launches(nodes: int, variants: dict[str, dict]) -> list[tuple[str, L
     g = torch.zeros(1, heads, nodes)
     anc = torch.ones(1, nodes, nodes, dtype=torch.bool)
     s0 = torch.zeros(1, heads, dk, dv, dtype=torch.float32)
-    chosen = choose_config(heads, dv)
-    out = []
-    for name, change in {"chosen": {}, **variants}.items():
-        cfg = dataclasses.replace(chosen, **change)
-        with recorded_launches() as launches:
-            tree_wy_core(qh, qh, vh, g, g, anc, s0, cfg)
-        label = (f"{nodes} nodes, {name}: BT {cfg.block_t} BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps}"
-                 f" {cfg.phases} phase{'s' if cfg.phases > 1 else ''}"
-                 f"{'' if cfg.precision == 'ieee' else ' ' + cfg.precision}")
-        out += [(label, launch) for launch in launches]
-    return out
+    return variant_launches(
+        choose_config(heads, dv), variants, lambda cfg: tree_wy_core(qh, qh, vh, g, g, anc, s0, cfg),
+        lambda name, cfg: (f"{nodes} nodes, {name}: BT {cfg.block_t} BC {cfg.block_c} BV {cfg.block_v} warps "
+                           f"{cfg.num_warps} {cfg.phases} phase{'s' if cfg.phases > 1 else ''}"
+                           f"{'' if cfg.precision == 'ieee' else ' ' + cfg.precision}"))
 
 
 def kv_write_launches(nodes: int) -> list[tuple[str, Launch]]:
