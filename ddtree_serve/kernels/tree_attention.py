@@ -46,7 +46,8 @@ class TreeKeys:
     ctx_lens: Tensor    # [B] int64
     ancestors: Tensor   # [B, T, T] bool
     # The fused merge's arrival counts (int32 zeros, merge_counts(); each launch leaves them zero, so one buffer
-    # serves every layer of a forward). None: a launch that fuses its merge makes its own.
+    # serves every layer of a forward). Given, launches without a config fuse their merge; None: they do not (and
+    # one given a config that fuses makes its own).
     merge_counts: Tensor | None = None
 
 
@@ -152,7 +153,9 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k
     rows = rep * tmax
     if q.stride(-1) != 1:
         q = q.contiguous()
-    cfg = config or choose_config(bsz, num_kv, rows, key_len, head_dim, _num_sms(q.device), fused_merge_on())
+    # Without a config, the caller's counts say whether to fuse the merge (merge_counts(): read once a forward).
+    cfg = config or choose_config(bsz, num_kv, rows, key_len, head_dim, _num_sms(q.device),
+                                  keys.merge_counts is not None)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     anc = keys.ancestors.contiguous().view(torch.uint8)
     grid = (bsz * num_kv, -(-rows // cfg.block_m), cfg.splits)
