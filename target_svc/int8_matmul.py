@@ -153,6 +153,27 @@ def kernel_config(m: int, n: int, k: int, bits: int = 8, group: int = 0,
     return choose_config(m, n, k, bits, group, num_sms)
 
 
+# The fused split-K reduction (weight_only_kernels, FUSED_REDUCE): one int32 counter per output tile of a split
+# launch. choose_config splits only grids of at most _PROGRAMS_PER_SM x SMs / 2 tiles (330 on an H200), so this
+# many counters serve every default launch; a larger grid (a tiling asked for by hand) takes the reduction kernel.
+SPLIT_COUNTERS = 1024
+FUSED_REDUCE_ENV = "DDTREE_INT8_FUSED_REDUCE"
+
+
+def fused_reduce_enabled() -> bool:
+    """Whether quantized weights get split_counters (their split-K dots then reduce in one kernel):
+    DDTREE_INT8_FUSED_REDUCE=on."""
+    return os.environ.get(FUSED_REDUCE_ENV, "off").strip().lower() == "on"
+
+
+def split_counters(device: torch.device | str) -> Tensor | None:
+    """Zeroed tile counters for matmul's fused split-K reduction on device; None where the kernels do not run or
+    the fused reduction is off (the reduction kernel then adds the splits)."""
+    if not (fused_reduce_enabled() and available(device)):
+        return None
+    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the Triton interpreter (tests on a CPU): any count will do
@@ -160,12 +181,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None, bits: int = 8,
-           config: TileConfig | GemvConfig | None = None) -> Tensor:
+           config: TileConfig | GemvConfig | None = None, counters: Tensor | None = None) -> Tensor:
     """x [..., K] @ dequantized(qweight, scales)^T (+ bias) -> [..., N] in x's dtype.
 
     bits=8: qweight int8 [N, K], scales [N]. bits=4: qweight uint8 [N, K // 2] (see weight_only_kernels),
     scales [N, K // group]. The caller checks supports() first. config: kernel_config's choice when None; a
-    GemvConfig takes int8 and at most GEMV_MAX_ROWS rows.
+    GemvConfig takes int8 and at most GEMV_MAX_ROWS rows. counters: split_counters() of this weight's device
+    (zero, int32, used by one stream at a time): a split-K dot kernel then adds its splits itself instead of
+    launching the reduction kernel (the same bits), where the grid has at most counters.numel() output tiles.
     """
     kernels = importlib.import_module("target_svc.weight_only_kernels")
     k = x.shape[-1]
@@ -194,16 +217,17 @@ def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = Non
         raise ValueError(f"weight-only matmul of [{m}, {k}] x [{n}, {k}] exceeds int32 offsets")
     dst = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.split_k)
+    fused = cfg.split_k > 1 and counters is not None and grid[0] <= counters.numel()
     has_bias = bias is not None
     bias_arg = bias if has_bias else scales  # never read when HAS_BIAS is False
     kernels.weight_only_matmul_kernel[grid](
-        x2d, qweight, scales, bias_arg, dst,
-        m, n, k, x2d.stride(0), qweight.stride(0), scales.stride(0), dst.stride(-2),
+        x2d, qweight, scales, bias_arg, dst, out, counters if fused else scales,
+        m, n, k, x2d.stride(0), qweight.stride(0), scales.stride(0), dst.stride(-2), out.stride(0),
         BITS=bits, GROUP=max(group, 1), HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, SWAP_AB=cfg.swap_ab,
-        EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, FUSED_REDUCE=fused, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.split_k > 1:
+    if cfg.split_k > 1 and not fused:
         kernels.splitk_reduce_kernel[(m, -(-n // _REDUCE_BLOCK_N))](
             dst, scales, bias_arg, out, m, n, out.stride(0),
             BITS=bits, HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,

@@ -10,8 +10,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from target_svc.quantization import (BITS, QuantizedWeight, check_quantize_mode, int8_matmul_backend, quantize_weight,
-                                     replace_linears)
+from target_svc.quantization import (BITS, QuantizedWeight, attach_split_counters, check_quantize_mode,
+                                     int8_matmul_backend, quantize_weight, replace_linears)
 
 # Text model types whose decoder layers our forward (target_svc/model.py) implements.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
@@ -217,6 +217,8 @@ def load_target(
                                               int8_matmul_backend(device), bits))
     _load_weights(hf_model, _checkpoint_files(model_dir), wrapper, device, dtype, quantized, bits, num_layers)
     hf_model.eval().requires_grad_(False)
+    if bits:
+        attach_split_counters(hf_model.model.layers)
 
     decoder = hf_model.model
     rotary_emb = type(decoder.rotary_emb)(config=text_config)

@@ -50,11 +50,13 @@ class QuantizedWeight:
     bits=8: qweight int8 [out, in], scales [out] (one per output row).
     bits=4: qweight uint8 [out, in // 2], two values per byte (column 2j in the low nibble, 2j + 1 in the high
     one), each stored as q + 8; scales [out, in // group] (one per output row and group of input columns).
+    counters: the Triton matmul's split-K tile counters for this weight (int8_matmul.split_counters), or None.
     """
 
     qweight: Tensor
     scales: Tensor
     bits: int = 8
+    counters: Tensor | None = None
 
     @property
     def in_features(self) -> int:
@@ -80,14 +82,16 @@ class QuantizedWeight:
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
     def rows(self, start: int, stop: int) -> "QuantizedWeight":
-        """Output rows start..stop-1 as views (scales are per row, so a row slice is a weight of its own)."""
+        """Output rows start..stop-1 as views (scales are per row, so a row slice is a weight of its own); no
+        split-K counters (a slice's split launches take the reduction kernel)."""
         return QuantizedWeight(self.qweight[start:stop], self.scales[start:stop], self.bits)
 
     @staticmethod
     def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
         """Row-wise concatenation; per-row scales make it equal to quantizing the concatenated weight."""
-        return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                               parts[0].bits)
+        qweight = torch.cat([p.qweight for p in parts])
+        return QuantizedWeight(qweight, torch.cat([p.scales for p in parts]), parts[0].bits,
+                               int8_matmul.split_counters(qweight.device))
 
 
 def quantize_per_channel(weight: Tensor, dtype: torch.dtype | None = None) -> QuantizedWeight:
@@ -175,7 +179,7 @@ def _triton_takes(x: Tensor, weight: QuantizedWeight, backend: str) -> bool:
 def int8_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None, backend: str = "int8pack") -> Tensor:
     """x [..., in] @ (q * s)^T (+ bias) -> [..., out] in x's dtype, for an int8 weight."""
     if _triton_takes(x, weight, backend):
-        return int8_matmul.matmul(x, weight.qweight, weight.scales, bias, bits=8)
+        return int8_matmul.matmul(x, weight.qweight, weight.scales, bias, bits=8, counters=weight.counters)
     lead = x.shape[:-1]
     if backend == "int8pack":
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
@@ -190,7 +194,7 @@ def int4_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None, 
     """x [..., in] @ (q * s)^T (+ bias) -> [..., out] in x's dtype, for an int4 weight: the Triton kernel, else
     dequantized (torch's int8 kernel does not apply)."""
     if _triton_takes(x, weight, backend):
-        return int8_matmul.matmul(x, weight.qweight, weight.scales, bias, bits=4)
+        return int8_matmul.matmul(x, weight.qweight, weight.scales, bias, bits=4, counters=weight.counters)
     return F.linear(x, weight.dequantize(x.dtype), bias)
 
 
@@ -220,15 +224,16 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias \
             else None
+        self.split_counters: Tensor | None = None  # set once the weight is on its device (attach_split_counters)
 
     @property
     def quantized(self) -> QuantizedWeight:
         """The weight as a QuantizedWeight (views of the buffers)."""
-        return QuantizedWeight(self.qweight, self.scales, self.bits)
+        return QuantizedWeight(self.qweight, self.scales, self.bits, self.split_counters)
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Points the buffers at weight's tensors (views into a fused weight share its memory)."""
-        self.qweight, self.scales = weight.qweight, weight.scales
+        self.qweight, self.scales, self.split_counters = weight.qweight, weight.scales, weight.counters
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.quantized, self.bias, self.backend)
@@ -243,6 +248,7 @@ class QuantizedLinear(nn.Module):
         w = linear.weight
         q = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, "meta", backend, bits)
         q.set_quantized(quantize_weight(w, bits))
+        q.split_counters = int8_matmul.split_counters(q.qweight.device)
         if linear.bias is not None:
             q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
         return q
@@ -260,6 +266,14 @@ def replace_linears(layers: nn.Module, prefix: str, dtype: torch.dtype, backend:
                                                   dtype, "meta", backend, bits))
             names.add(prefix + name)
     return names
+
+
+def attach_split_counters(layers: nn.Module) -> None:
+    """Gives every loaded QuantizedLinear under layers its own split-K counters (int8_matmul.split_counters; None
+    where the fused reduction is off or the kernels do not run)."""
+    for module in layers.modules():
+        if isinstance(module, QuantizedLinear):
+            module.split_counters = int8_matmul.split_counters(module.qweight.device)
 
 
 def tensor_bytes(*modules: nn.Module) -> int:

@@ -13,7 +13,11 @@ Weight formats (see target_svc/quantization.py):
   reference dequantizes them: (q * s) rounded to x's dtype.
 
 SPLIT_K > 1 splits the K loop over grid axis 1; each split writes its float32 partial sums to a workspace
-[SPLIT_K, M, N] and `splitk_reduce_kernel` adds them in a fixed order (deterministic, unlike atomics).
+[SPLIT_K, M, N] and `splitk_reduce_kernel` adds them in a fixed order (deterministic, unlike atomic adds of the
+sums). FUSED_REDUCE does that sum in the matmul kernel itself: each split counts its arrival on its output tile's
+counter, and the last to arrive adds the workspace's slices in the same fixed order (the same bits as the
+reduction kernel) and resets the counter to 0 for the next call -- one kernel per matmul instead of two, which
+inside a captured decode step saves a dependent launch per split projection (three per dense layer).
 
 `weight_only_gemv_kernel` is the path for a few rows (decode, M <= 4), for int8 weights and (BITS=16) for plain
 bf16/fp16 weights, where it stands in for cuBLAS's GEMV: no tl.dot, whose 16-row minimum
@@ -72,14 +76,16 @@ def _epilogue(acc, s_ptr, bias_ptr, offs_n, N, BITS: tl.constexpr, HAS_BIAS: tl.
 # M changes with every batch and tree size: not specialised on (M == 1, M % 16 == 0), so one compile serves all M.
 @triton.jit(do_not_specialize=["M"])
 def weight_only_matmul_kernel(
-    x_ptr, q_ptr, s_ptr, bias_ptr, dst_ptr,
-    M, N, K, stride_xm, stride_qn, stride_sn, stride_dm,
+    x_ptr, q_ptr, s_ptr, bias_ptr, dst_ptr, out_ptr, count_ptr,
+    M, N, K, stride_xm, stride_qn, stride_sn, stride_dm, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile over one K split. SPLIT_K == 1: the finished output (scale, bias, cast
-    to dst's dtype) in dst [M, N]; else the float32 partial sums in dst [SPLIT_K, M, N] (contiguous)."""
+    to dst's dtype) in dst [M, N]; else the float32 partial sums in dst [SPLIT_K, M, N] (contiguous), and with
+    FUSED_REDUCE the tile's last split to finish writes the finished output to out [M, N] (count_ptr: one int32
+    counter per output tile, 0 between calls; out and count_ptr are unread otherwise)."""
     pid_mn = tl.program_id(0)
     pid_k = tl.program_id(1)
     # M tiles of one N tile are neighbours in launch order, so a weight tile read by one is still in L2 for the
@@ -123,6 +129,21 @@ def weight_only_matmul_kernel(
                  mask=out_mask)
     else:
         tl.store(dst_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
+        if FUSED_REDUCE:
+            # Every thread's stores before the one atomic (release at GPU scope: visible to whoever acquires the
+            # count after it); the last split reads the others' sums from L2 (.cg), never a stale L1 line.
+            tl.debug_barrier()
+            count_at = count_ptr + pid_mn
+            arrived = tl.atomic_add(count_at, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for p in tl.static_range(SPLIT_K):   # in order, from 0: splitk_reduce_kernel's sum exactly
+                    total += tl.load(dst_ptr + (p * M + offs_m[:, None]) * N + offs_n[None, :], mask=out_mask,
+                                     other=0.0, cache_modifier=".cg")
+                y = _epilogue(total, s_ptr, bias_ptr, offs_n, N, BITS, HAS_BIAS)
+                tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                         mask=out_mask)
+                tl.atomic_xchg(count_at, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M"])

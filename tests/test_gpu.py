@@ -1149,6 +1149,35 @@ def test_cuda_triton_weight_only_matmul_replays_inside_a_captured_graph(bits):
 
 
 @needs_triton
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cuda_triton_fused_split_k_reduction_equals_the_reduction_kernel_bit_for_bit(bits):
+    """The default split tilings of the 8B's split projections (qkv, o_proj, down) at 1 to 65 rows: the last split
+    adding the others' sums gives the reduction kernel's bits, eagerly and replayed from a graph, call after call
+    (its counters back at 0 each time)."""
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc import int8_matmul
+
+    counters = torch.zeros(int8_matmul.SPLIT_COUNTERS, dtype=torch.int32, device="cuda")
+    pool = torch.cuda.graph_pool_handle()
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 12288)):
+        q = _quantized(n, k, bits)
+        for m in (1, 4, 17, 64, 65):
+            cfg = int8_matmul.choose_config(m, n, k, bits, q.group_size, torch.cuda.get_device_properties(0)
+                                            .multi_processor_count)
+            assert cfg.split_k > 1 or m > 16, (n, k, m, cfg)   # the decode shapes split (else nothing is tested)
+            fused = CapturedFunction.capture(
+                lambda x: int8_matmul.matmul(x, q.qweight, q.scales, None, bits, cfg, counters),
+                [torch.randn(m, k, device="cuda", dtype=torch.bfloat16)], pool)
+            for _ in range(3):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                want = int8_matmul.matmul(x, q.qweight, q.scales, None, bits, cfg)
+                assert torch.equal(int8_matmul.matmul(x, q.qweight, q.scales, None, bits, cfg, counters), want)
+                assert torch.equal(fused(x), want), (n, k, m, cfg)
+            torch.cuda.synchronize()
+            assert not counters.any()
+
+
+@needs_triton
 @pytest.mark.parametrize("n, k", [(4096, 4096), (24576, 4096), (4096, 12288), (4100, 1000)])
 def test_cuda_triton_int8_gemv_equals_the_reference_and_a_graph_replays_it_bit_for_bit(n, k, monkeypatch):
     """The few-row GEMV (default tiles: split K at 4096 rows, none at 24576; ragged N and K), 1 to 4 rows, with

@@ -188,6 +188,50 @@ def test_the_kernels_under_tritons_interpreter_equal_the_dequantized_reference_i
     _run_interpreted(INTERPRETED)
 
 
+INTERPRETED_FUSED_REDUCE = INTERPRETER_PATCH + """
+import itertools, torch
+from target_svc import int8_matmul as im
+from target_svc.quantization import quantize_int4_groupwise, quantize_per_channel
+torch.manual_seed(0)
+counters = torch.zeros(im.SPLIT_COUNTERS, dtype=torch.int32)
+for (m, n, k), split, bits, bias in itertools.product([(1, 40, 256), (17, 70, 512)], (2, 4), (8, 4), (False, True)):
+    w = torch.randn(n, k) * 0.05
+    q = quantize_per_channel(w, torch.float16) if bits == 8 else quantize_int4_groupwise(w, torch.float16)
+    cfg = im.TileConfig(16, 32, 64, split, False, 4, 2)
+    x = torch.randn(m, k).half()
+    b = torch.randn(n).half() if bias else None
+    want = im.matmul(x, q.qweight, q.scales, b, bits, cfg)
+    for _ in range(2):  # the counters are back at 0 after a call: a second call reduces again
+        got = im.matmul(x, q.qweight, q.scales, b, bits, cfg, counters=counters)
+        assert torch.equal(got, want), (m, n, k, split, bits, bias)
+        assert not counters.any()
+few = torch.zeros(1, dtype=torch.int32)  # fewer counters than tiles: the reduction kernel, untouched counters
+assert torch.equal(im.matmul(x, q.qweight, q.scales, b, bits, cfg, counters=few), want) and not few.any()
+print("ok")
+"""
+
+
+@needs_triton
+def test_a_fused_split_k_reduction_gives_the_reduction_kernels_bits_and_leaves_its_counters_at_zero():
+    """Splits 2 and 4, int8 and int4, with and without bias: the last split's sum equals splitk_reduce_kernel's."""
+    _run_interpreted(INTERPRETED_FUSED_REDUCE)
+
+
+def test_quantized_weights_get_split_counters_only_where_the_fused_reduction_runs(monkeypatch):
+    """Off by default; on, a CPU (no Triton kernels) still gets none, and a fused weight carries them."""
+    from target_svc import int8_matmul as im
+    from target_svc.quantization import QuantizedWeight, quantize_per_channel
+
+    assert not im.fused_reduce_enabled()
+    monkeypatch.setenv(im.FUSED_REDUCE_ENV, "on")
+    assert im.fused_reduce_enabled() and im.split_counters("cpu") is None
+    monkeypatch.setattr(im, "available", lambda device: True)
+    counters = im.split_counters("cpu")
+    assert counters.dtype == torch.int32 and counters.shape == (im.SPLIT_COUNTERS,) and not counters.any()
+    fused = QuantizedWeight.cat([quantize_per_channel(torch.randn(8, 16)) for _ in range(2)])
+    assert fused.counters is not None and fused.rows(0, 8).counters is None
+
+
 INTERPRETED_GEMV = INTERPRETER_PATCH + """
 import itertools, torch
 from target_svc import int8_matmul as im
