@@ -25,8 +25,10 @@
 #              H100; step sockets, the gateway polling STEP_SPIN_US=20000)
 #   overheadab the step's host overhead, variants of one call: base, spin (--step-spin-us 20000), pin (--pin-cpus),
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
-#   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27)
-#   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27)
+#   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27); trees
+#              of 64 nodes (budget 63 in a bucket of its own: issue 10's "64-node tree") and 65
+#   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), budgets 16, 63 (its own
+#              64-node bucket) and 64
 #   attnab     step costs with SDPA attention (DDTREE_TREE_ATTENTION=off) on /tmp/w8 and /tmp/w27 where present:
 #              the tree-attention kernel's A/B against the 8b / hybrid sections of the same call
 #   rpchop     one gRPC hop between the services on this host's CPUs (bench.rpc_hop, tiny CPU models), and a
@@ -144,7 +146,7 @@ for s in $SECTIONS; do
       done ;;
     hybrid)
       timeout ${HYB_STEP_S:-320} python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 --profile \
-        --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
+        --nodes 1,16,64,65 --graph-node-sizes 64 --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
       grep "^|" "$R/step-cost-27b.log" | head -12
       timeout ${GDN_BENCH_S:-120} python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
       grep "^|" "$R/gdn-kernels.log" | head -12 ;;
@@ -163,7 +165,8 @@ for s in $SECTIONS; do
       mkdir -p "$R/hybrid"
       record_services "$R/speed-27b.log"
       timeout ${SPEEDHYB_S:-330} python3 -m bench.speed --model /tmp/w27/target --drafter /tmp/w27/drafter --device cuda \
-        --dtype bfloat16 --num-prompts 4 --max-tokens 64 --batch 4 --budget 16,64 --no-hf-batch "${CALIB[@]}" --kernel-warmup-passes 0 ${SPEEDHYB_ARGS:-} \
+        --dtype bfloat16 --num-prompts 4 --max-tokens 64 --batch 4 --budget 16,63,64 --no-hf-batch "${CALIB[@]}" --kernel-warmup-passes 0 \
+        --target-args="--graph-node-sizes 64" ${SPEEDHYB_ARGS:-} \
         --out-dir "$R/hybrid" --log-dir "$R/logs-27b" > "$R/speed-27b.log" 2>&1
       grep -E "tok/s|CALIB|Error|error" "$R/speed-27b.log" | tail -12 ;;
     rpchop)   # one gRPC hop between the services on this host's CPUs (tiny CPU models): is the host's hop the cost?

@@ -76,3 +76,14 @@ def test_the_speed_bench_reads_one_or_several_batched_sizes():
     assert batch_sizes("32,8", on_cpu=False) == [8, 32] and batch_sizes(8, on_cpu=False) == [8]
     with pytest.raises(SystemExit):
         batch_sizes("0", on_cpu=False)
+
+
+def test_the_64_node_verify_ratio_takes_a_measured_64_node_bucket_over_65_nodes():
+    """A run that measured budget 63 in a bucket of its own reports that 64-node tree; one without, the 65 nodes."""
+    step = json.loads(STEP.read_text())
+    plain = h200_report.summarize(step, None, None, "8b")
+    assert plain["verify64_nodes_8b"] == 65
+    ar = next(r for r in step["target"] if r["batch"] == 1 and r["nodes"] == 1)
+    step["target"].append({**ar, "nodes": 64, "forward_graph_ms": 1.25 * ar["forward_graph_ms"]})
+    bucketed = h200_report.summarize(step, None, None, "8b")
+    assert bucketed["verify64_nodes_8b"] == 64 and bucketed["verify64_over_decode_8b"] == pytest.approx(1.25, abs=1e-3)
