@@ -35,7 +35,8 @@
 #              unary call against a message on an open stream (bench.grpc_stream_hop)
 #   int8       bf16 / int8 / int4 step costs at the 8B shape (builds /tmp/w8 unless there), kernel microbench; trees
 #              of 64 nodes (budget 63, a bucket of its own: one 64-row dot tile) and 65 (one 128-row tile), INT8_NODES;
-#              int8fused: int8 with DDTREE_INT8_FUSED_REDUCE=on (QUANTS picks among none int8 int8fused int4)
+#              int8fused: int8 with DDTREE_INT8_FUSED_REDUCE=on, int8-headfused: the LM head in int8 too (QUANTS
+#              picks among none int8 int8fused int8-head int8-headfused int4)
 #   dotsweep   the int8 dot kernel's tilings at 17 and 65 rows (bench.int8_kernel --dot-sweep; DOT_ARGS)
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
@@ -175,8 +176,8 @@ for s in $SECTIONS; do
       timeout 120 python3 -m bench.grpc_stream_hop --unix --out-dir "$R" > "$R/grpc-stream-hop.log" 2>&1
       grep -h "^|" "$R"/grpc-stream-hop-*.md ;;
     int8)   # bf16, int8 and int4 step costs from one checkpoint (ratios within one run), then the kernel microbench
-      for q in ${QUANTS:-none int8 int8fused int4}; do   # int8fused: int8 with the split-K sums in the matmul kernel
-        fused=off; [ $q = int8fused ] && fused=on
+      for q in ${QUANTS:-none int8 int8fused int8-headfused int4}; do   # *fused: the split-K sums in the matmul kernel
+        fused=off; [ "${q%fused}" != "$q" ] && fused=on
         DDTREE_INT8_FUSED_REDUCE=$fused timeout 200 python3 -m bench.step_cost --shape qwen3-8b --batches 1 \
           --nodes ${INT8_NODES:-1,64,65} --graph-node-sizes 64 --steps 10 --quantize ${q%fused} \
           --work-dir /tmp/w8 --reuse-checkpoints --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1

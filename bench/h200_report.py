@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from bench import common
+from target_svc.int8_matmul import FUSED_REDUCE_ENV
 
 
 def _load(path: str | None) -> dict | None:
@@ -102,8 +103,10 @@ def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -
 def summarize_quantized(runs: list[dict]) -> dict:
     """Weight-only quantization at the 8B shape, from step-cost runs of one session (bf16, int8, int4 on one
     checkpoint): each format's 1-token forward, its ratio to bf16's, and its 65-node verify (and 64-node, where
-    measured) over its own 1-token forward (CUDA-graph replays, device time)."""
-    by_mode = {r.get("quantize", "none"): r for r in runs}
+    measured) over its own 1-token forward (CUDA-graph replays, device time). A run with the fused split-K
+    reduction on is its mode + "fused" (int8fused)."""
+    by_mode = {r.get("quantize", "none") + ("fused" if r.get("switches", {}).get(FUSED_REDUCE_ENV) == "on" else ""): r
+               for r in runs}
     out = {}
     base = by_mode.get("none")
     base_ar = _row(base["target"], batch=1, nodes=1)["forward_graph_ms"] if base else None

@@ -226,9 +226,9 @@ def kv_write_launches(nodes: int) -> list[tuple[str, Launch]]:
 
 def int8_launches() -> list[tuple[str, Launch]]:
     """The weight-only int8 kernels at the 8B's gate/up projection (4096 -> 2 x 12288) at the tilings
-    kernel_config picks for a decode token and a 65-node verify, and the GEMV kernel (with its split-K reduction)
-    for a decode token."""
-    from target_svc.int8_matmul import choose_gemv_config, matmul
+    kernel_config picks for a decode token and a 65-node verify, the GEMV kernel (with its split-K reduction)
+    for a decode token, and the down projection's split decode launch with its reduction fused."""
+    from target_svc.int8_matmul import SPLIT_COUNTERS, choose_gemv_config, matmul
 
     n, k = 2 * 12288, 4096
     qweight = torch.zeros(n, k, dtype=torch.int8)
@@ -241,7 +241,12 @@ def int8_launches() -> list[tuple[str, Launch]]:
     gemv = dataclasses.replace(choose_gemv_config(1, n, k), split_k=2)
     with recorded_launches() as launches:
         matmul(torch.zeros(1, k, dtype=torch.bfloat16), qweight, scales, config=gemv)
-    return out + [(f"1 row x {k} -> {n}, GEMV split 2", launch) for launch in launches]
+    out += [(f"1 row x {k} -> {n}, GEMV split 2", launch) for launch in launches]
+    down_k, down_n = 12288, 4096
+    with recorded_launches() as launches:
+        matmul(torch.zeros(1, down_k, dtype=torch.bfloat16), torch.zeros(down_n, down_k, dtype=torch.int8),
+               torch.ones(down_n, dtype=torch.bfloat16), counters=torch.zeros(SPLIT_COUNTERS, dtype=torch.int32))
+    return out + [(f"1 row x {down_k} -> {down_n}, fused split-K reduction", launch) for launch in launches]
 
 
 def case_launches(case: str) -> list[tuple[str, Launch]]:

@@ -19,6 +19,7 @@ Writes bench/results/step-cost-<shape>-<hardware>[-int8|-int4].{md,json} (or --o
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -30,6 +31,7 @@ from bench import common
 from bench.shapes import SHAPES, build_drafter, build_target, target_config
 from ddtree_serve.decoding.config import SamplingParams
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
+from target_svc.int8_matmul import FUSED_REDUCE_ENV
 from target_svc.quantization import QUANTIZE_MODES, QuantizedLinear, tensor_bytes
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from target_svc.verify import VerifyBatch, VerifyShape, verify_forward
@@ -84,6 +86,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), 10, device)
     return 2 * nbytes / (ms / 1e3)
+
+
+def kernel_switches() -> dict[str, str]:
+    """The DDTREE_* environment switches this run was given (the kernels' opt-ins and fallbacks), by name."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DDTREE_")}
 
 
 def gemv_floor_ms(runner: TargetRunner, device: torch.device) -> float:
@@ -320,7 +327,7 @@ def main(argv=None) -> None:
     runner.set_feature_layers(drafter.target_layer_ids)
     # Buffers too: quantized projections keep their weights and scales as buffers.
     weights = tensor_bytes(runner.target.layers)
-    weights += runner.target.lm_head.weight.numel() * runner.target.lm_head.weight.element_size()
+    weights += tensor_bytes(runner.target.lm_head)   # a tied head's tensor is the embedding's, read as the head
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     # The drafter's block forward reads its own layers and the target's LM head (its embedding rows are gathered).
     drafter_weights = tensor_bytes(drafter.model) + drafter.lm_head_weight.numel() * drafter.lm_head_weight.element_size()
@@ -335,14 +342,15 @@ def main(argv=None) -> None:
     hw = common.hardware(args.device, args.dtype, None)
     data = {"command": common.command_line("bench.step_cost"), "date": common.now_utc(), "hardware": hw,
             "shape": args.shape, "quantize": args.quantize, "layers": runner.num_layers, "context": args.context,
-            "build_s": build_s,
+            "build_s": build_s, "switches": kernel_switches(),
             "floors": floors, "target": target_rows, "agreement": agreement, "drafter": drafter_rows,
             "profiles": profiles,
             "graph_capture_s": {"target": runner.graphs.capture_seconds if runner.graphs else 0.0,
                                 "drafter": drafter.graphs.cache.capture_seconds if drafter.graphs else 0.0}}
     fmt = args.dtype if args.quantize == "none" else f"{args.dtype}, weight-only {args.quantize} target"
+    switches = ", ".join(f"{k}={v}" for k, v in data["switches"].items()) or "none (the defaults)"
     md = [f"# Step cost: {args.shape} ({runner.num_layers} layers), {hw.get('gpu', hw['cpu_model'])}, {fmt}",
-          "", f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
+          "", f"Command: `{data['command']}`  ", f"Date: {data['date']}  ", f"Kernel switches: {switches}  ",
           f"Random weights at the real shape; every sequence holds a {args.context}-token prompt.", "",
           f"Floors: weights {weights / 1e9:.2f} GB, copy bandwidth {floors['copy_bandwidth_gb_s']:.0f} GB/s -> "
           f"weight-read floor {floors['weight_read_floor_ms']:.2f} ms; one-token GEMV over every matrix "
@@ -369,6 +377,8 @@ def main(argv=None) -> None:
     stem = f"step-cost-{args.shape}-{common.hardware_tag(hw)}"
     if args.quantize != "none":
         stem += f"-{args.quantize}"
+    if data["switches"].get(FUSED_REDUCE_ENV) == "on":
+        stem += "-fused"
     paths = common.write_outputs(args.out_dir, stem, data, "\n".join(md) + "\n")
     print("\n".join(md))
     print("wrote", *paths)

@@ -11,7 +11,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from target_svc.quantization import (BITS, QuantizedWeight, attach_split_counters, check_quantize_mode,
-                                     int8_matmul_backend, quantize_weight, replace_linears)
+                                     int8_matmul_backend, quantize_weight, quantized_placeholder, quantizes_head,
+                                     replace_linears)
 
 # Text model types whose decoder layers our forward (target_svc/model.py) implements.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
@@ -34,7 +35,7 @@ class LoadedTarget:
     embed_tokens: nn.Embedding
     layers: nn.ModuleList
     norm: nn.Module
-    lm_head: nn.Linear
+    lm_head: nn.Module   # nn.Linear, or a QuantizedLinear with quantize="int8-head"
     rotary_emb: nn.Module  # HF's rotary module for the text config, on CPU, used to build cos/sin tables
     layer_types: tuple[str, ...]  # FULL_ATTENTION | LINEAR_ATTENTION per layer
     num_layers: int
@@ -170,7 +171,11 @@ def _load_weights(model: nn.Module, files: list[Path], wrapper: bool, device: to
                 loaded[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if tied and "lm_head.weight" not in loaded:
-        loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
+        if "lm_head" in quantized:   # an int8 copy of the embedding (which stays in dtype for its row gathers)
+            q = _quantize_on(device, loaded["model.embed_tokens.weight"], bits, dtype, scratch)
+            loaded["lm_head.qweight"], loaded["lm_head.scales"] = q.qweight, q.scales
+        else:
+            loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
     # Non-persistent buffers (rotary inv_freq) are not in checkpoints; we build our own rotary tables instead.
     missing = [k for k in params if k not in loaded]
     missing += [f"{m}.{leaf}" for m in sorted(quantized) for leaf in ("qweight", "scales") if f"{m}.{leaf}" not in loaded]
@@ -186,7 +191,7 @@ def load_target(
     """Loads the text decoder of a local checkpoint directly onto (device, dtype); never touches the network.
 
     quantize="int8" / "int4": the decoder layers' linear projections are quantized as they load
-    (target_svc/quantization.py). num_layers: only the first num_layers decoder layers (a tool's cut of the
+    (target_svc/quantization.py); "int8-head": the LM head too. num_layers: only the first num_layers decoder layers (a tool's cut of the
     model: kernel_warmup.py runs the real widths without the real depth).
     """
     check_quantize_mode(quantize)
@@ -213,12 +218,17 @@ def load_target(
     quantized: frozenset[str] = frozenset()
     bits = BITS.get(quantize, 0)
     if bits:
-        quantized = frozenset(replace_linears(hf_model.model.layers, "model.layers.", dtype,
-                                              int8_matmul_backend(device), bits))
+        backend = int8_matmul_backend(device)
+        names = replace_linears(hf_model.model.layers, "model.layers.", dtype, backend, bits)
+        if quantizes_head(quantize):
+            hf_model.lm_head = quantized_placeholder(hf_model.lm_head, dtype, backend, bits)
+            names.add("lm_head")
+        quantized = frozenset(names)
     _load_weights(hf_model, _checkpoint_files(model_dir), wrapper, device, dtype, quantized, bits, num_layers)
     hf_model.eval().requires_grad_(False)
     if bits:
         attach_split_counters(hf_model.model.layers)
+        attach_split_counters(hf_model.lm_head)
 
     decoder = hf_model.model
     rotary_emb = type(decoder.rotary_emb)(config=text_config)

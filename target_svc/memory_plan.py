@@ -235,12 +235,14 @@ def weight_bytes_of_config(text_config, dtype: torch.dtype, quantize: str = "non
     """Bytes of the served weights (embedding, layers, final norm, LM head) of a config, built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from target_svc.quantization import BITS, replace_linears
+    from target_svc.quantization import BITS, quantized_placeholder, quantizes_head, replace_linears
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(text_config)
     if quantize in BITS:
         replace_linears(model.model.layers, "model.layers.", dtype, "dequant", BITS[quantize])
+        if quantizes_head(quantize):
+            model.lm_head = quantized_placeholder(model.lm_head, dtype, "dequant", BITS[quantize])
     size = dtype_bytes(dtype)
     seen, total = set(), 0
     for m in (model.model.embed_tokens, model.model.layers, model.model.norm, model.lm_head):

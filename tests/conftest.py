@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from launch.local_stack import LocalStack
-from target_svc.quantization import BITS, quantize_weight
+from target_svc.quantization import BITS, quantize_weight, quantizes_head
 from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 from tests.fixtures.tiny_drafter import make_tiny_drafter
@@ -61,7 +61,8 @@ def reference_model(model_dir: str, quantize: str = "none"):
     """The checkpoint loaded by transformers itself, float32 on CPU (the losslessness oracle).
 
     quantize="int8" / "int4": the decoder layers' Linear weights are replaced by their dequantized quantized
-    weights (q * s), i.e. the model that `--quantize int8` / `int4` serves.
+    weights (q * s), i.e. the model that `--quantize int8` / `int4` serves; "int8-head": the LM head's too (untied
+    from the embedding, which keeps its float weights).
     """
     config = transformers.AutoConfig.from_pretrained(model_dir)
     cls = getattr(transformers, config.architectures[0])
@@ -69,6 +70,10 @@ def reference_model(model_dir: str, quantize: str = "none"):
     model.generation_config.eos_token_id = None  # compare fixed lengths; the services get ignore_eos
     if quantize != "none":
         dequantize_decoder_linears_(model, BITS[quantize])
+    if quantizes_head(quantize):
+        head = model.get_output_embeddings()
+        dequantized = quantize_weight(head.weight.detach(), BITS[quantize]).dequantize(torch.float32)
+        head.weight = torch.nn.Parameter(dequantized, requires_grad=False)   # a tensor of its own: untied
     return model
 
 

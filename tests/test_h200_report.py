@@ -87,3 +87,17 @@ def test_the_64_node_verify_ratio_takes_a_measured_64_node_bucket_over_65_nodes(
     step["target"].append({**ar, "nodes": 64, "forward_graph_ms": 1.25 * ar["forward_graph_ms"]})
     bucketed = h200_report.summarize(step, None, None, "8b")
     assert bucketed["verify64_nodes_8b"] == 64 and bucketed["verify64_over_decode_8b"] == pytest.approx(1.25, abs=1e-3)
+
+
+def test_a_quantized_run_with_the_fused_reduction_on_is_reported_beside_the_plain_one():
+    """Two int8 runs of one session, the second with DDTREE_INT8_FUSED_REDUCE=on in its switches: int8 and
+    int8fused keys, each against the same bf16 run."""
+    def run(q, ar_ms, switches=None):
+        rows = [{"batch": 1, "nodes": n, "forward_graph_ms": ms} for n, ms in ((1, ar_ms), (65, 2 * ar_ms))]
+        return {"quantize": q, "target": rows, "switches": switches or {},
+                "floors": {"weight_read_floor_ms": 2.0, "gemv_floor_ms": 3.0}}
+
+    out = h200_report.summarize_quantized([run("none", 6.0), run("int8", 4.5),
+                                           run("int8", 4.0, {"DDTREE_INT8_FUSED_REDUCE": "on"})])
+    assert out["int8_ar_over_bf16_8b"] == pytest.approx(0.75, rel=1e-3)
+    assert out["int8fused_ar_over_bf16_8b"] == pytest.approx(0.667, rel=1e-3)

@@ -148,6 +148,14 @@ def test_int8_weights_shrink_the_planned_weight_bytes(checkpoints):
     assert quant.weight_bytes < plain.weight_bytes and quant.slot_bytes == plain.slot_bytes
 
 
+def test_the_27b_plan_with_an_int8_head_holds_the_heads_int8_bytes_instead_of_its_bf16_ones():
+    config = qwen36_27b_text_config()
+    args = (CARD_48GB_BYTES, 0.9, 8, 8192, 65, 512)
+    body, head = (plan_for_config(config, torch.bfloat16, q, *args) for q in ("int8", "int8-head"))
+    vocab, hidden = config.vocab_size, config.hidden_size
+    assert body.weight_bytes - head.weight_bytes == 2 * vocab * hidden - (vocab * hidden + 2 * vocab)
+
+
 # ---- the computed Qwen3.6-27B plan (arithmetic on the shapes, not a measurement) --------------------------------
 
 def test_qwen36_27b_on_a_48gb_card_needs_int8_and_then_holds_8_sequences_of_8192():

@@ -129,6 +129,24 @@ def test_the_fused_dense_path_runs_on_fused_int8_weights_that_the_modules_view(c
                                atol=1e-4, rtol=1e-4)
 
 
+def test_int8_head_quantizes_the_lm_head_per_vocabulary_row_and_keeps_the_embedding(checkpoints):
+    target_dir, _ = checkpoints("qwen3")
+    plain = load_target(target_dir, "cpu", torch.float32)
+    quant = load_target(target_dir, "cpu", torch.float32, quantize="int8-head")
+    assert isinstance(quant.lm_head, QuantizedLinear) and quant.lm_head.qweight.dtype == torch.int8
+    assert torch.equal(quant.lm_head.qweight, quantize_per_channel(plain.lm_head.weight).qweight)
+    assert torch.equal(quant.embed_tokens.weight, plain.embed_tokens.weight)
+    assert tensor_bytes(quant.lm_head) < tensor_bytes(plain.lm_head) / 3
+
+
+def test_a_tied_lm_head_becomes_an_int8_copy_of_the_embedding_which_stays_float(smollm2_dir):
+    plain = load_target(smollm2_dir, "cpu", torch.float32)
+    assert plain.lm_head.weight.data_ptr() == plain.embed_tokens.weight.data_ptr()   # SmolLM2 ties them
+    quant = load_target(smollm2_dir, "cpu", torch.float32, quantize="int8-head")
+    assert torch.equal(quant.lm_head.qweight, quantize_per_channel(plain.embed_tokens.weight).qweight)
+    assert torch.equal(quant.embed_tokens.weight, plain.embed_tokens.weight)
+
+
 def test_an_unknown_quantize_mode_is_refused(checkpoints):
     with pytest.raises(ValueError, match="unknown quantize mode 'int3'"):
         load_target(checkpoints("qwen3")[0], "cpu", torch.float32, quantize="int3")
@@ -136,7 +154,7 @@ def test_an_unknown_quantize_mode_is_refused(checkpoints):
 
 # ---- lossless with respect to the quantized target ---------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int8-head"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantized_greedy_decoding_equals_transformers_with_the_dequantized_weights(kind, mode, checkpoints):
     target_dir, _ = checkpoints(kind)
