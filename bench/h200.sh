@@ -3,10 +3,9 @@
 #   tests      GPU equality tests (graphs == eager, Triton weight-only kernels == dequantized reference), the
 #              --gpu-memory-cap allocator bound
 #   testshyb   fla kernels and the fused tree WY kernel == the PyTorch reference
-#   newtests   only the GPU tests of the CPU sessions' changes not yet run on a GPU (tree-layout and K/V-write
-#              kernels, the WY kernel's root step, three launches and pooled states, the compiled hybrid tree glue
-#              and commit, graphs == eager with the shared structure and model-dtype logits; 2026-12-05: cuda-ipc
-#              early pushes behind the interprocess event, the services over cuda-ipc with and without them)
+#   newtests   only the GPU tests of the CPU sessions' changes not yet run on a GPU (2026-12-05/06: the fused
+#              split-K reduction, the tree WY core's tensor-core precisions, int8-head through the runner, the
+#              tree-attention merge fused into the split kernel)
 #   attnprof   Nsight Compute (where installed) on the tree-attention split kernel of a 65-node block (ATTN_PROF_NODES)
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel;
 #              TREE_SWEEP= (empty) for the default tiles only) at each dot precision (TREE_PRECISION)
@@ -83,9 +82,12 @@ for s in $SECTIONS; do
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests.log" | head -30 ;;
     newtests)
-      timeout ${TESTS_S:-540} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "early_push or services_equal or tree_layout or kv_write or tree_wy or tree_forward or hybrid_glue or graph_steps or padded_batch or hybrid_runner_greedy or runners_equal_transformers" \
+      timeout ${TESTS_S:-240} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "fused_split_k or precisions_error or quantized_target_runs" \
         > "$R/gpu-tests-new.log" 2>&1
-      grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-new.log" | head -30 ;;
+      grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-new.log" | head -30
+      DDTREE_ATTENTION_FUSED_MERGE=on timeout ${TESTS_S:-240} python3 -m pytest -q tests/test_gpu.py \
+        -k "triton_tree_attention or attending_in_place" > "$R/gpu-tests-new-fused.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-new-fused.log" | head -12 ;;
     testshyb)   # fla kernels, the fused tree WY kernel and the tree-layout kernel == the PyTorch reference, a hybrid runner with kernels on == off
       timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward or hybrid_glue or tree_layout}" > "$R/gpu-tests-fla.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-fla.log" | head -30 ;;

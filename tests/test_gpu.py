@@ -1209,9 +1209,14 @@ def test_cuda_triton_int8_gemv_equals_the_reference_and_a_graph_replays_it_bit_f
 
 
 @needs_triton
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("quantize, fused_reduce", [("int8", "off"), ("int4", "off"), ("int8-head", "on")])
 def test_cuda_quantized_target_runs_the_triton_kernels_and_greedy_is_the_same_graphed_and_eager(checkpoints,
-                                                                                                quantize):
+                                                                                                quantize, fused_reduce,
+                                                                                                monkeypatch):
+    """int8-head with the fused split-K reduction: the head a QuantizedLinear too, every weight with counters."""
+    from target_svc.int8_matmul import FUSED_REDUCE_ENV
+
+    monkeypatch.setenv(FUSED_REDUCE_ENV, fused_reduce)
     target_dir, _ = checkpoints("qwen3")
     prompt = prompts_for(target_dir, [13], seed=3)[0]
     outputs = []
@@ -1220,6 +1225,7 @@ def test_cuda_quantized_target_runs_the_triton_kernels_and_greedy_is_the_same_gr
                                            max_batch=2, max_seq_len=128, max_tree_nodes=16, quantize=quantize,
                                            enforce_eager=eager, kv_cache_memory_bytes=2**26))
         assert runner.model.int8_backend == "triton"
+        assert (runner.target.lm_head.split_counters is not None) == (quantize == "int8-head")
         generated = [runner.prefill([PrefillItem("s", prompt, SamplingParams())])[0].next_token]
         while len(generated) < 24:
             generated.append(runner.verify([VerifyItem("s", torch.tensor([generated[-1]]), torch.tensor([-1]))])[0]
