@@ -185,8 +185,10 @@ for s in $SECTIONS; do
           --work-dir /tmp/w8 --reuse-checkpoints --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1
         grep "^|" "$R/step-cost-8b-$q.log" | head -6
       done
-      timeout 200 python3 -m bench.int8_kernel --ms ${INT8_MS:-1,64,65,2048} --out-dir "$R" > "$R/int8-kernel.log" 2>&1
-      grep "^|" "$R/int8-kernel.log" | head -30 ;;
+      if [ -n "${INT8_MS-1,64,65,2048}" ]; then   # INT8_MS= (empty): no kernel microbench (each step cost: ~1 min)
+        timeout 200 python3 -m bench.int8_kernel --ms ${INT8_MS-1,64,65,2048} --out-dir "$R" > "$R/int8-kernel.log" 2>&1
+        grep "^|" "$R/int8-kernel.log" | head -30
+      fi ;;
     dotsweep)   # the int8 dot kernel's tilings at verify blocks (17 and 65 rows; the default pads 65 rows to one
                 # 128-row tile): which tiling brings a 64-node int8 verify under 1.5x its decode step
       timeout ${DOT_SWEEP_S:-400} python3 -m bench.int8_kernel --dot-sweep ${DOT_ARGS:-} > "$R/int8-dot-sweep.log" 2>&1
