@@ -105,8 +105,10 @@ def summarize_quantized(runs: list[dict]) -> dict:
     checkpoint): each format's 1-token forward, its ratio to bf16's, and its 65-node verify (and 64-node, where
     measured) over its own 1-token forward (CUDA-graph replays, device time). A run with the fused split-K
     reduction on is its mode + "fused" (int8fused)."""
-    by_mode = {r.get("quantize", "none") + ("fused" if r.get("switches", {}).get(FUSED_REDUCE_ENV) == "on" else ""): r
-               for r in runs}
+    def name(run: dict) -> str:
+        return run.get("quantize", "none") + ("fused" if run.get("switches", {}).get(FUSED_REDUCE_ENV) == "on" else "")
+
+    by_mode = {name(r): r for r in runs}
     out = {}
     base = by_mode.get("none")
     base_ar = _row(base["target"], batch=1, nodes=1)["forward_graph_ms"] if base else None

@@ -191,8 +191,8 @@ def load_target(
     """Loads the text decoder of a local checkpoint directly onto (device, dtype); never touches the network.
 
     quantize="int8" / "int4": the decoder layers' linear projections are quantized as they load
-    (target_svc/quantization.py); "int8-head": the LM head too. num_layers: only the first num_layers decoder layers (a tool's cut of the
-    model: kernel_warmup.py runs the real widths without the real depth).
+    (target_svc/quantization.py); "int8-head": the LM head too. num_layers: only the first num_layers decoder
+    layers (a tool's cut of the model: kernel_warmup.py runs the real widths without the real depth).
     """
     check_quantize_mode(quantize)
     model_dir = Path(model_dir)
