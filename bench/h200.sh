@@ -3,6 +3,8 @@
 #   tests      GPU equality tests (graphs == eager, Triton weight-only kernels == dequantized reference), the
 #              --gpu-memory-cap allocator bound
 #   testshyb   fla kernels and the fused tree WY kernel == the PyTorch reference
+#   treecheck  the tree WY kernel inside the hybrid model == the PyTorch core per tree size (a 64-node tree through
+#              the services disagreed with ar on 2026-12-06; bench.tree_kernel_check; TREECHECK_NODES)
 #   newtests   only the GPU tests of the CPU sessions' changes not yet run on a GPU (2026-12-05/06: the fused
 #              split-K reduction, the tree WY core's tensor-core precisions, int8-head through the runner, the
 #              tree-attention merge fused into the split kernel)
@@ -25,9 +27,10 @@
 #   overheadab the step's host overhead, variants of one call: base, spin (--step-spin-us 20000), pin (--pin-cpus),
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27); trees
-#              of 64 nodes (budget 63 in a bucket of its own: issue 10's "64-node tree") and 65
-#   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), budgets 16, 63 (its own
-#              64-node bucket) and 64
+#              of 1, 16 and 65 nodes (HYB_NODES; a 64-node tree runs in the 65-node bucket: a bucket of 64 would
+#              take the PyTorch core, gdn_tree_kernel.serves; HYB_STEP_ARGS="--graph-node-sizes 64" measures it)
+#   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), budgets 16, 63 and 64
+#              (63 and 64 both in the 65-node bucket)
 #   attnab     step costs with SDPA attention (DDTREE_TREE_ATTENTION=off) on /tmp/w8 and /tmp/w27 where present:
 #              the tree-attention kernel's A/B against the 8b / hybrid sections of the same call
 #   rpchop     one gRPC hop between the services on this host's CPUs (bench.rpc_hop, tiny CPU models), and a
@@ -82,12 +85,25 @@ for s in $SECTIONS; do
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests.log" | head -30 ;;
     newtests)
-      timeout ${TESTS_S:-240} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "fused_split_k or precisions_error or quantized_target_runs" \
+      timeout ${TESTS_S:-240} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "fused_split_k or precisions_error or quantized_target_runs or every_tree_size" \
         > "$R/gpu-tests-new.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-new.log" | head -30
       DDTREE_ATTENTION_FUSED_MERGE=on timeout ${TESTS_S:-240} python3 -m pytest -q tests/test_gpu.py \
         -k "triton_tree_attention or attending_in_place" > "$R/gpu-tests-new-fused.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-new-fused.log" | head -12 ;;
+    treecheck)  # the tree WY kernel inside the hybrid model against the PyTorch core per tree size (16 .. 65 nodes):
+                # the float32 GPU test, then bench.tree_kernel_check in bf16 at the 27B's heads (4 layers of /tmp/w27,
+                # or of a 4-layer build in /tmp/w27c)
+      timeout ${TESTS_S:-240} python3 -m pytest -q tests/test_gpu.py -k "every_tree_size" > "$R/gpu-tests-treecheck.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-treecheck.log" | head -12
+      W=/tmp/w27/target
+      if [ ! -f $W/config.json ]; then
+        W=/tmp/w27c/target
+        [ -f $W/config.json ] || python3 -c "from bench.shapes import build_target; build_target('qwen3.6-27b', '$W', 4)"
+      fi
+      timeout ${TREECHECK_S:-240} python3 -m bench.tree_kernel_check --model $W --layers 4 \
+        --nodes ${TREECHECK_NODES:-16,17,32,48,63,64,65,80} --out-dir "$R" > "$R/tree-kernel-check.log" 2>&1
+      grep -E "^\||Error" "$R/tree-kernel-check.log" | head -24 ;;
     testshyb)   # fla kernels, the fused tree WY kernel and the tree-layout kernel == the PyTorch reference, a hybrid runner with kernels on == off
       timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "${HYB_TESTS_K:-fla or tree_wy or tree_forward or hybrid_glue or tree_layout}" > "$R/gpu-tests-fla.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests-fla.log" | head -30 ;;
@@ -149,7 +165,7 @@ for s in $SECTIONS; do
       done ;;
     hybrid)
       timeout ${HYB_STEP_S:-320} python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 --profile \
-        --nodes 1,16,64,65 --graph-node-sizes 64 --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
+        --nodes ${HYB_NODES:-1,16,65} ${HYB_STEP_ARGS:-} --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
       grep "^|" "$R/step-cost-27b.log" | head -12
       timeout ${GDN_BENCH_S:-120} python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
       grep "^|" "$R/gdn-kernels.log" | head -12 ;;
@@ -169,8 +185,7 @@ for s in $SECTIONS; do
       record_services "$R/speed-27b.log"
       timeout ${SPEEDHYB_S:-330} python3 -m bench.speed --model /tmp/w27/target --drafter /tmp/w27/drafter --device cuda \
         --dtype bfloat16 --num-prompts 4 --max-tokens 64 --batch 4 --budget 16,63,64 --no-hf-batch "${CALIB[@]}" --kernel-warmup-passes 0 \
-        --target-args="--graph-node-sizes 64" ${SPEEDHYB_ARGS:-} \
-        --out-dir "$R/hybrid" --log-dir "$R/logs-27b" > "$R/speed-27b.log" 2>&1
+        ${SPEEDHYB_ARGS:-} --out-dir "$R/hybrid" --log-dir "$R/logs-27b" > "$R/speed-27b.log" 2>&1
       grep -E "tok/s|CALIB|Error|error" "$R/speed-27b.log" | tail -12 ;;
     rpchop)   # one gRPC hop between the services on this host's CPUs (tiny CPU models): is the host's hop the cost?
       timeout ${RPCHOP_S:-240} python3 -m bench.rpc_hop --calls 150 --warmup 30 --rounds 3 --out-dir "$R" > "$R/rpc-hop.log" 2>&1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ THREE_PHASE_MAX_NODES = 256
 # The dots' precisions (Triton's input_precision) the kernels take: IEEE float32, and tensor-core products split
 # into several TF32 or bf16 parts (gdn_tree_wy_kernels.py).
 PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32")
+# "on": the serving path takes the kernel at node counts that are multiples of 16 too (see serves()).
+ALIGNED_ENV = "DDTREE_TREE_KERNEL_ALIGNED"
 # Flat offsets inside the kernel are int32.
 _MAX_ELEMENTS = 2**31 - 1
 
@@ -65,6 +68,19 @@ def available(device: torch.device | str) -> bool:
     if torch.cuda.get_device_capability(device) < (8, 0):
         return False
     return importlib.util.find_spec("triton") is not None
+
+
+def serves(nodes: int, head_k_dim: int, head_v_dim: int) -> bool:
+    """Whether the serving path (gdn_tree_forward_wy's kernel=None) takes the kernel for trees of `nodes` nodes.
+
+    supports(), except node counts that are multiples of 16 unless DDTREE_TREE_KERNEL_ALIGNED=on: on an H100
+    (2026-12-06) a 64-node tree verified with the kernel inside the hybrid model disagreed with `ar` through the
+    services, eager and graphed, where the PyTorch core agreed and 17- and 65-node trees agreed either way; the
+    kernel's own tests (16- and 256-node trees against the reference core) passed on the same machine. Until
+    bench.tree_kernel_check finds which part of that path is wrong, those sizes take the PyTorch core (the graph
+    buckets 4^k + 1 never are such a size)."""
+    aligned_ok = os.environ.get(ALIGNED_ENV, "").strip().lower() in ("on", "1", "true", "yes")
+    return supports(nodes, head_k_dim, head_v_dim) and (nodes % 16 != 0 or aligned_ok)
 
 
 def supports(nodes: int, head_k_dim: int, head_v_dim: int) -> bool:

@@ -262,7 +262,8 @@ def _small_forward_inputs(seed: int):
 
 
 def test_the_forward_takes_the_kernel_where_available_unless_switched_off(monkeypatch):
-    """kernel=None: the kernel where available (never on the CPU) unless DDTREE_GDN_KERNELS=off."""
+    """kernel=None: the kernel where available (never on the CPU) and serving the size, unless
+    DDTREE_GDN_KERNELS=off."""
     from target_svc import gdn_kernels
 
     assert not gdn_tree_kernel.available("cpu")
@@ -284,6 +285,27 @@ def test_the_forward_takes_the_kernel_where_available_unless_switched_off(monkey
         monkeypatch.setenv(gdn_kernels.ENV_VAR, "off")
         gdn_tree_forward_wy(*args)
         assert calls == [20]
+        monkeypatch.delenv(gdn_kernels.ENV_VAR)
+        layer, x, parents, valid, conv, rec = args   # 16 nodes: a multiple of 16, the PyTorch core (serves())
+        aligned = (layer, x[:, :16], parents[:, :16], valid[:, :16], conv, rec)
+        gdn_tree_forward_wy(*aligned)
+        assert calls == [20]
+        monkeypatch.setenv(gdn_tree_kernel.ALIGNED_ENV, "on")
+        gdn_tree_forward_wy(*aligned)
+        assert calls == [20, 16]
+
+
+def test_the_serving_path_leaves_multiples_of_16_nodes_to_the_pytorch_core_unless_switched_on(monkeypatch):
+    """serves(): supports() less node counts that are multiples of 16 (a 64-node tree disagreed with ar through the
+    services on an H100), which DDTREE_TREE_KERNEL_ALIGNED=on gives back to the kernel."""
+    monkeypatch.delenv(gdn_tree_kernel.ALIGNED_ENV, raising=False)
+    assert gdn_tree_kernel.serves(65, 128, 128) and gdn_tree_kernel.serves(17, 128, 128)
+    assert gdn_tree_kernel.serves(1, 128, 128) and gdn_tree_kernel.serves(63, 128, 128)
+    assert not any(gdn_tree_kernel.serves(n, 128, 128) for n in (16, 32, 48, 64, 256))
+    assert not gdn_tree_kernel.serves(65, 96, 128)  # what the kernel does not support, it never serves
+    monkeypatch.setenv(gdn_tree_kernel.ALIGNED_ENV, "on")
+    assert all(gdn_tree_kernel.serves(n, 128, 128) for n in (16, 32, 48, 64, 256))
+    assert not gdn_tree_kernel.serves(gdn_tree_kernel.MAX_NODES + 1, 128, 128)
 
 
 def test_supported_shapes_and_tiles():
