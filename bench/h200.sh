@@ -31,6 +31,7 @@
 #              take the PyTorch core, gdn_tree_kernel.serves; HYB_STEP_ARGS="--graph-node-sizes 64" measures it)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), budgets 16, 63 and 64
 #              (63 and 64 both in the 65-node bucket)
+#   hybridenv  the hybrid step costs with HYB_ENV set (e.g. HYB_ENV=DDTREE_TREE_WY_PRECISION=bf16x3), after hybrid
 #   attnab     step costs with SDPA attention (DDTREE_TREE_ATTENTION=off) on /tmp/w8 and /tmp/w27 where present:
 #              the tree-attention kernel's A/B against the 8b / hybrid sections of the same call
 #   rpchop     one gRPC hop between the services on this host's CPUs (bench.rpc_hop, tiny CPU models), and a
@@ -169,6 +170,13 @@ for s in $SECTIONS; do
       grep "^|" "$R/step-cost-27b.log" | head -12
       timeout ${GDN_BENCH_S:-120} python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
       grep "^|" "$R/gdn-kernels.log" | head -12 ;;
+    hybridenv)   # the hybrid step costs again with HYB_ENV set (e.g. DDTREE_TREE_WY_PRECISION=bf16x3): an A/B against
+                 # the hybrid section of the same call (needs /tmp/w27)
+      mkdir -p "$R/env"
+      env ${HYB_ENV:?HYB_ENV=NAME=value} timeout ${HYB_STEP_S:-320} python3 -m bench.step_cost --shape qwen3.6-27b \
+        --layers 16 --batches 1 --steps 10 --nodes ${HYB_NODES:-1,16,65} ${HYB_STEP_ARGS:-} --work-dir /tmp/w27 \
+        --reuse-checkpoints --out-dir "$R/env" > "$R/step-cost-27b-env.log" 2>&1
+      grep "^|" "$R/step-cost-27b-env.log" | head -12 ;;
     attnab)   # the tree-attention kernel against SDPA (DDTREE_TREE_ATTENTION=off) on the checkpoints the 8b and
               # hybrid sections left (whichever are there), step costs only
       for w in w8:qwen3-8b w27:qwen3.6-27b; do

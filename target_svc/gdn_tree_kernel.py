@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -33,6 +33,9 @@ THREE_PHASE_MAX_NODES = 256
 # The dots' precisions (Triton's input_precision) the kernels take: IEEE float32, and tensor-core products split
 # into several TF32 or bf16 parts (gdn_tree_wy_kernels.py).
 PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32")
+# The dots' precision where the caller names no TileConfig (the serving path): unset = "ieee"; "bf16x3" put the
+# H100's 65-node core at 0.059 ms against 0.081 (1.1e-5 of the largest output; bench.gdn_tree_kernel).
+PRECISION_ENV = "DDTREE_TREE_WY_PRECISION"
 # "on": the serving path takes the kernel at node counts that are multiples of 16 too (see serves()).
 ALIGNED_ENV = "DDTREE_TREE_KERNEL_ALIGNED"
 # Flat offsets inside the kernel are int32.
@@ -104,6 +107,14 @@ def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132) -> Tile
                       num_stages=1, invert="blocks")
 
 
+def precision_from_env() -> str:
+    """The dots' precision DDTREE_TREE_WY_PRECISION names (default "ieee"); ValueError for a name not in PRECISIONS."""
+    name = os.environ.get(PRECISION_ENV, "").strip().lower() or "ieee"
+    if name not in PRECISIONS:
+        raise ValueError(f"{PRECISION_ENV}={name!r}: expected one of {', '.join(PRECISIONS)}")
+    return name
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the Triton interpreter (tests on a CPU): any count will do
@@ -122,7 +133,8 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     qh, kh [B, Hv, T, Dk], vh [B, Hv, T, Dv], g, beta [B, Hv, T], s0 [B, Hv, Dk, Dv]: float32, any strides (views
     of transposes need no copy); anc [B, T, T] bool, ancestors-or-self with parents before children. s0_index [B]:
     s0 is a pool of states [N, Hv, Dk, Dv] and tree b starts from s0[s0_index[b]], read in place (the reference's
-    s0[s0_index] without its gather). The caller checks supports() first."""
+    s0[s0_index] without its gather). The caller checks supports() first. config None: choose_config's tiles at the
+    precision DDTREE_TREE_WY_PRECISION names (IEEE float32 unless set)."""
     bsz, heads, t, dk = kh.shape
     dv = vh.shape[-1]
     s0_rows = (bsz,) if s0_index is None else (s0.shape[0],)
@@ -141,7 +153,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError("tree WY core exceeds int32 offsets")
     if bsz * heads > 65535:  # the grid's second axis
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
-    cfg = config or choose_config(bsz * heads, dv, _num_sms(vh.device))
+    cfg = config or replace(choose_config(bsz * heads, dv, _num_sms(vh.device)), precision=precision_from_env())
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
             or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 3)
             or cfg.precision not in PRECISIONS):

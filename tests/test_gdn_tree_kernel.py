@@ -308,6 +308,17 @@ def test_the_serving_path_leaves_multiples_of_16_nodes_to_the_pytorch_core_unles
     assert not gdn_tree_kernel.serves(gdn_tree_kernel.MAX_NODES + 1, 128, 128)
 
 
+def test_the_serving_precision_comes_from_the_environment_and_a_bad_name_is_refused(monkeypatch):
+    """DDTREE_TREE_WY_PRECISION picks the dots' precision where no TileConfig is named: IEEE unless set."""
+    monkeypatch.delenv(gdn_tree_kernel.PRECISION_ENV, raising=False)
+    assert gdn_tree_kernel.precision_from_env() == "ieee"
+    monkeypatch.setenv(gdn_tree_kernel.PRECISION_ENV, " BF16x3 ")
+    assert gdn_tree_kernel.precision_from_env() == "bf16x3"
+    monkeypatch.setenv(gdn_tree_kernel.PRECISION_ENV, "fp8")
+    with pytest.raises(ValueError, match="DDTREE_TREE_WY_PRECISION='fp8'"):
+        gdn_tree_kernel.precision_from_env()
+
+
 def test_supported_shapes_and_tiles():
     assert supports(1, 128, 128) and supports(256, 128, 128) and supports(gdn_tree_kernel.MAX_NODES, 16, 256)
     assert not supports(0, 128, 128) and not supports(gdn_tree_kernel.MAX_NODES + 1, 128, 128)

@@ -781,6 +781,26 @@ def test_tree_wy_kernel_on_tensor_cores_stays_within_its_precisions_error(precis
 
 
 @needs_tree_kernel
+def test_tree_wy_precision_named_in_the_environment_is_the_one_the_serving_call_runs(monkeypatch):
+    """DDTREE_TREE_WY_PRECISION=bf16x3: tree_wy_core without a config gives the bits of choose_config's tiles at
+    bf16x3, and not those at IEEE."""
+    import dataclasses
+
+    from target_svc import gdn_tree_kernel
+    from target_svc.gdn_tree_kernel import choose_config, tree_wy_core
+
+    args = _tree_core_inputs_27b([_tree_parents(65, 16, 1)], seed=9)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = choose_config(48, 128, sms)
+    monkeypatch.setenv(gdn_tree_kernel.PRECISION_ENV, "bf16x3")
+    got = tree_wy_core(*args)
+    want = tree_wy_core(*args, config=dataclasses.replace(tiles, precision="bf16x3"))
+    ieee = tree_wy_core(*args, config=tiles)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert not torch.equal(got[0], ieee[0])
+
+
+@needs_tree_kernel
 @pytest.mark.parametrize("phases", [1, 3])
 @pytest.mark.parametrize("nodes", [16, 65])
 def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes, phases):
