@@ -206,7 +206,13 @@ def forward_costs(runner: TargetRunner, ids: list[str], nodes: int, gen: torch.G
     agree = {
         "max_abs_logit_diff_over_max_logit": (graph_logits.float() - eager_logits.float()).abs().max().item() / scale,
         "greedy_agreement": (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item(),
+        # A NaN in either (a wrong kernel, garbage memory) makes the diff NaN and argmax meaningless: say which.
+        "eager_finite": bool(torch.isfinite(eager_logits).all().item()),
+        "graph_finite": bool(torch.isfinite(graph_logits).all().item()),
     }
+    if not (agree["eager_finite"] and agree["graph_finite"]):
+        print(f"WARNING: non-finite logits at batch {len(ids)}, {nodes} nodes (eager finite {agree['eager_finite']}, "
+              f"graph finite {agree['graph_finite']})", flush=True)
     return out, agree
 
 
@@ -365,9 +371,10 @@ def main(argv=None) -> None:
                           [[r["batch"], r["mode"], r["top_k"], r.get("draft_eager_ms"), r.get("draft_graph_ms")]
                            for r in drafter_rows]),
           "", "## Graph vs eager forward on the same batch", "",
-          common.md_table(["batch", "nodes", "max |diff| / max |logit|", "greedy agreement"],
-                          [[a["batch"], a["nodes"], a["max_abs_logit_diff_over_max_logit"], a["greedy_agreement"]]
-                           for a in agreement])]
+          common.md_table(["batch", "nodes", "max |diff| / max |logit|", "greedy agreement", "eager finite",
+                           "graph finite"],
+                          [[a["batch"], a["nodes"], a["max_abs_logit_diff_over_max_logit"], a["greedy_agreement"],
+                            a.get("eager_finite"), a.get("graph_finite")] for a in agreement])]
     for prof in profiles or []:
         what = f"{prof['nodes']} nodes" if "nodes" in prof else f"the drafter's {prof['drafter']}"
         call = prof.get("what", "one eager forward")
