@@ -27,8 +27,9 @@
 #   overheadab the step's host overhead, variants of one call: base, spin (--step-spin-us 20000), pin (--pin-cpus),
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27); trees
-#              of 1, 16 and 65 nodes (HYB_NODES; a 64-node tree runs in the 65-node bucket: a bucket of 64 would
-#              take the PyTorch core, gdn_tree_kernel.serves; HYB_STEP_ARGS="--graph-node-sizes 64" measures it)
+#              of 1, 17 (a chain: root + 16 drafts) and 65 nodes (HYB_NODES; a 64-node tree runs in the 65-node
+#              bucket: one of 64 would take the PyTorch core, gdn_tree_kernel.serves; HYB_STEP_ARGS=
+#              "--graph-node-sizes 64" measures it)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), budgets 16, 63 and 64
 #              (63 and 64 both in the 65-node bucket)
 #   hybridenv  the hybrid step costs with HYB_ENV set (e.g. HYB_ENV=DDTREE_TREE_WY_PRECISION=bf16x3), after hybrid
@@ -166,7 +167,7 @@ for s in $SECTIONS; do
       done ;;
     hybrid)
       timeout ${HYB_STEP_S:-320} python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 --profile \
-        --nodes ${HYB_NODES:-1,16,65} ${HYB_STEP_ARGS:-} --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
+        --nodes ${HYB_NODES:-1,17,65} ${HYB_STEP_ARGS:-} --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
       grep "^|" "$R/step-cost-27b.log" | head -12
       timeout ${GDN_BENCH_S:-120} python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
       grep "^|" "$R/gdn-kernels.log" | head -12 ;;
@@ -174,7 +175,7 @@ for s in $SECTIONS; do
                  # the hybrid section of the same call (needs /tmp/w27)
       mkdir -p "$R/env"
       env ${HYB_ENV:?HYB_ENV=NAME=value} timeout ${HYB_STEP_S:-320} python3 -m bench.step_cost --shape qwen3.6-27b \
-        --layers 16 --batches 1 --steps 10 --nodes ${HYB_NODES:-1,16,65} ${HYB_STEP_ARGS:-} --work-dir /tmp/w27 \
+        --layers 16 --batches 1 --steps 10 --nodes ${HYB_NODES:-1,17,65} ${HYB_STEP_ARGS:-} --work-dir /tmp/w27 \
         --reuse-checkpoints --out-dir "$R/env" > "$R/step-cost-27b-env.log" 2>&1
       grep "^|" "$R/step-cost-27b-env.log" | head -12 ;;
     attnab)   # the tree-attention kernel against SDPA (DDTREE_TREE_ATTENTION=off) on the checkpoints the 8b and

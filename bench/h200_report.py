@@ -64,7 +64,7 @@ def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -
     ar1 = _row(step["target"], batch=1, nodes=1)
     # A 64-node tree: budget 63 in a graph bucket of its own where the run measured one, else budget 64's 65 nodes.
     v64 = _sized_row(step["target"], 1, (64, 65))
-    chain = _sized_row(step["target"], 1, (16, 17))   # a 16-deep chain, with or without its root
+    chain = _sized_row(step["target"], 1, (17, 16))   # a 16-deep chain (its root and 16 drafts), else 15 drafts
     draft = _row(step["drafter"], batch=1, mode="tree")
     out = {
         f"gemv_floor_ms_{prefix}": round(floors["gemv_floor_ms"], 3),

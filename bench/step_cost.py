@@ -116,10 +116,11 @@ def gemv_floor_ms(runner: TargetRunner, device: torch.device) -> float:
 
 
 def random_tree(nodes: int, root: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tree of `nodes` nodes shaped like a DDTree (parents among the few previous nodes), distinct tokens."""
+    """A tree of `nodes` nodes shaped like a DDTree (parents among the few previous nodes), distinct tokens; 16 or
+    17 nodes: a chain (dflash's block, its root and 15 or 16 drafted tokens)."""
     parents = [-1] + [int(torch.randint(max(0, i - 4), i, (1,), generator=gen)) for i in range(1, nodes)]
-    if nodes == 16:  # the chain
-        parents = [-1] + list(range(15))
+    if nodes in (16, 17):  # the chain
+        parents = [-1] + list(range(nodes - 1))
     tokens = torch.randperm(vocab - 2, generator=gen)[:nodes] + 2
     tokens[0] = root
     return tokens, torch.tensor(parents)
