@@ -79,6 +79,10 @@ record_services() {   # $1: the speed log to watch; py-spy on the three services
        -f raw -o "$R/pyspy-$svc.txt" > "$R/pyspy-$svc.log" 2>&1 &
    done; wait) &
 }
+fla_check() {   # the hybrid sections measure the product's gpu extra: fla-core carried in .whl (with einops)
+  python3 -c "import fla.ops.gated_delta_rule" 2>/dev/null \
+    || echo "WARNING: fla-core does not import: Gated DeltaNet decode and prefill run the PyTorch reference"
+}
 for s in $SECTIONS; do
   echo "== $s $(date -u +%T)"
   case $s in
@@ -166,6 +170,7 @@ for s in $SECTIONS; do
         echo "-- $v"; grep -E "batch 1:|segments" "$R/speed-ab-$v.log"
       done ;;
     hybrid)
+      fla_check
       timeout ${HYB_STEP_S:-320} python3 -m bench.step_cost --shape qwen3.6-27b --layers 16 --batches 1 --steps 10 --profile \
         --nodes ${HYB_NODES:-1,17,65} ${HYB_STEP_ARGS:-} --work-dir /tmp/w27 --out-dir "$R" > "$R/step-cost-27b.log" 2>&1
       grep "^|" "$R/step-cost-27b.log" | head -12
@@ -190,6 +195,7 @@ for s in $SECTIONS; do
       done ;;
     speedhyb)   # no kernel warm-up passes (they bound memory outside the allocator, not speed; ~2 min each here):
                 # the reference ar run absorbs the autotuning and the graph captures
+      fla_check
       mkdir -p "$R/hybrid"
       record_services "$R/speed-27b.log"
       timeout ${SPEEDHYB_S:-330} python3 -m bench.speed --model /tmp/w27/target --drafter /tmp/w27/drafter --device cuda \
