@@ -841,13 +841,15 @@ def test_hybrid_verify_and_commit_with_the_tree_kernel_equal_the_pytorch_core_at
     model = TargetModel(load_target(str(target_dir), "cuda", torch.float32), len(VARIANTS) + 1, 24 + max(sizes) + 8,
                         max(sizes))
     gen = torch.Generator().manual_seed(0)
-    for nodes in sizes:
-        row = check(model, nodes, 24, gen)
-        assert row["reference finite"], nodes
+    rows = [check(model, nodes, 24, gen) for nodes in sizes]
+    for row in rows:
+        assert row["reference finite"], row["nodes"]
         for name, _, _ in VARIANTS[1:]:
             got = row[name]
-            assert got["finite"] and got["greedy"] == 1.0, (nodes, name, got)
-            assert max(got["logits"], got["rec"], got["conv"]) <= 1e-4, (nodes, name, got)
+            assert got["finite"] and got["greedy"] == 1.0, (row["nodes"], name, got)
+            assert max(got["logits"], got["rec"], got["conv"]) <= 1e-4, (row["nodes"], name, got)
+    # The kernel ran: its float32 sums, in another order than the reference's, differ somewhere in the last bits.
+    assert any(row["kernel"]["rec"] > 0 for row in rows)
 
 
 @pytest.mark.parametrize("n_kv, head_dim, nodes", [(8, 128, 1), (8, 128, 65), (4, 256, 17)])
