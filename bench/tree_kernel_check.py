@@ -8,6 +8,7 @@ same DDTree-shaped tree of T nodes and commit the same path, each one way:
     reference               the PyTorch core (DDTREE_GDN_KERNELS=off), the compiled commit
     kernel                  the fused kernel, the compiled commit (the serving path on a GPU)
     kernel, plain commit    the fused kernel, commit_states uncompiled
+    kernel, plain glue      the fused kernel, every glue function and the commit uncompiled
 
 The kernel variants take the kernel at every size, multiples of 16 included (DDTREE_TREE_KERNEL_ALIGNED=on), which
 the serving path leaves to the PyTorch core until this check passes there (gdn_tree_kernel.serves).
@@ -30,10 +31,13 @@ from bench import common
 from bench.step_cost import random_tree
 from target_svc import gdn_kernels, gdn_tree_kernel
 from target_svc.gdn_tree_wy import commit_states
+from target_svc.hybrid_layers import HybridKernels
 from target_svc.loader import load_target
 from target_svc.model import TargetModel
 
-VARIANTS = (("reference", "off", True), ("kernel", "", True), ("kernel, plain commit", "", False))
+# (name, DDTREE_GDN_KERNELS, what runs uncompiled: nothing, the commit, or the glue and the commit)
+VARIANTS = (("reference", "off", ""), ("kernel", "", ""), ("kernel, plain commit", "", "commit"),
+            ("kernel, plain glue", "", "glue"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,7 +69,7 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_variant(model: TargetModel, slot: int, prompt: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                path: list[int], env: str, compiled_commit: bool) -> dict:
+                path: list[int], env: str, uncompiled: str) -> dict:
     """Prefill slot, verify the tree and commit path one way: {logits, conv states, recurrent states} in float32."""
     dev = model.device
     ctx = prompt.shape[0]
@@ -79,8 +83,14 @@ def run_variant(model: TargetModel, slot: int, prompt: torch.Tensor, tokens: tor
     switches = {gdn_kernels.ENV_VAR: env, gdn_tree_kernel.ALIGNED_ENV: "on"}
     saved_env, saved_kernels = {k: os.environ.get(k) for k in switches}, model.hybrid_kernels
     os.environ.update(switches)
-    if not compiled_commit and saved_kernels is not None:
+    glues = [w.gdn.glue for w in model.hybrid or [] if w.gdn is not None]
+    saved_glue = [glue.kernels for glue in glues]
+    if uncompiled == "commit" and saved_kernels is not None:
         model.hybrid_kernels = dataclasses.replace(saved_kernels, commit_states=commit_states)
+    elif uncompiled == "glue" and saved_kernels is not None:
+        model.hybrid_kernels = HybridKernels.make(compiled=False)
+        for glue in glues:
+            glue.kernels = model.hybrid_kernels
     try:
         t = tokens.shape[0]
         ctx_lens = torch.full((1,), ctx, dtype=torch.long, device=dev)
@@ -90,6 +100,8 @@ def run_variant(model: TargetModel, slot: int, prompt: torch.Tensor, tokens: tor
         model.commit_block(torch.tensor([path], device=dev), torch.tensor([len(path)], device=dev), slots, ctx_lens)
     finally:
         model.hybrid_kernels = saved_kernels
+        for glue, kernels in zip(glues, saved_glue):
+            glue.kernels = kernels
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -107,8 +119,8 @@ def check(model: TargetModel, nodes: int, context: int, gen: torch.Generator) ->
     tokens, parents = random_tree(nodes, int(prompt[-1]), vocab, gen)
     deepest = max(range(nodes), key=lambda i: len(root_path(parents.tolist(), i)))
     path = root_path(parents.tolist(), deepest)
-    out = {name: run_variant(model, slot, prompt, tokens, parents, path, env, compiled)
-           for slot, (name, env, compiled) in enumerate(VARIANTS)}
+    out = {name: run_variant(model, slot, prompt, tokens, parents, path, env, uncompiled)
+           for slot, (name, env, uncompiled) in enumerate(VARIANTS)}
     ref = out["reference"]
     row = {"nodes": nodes, "path": len(path)}
     for name, _, _ in VARIANTS[1:]:
