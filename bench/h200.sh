@@ -28,8 +28,7 @@
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27); trees
 #              of 1, 17 (a chain: root + 16 drafts) and 65 nodes (HYB_NODES; a 64-node tree runs in the 65-node
-#              bucket: one of 64 would take the PyTorch core, gdn_tree_kernel.serves; HYB_STEP_ARGS=
-#              "--graph-node-sizes 64" measures it)
+#              bucket; HYB_STEP_ARGS="--graph-node-sizes 64" measures one of its own)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), budgets 16, 63 and 64
 #              (63 and 64 both in the 65-node bucket)
 #   hybridenv  the hybrid step costs with HYB_ENV set (e.g. HYB_ENV=DDTREE_TREE_WY_PRECISION=bf16x3), after hybrid
@@ -100,7 +99,7 @@ for s in $SECTIONS; do
     treecheck)  # the tree WY kernel inside the hybrid model against the PyTorch core per tree size (16 .. 65 nodes):
                 # the float32 GPU test, then bench.tree_kernel_check in bf16 at the 27B's heads (4 layers of /tmp/w27,
                 # or of a 4-layer build in /tmp/w27c)
-      timeout ${TESTS_S:-240} python3 -m pytest -q tests/test_gpu.py -k "every_tree_size" > "$R/gpu-tests-treecheck.log" 2>&1
+      timeout ${TESTS_S:-240} python3 -m pytest -q tests/test_gpu.py -k "every_tree_size or block_boundary" > "$R/gpu-tests-treecheck.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-treecheck.log" | head -12
       W=/tmp/w27/target
       if [ ! -f $W/config.json ]; then

@@ -10,8 +10,8 @@ same DDTree-shaped tree of T nodes and commit the same path, each one way:
     kernel, plain commit    the fused kernel, commit_states uncompiled
     kernel, plain glue      the fused kernel, every glue function and the commit uncompiled
 
-The kernel variants take the kernel at every size, multiples of 16 included (DDTREE_TREE_KERNEL_ALIGNED=on), which
-the serving path leaves to the PyTorch core until this check passes there (gdn_tree_kernel.serves).
+It found (H100, 2026-12-06) 64-node trees of a random 27B layout NaN: rows past the tree's last 16-node block
+were scaled by e^{-g_0}, infinite for a fast-decaying root gate (target_svc/gdn_tree_wy_kernels.py, _block_terms).
 
 Reported per T, against the reference: the logits' max |diff| / max |logit|, greedy agreement, and the committed
 recurrent and conv states' max |diff| / max |state|, and whether everything is finite. A serving path that is
@@ -29,7 +29,7 @@ import torch
 
 from bench import common
 from bench.step_cost import random_tree
-from target_svc import gdn_kernels, gdn_tree_kernel
+from target_svc import gdn_kernels
 from target_svc.gdn_tree_wy import commit_states
 from target_svc.hybrid_layers import HybridKernels
 from target_svc.loader import load_target
@@ -80,7 +80,7 @@ def run_variant(model: TargetModel, slot: int, prompt: torch.Tensor, tokens: tor
     chain = (torch.arange(ctx, device=dev) - 1)[None]
     model.forward_block(prompt[None].to(dev), chain, torch.ones(1, ctx, dtype=torch.bool, device=dev),
                         torch.zeros(1, dtype=torch.long, device=dev), slots, chain=True)
-    switches = {gdn_kernels.ENV_VAR: env, gdn_tree_kernel.ALIGNED_ENV: "on"}
+    switches = {gdn_kernels.ENV_VAR: env}
     saved_env, saved_kernels = {k: os.environ.get(k) for k in switches}, model.hybrid_kernels
     os.environ.update(switches)
     glues = [w.gdn.glue for w in model.hybrid or [] if w.gdn is not None]

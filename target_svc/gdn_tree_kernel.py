@@ -36,8 +36,6 @@ PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32")
 # The dots' precision where the caller names no TileConfig (the serving path): unset = "ieee"; "bf16x3" put the
 # H100's 65-node core at 0.059 ms against 0.081 (1.1e-5 of the largest output; bench.gdn_tree_kernel).
 PRECISION_ENV = "DDTREE_TREE_WY_PRECISION"
-# "on": the serving path takes the kernel at node counts that are multiples of 16 too (see serves()).
-ALIGNED_ENV = "DDTREE_TREE_KERNEL_ALIGNED"
 # Flat offsets inside the kernel are int32.
 _MAX_ELEMENTS = 2**31 - 1
 
@@ -71,19 +69,6 @@ def available(device: torch.device | str) -> bool:
     if torch.cuda.get_device_capability(device) < (8, 0):
         return False
     return importlib.util.find_spec("triton") is not None
-
-
-def serves(nodes: int, head_k_dim: int, head_v_dim: int) -> bool:
-    """Whether the serving path (gdn_tree_forward_wy's kernel=None) takes the kernel for trees of `nodes` nodes.
-
-    supports(), except node counts that are multiples of 16 unless DDTREE_TREE_KERNEL_ALIGNED=on: on an H100
-    (2026-12-06) a 64-node tree verified with the kernel inside the hybrid model disagreed with `ar` through the
-    services, eager and graphed, where the PyTorch core agreed and 17- and 65-node trees agreed either way; the
-    kernel's own tests (16- and 256-node trees against the reference core) passed on the same machine. Until
-    bench.tree_kernel_check finds which part of that path is wrong, those sizes take the PyTorch core (the graph
-    buckets 4^k + 1 never are such a size)."""
-    aligned_ok = os.environ.get(ALIGNED_ENV, "").strip().lower() in ("on", "1", "true", "yes")
-    return supports(nodes, head_k_dim, head_v_dim) and (nodes % 16 != 0 or aligned_ok)
 
 
 def supports(nodes: int, head_k_dim: int, head_v_dim: int) -> bool:

@@ -118,7 +118,7 @@ def gdn_tree_forward_wy(
 ) -> tuple[Tensor, GdnTreeWYTrace]:
     """Verify padded trees x [B, T, H] (parents [B, T], valid [B, T] prefix) -> (out [B, T, H], trace); no sync."""
     # kernel: the WY core through the fused Triton kernel (target_svc/gdn_tree_kernel.py); None = where it is
-    # available for x's device and serves these shapes (gdn_tree_kernel.serves), unless DDTREE_GDN_KERNELS is off.
+    # available for x's device and supports these shapes (gdn_tree_kernel.supports), unless DDTREE_GDN_KERNELS is off.
     # layout: gdn_tree_layout(parents, valid, conv kernel) shared by the forward's GDN layers (None: built here).
     # state_index [B]: conv_state and rec_state are the layer's state pools and tree b starts from slot
     #   state_index[b]'s states, read in place by the glue and the kernel (two gathers a layer fewer).
@@ -146,7 +146,7 @@ def gdn_tree_forward_wy(
     auto = kernel is None
     if auto:
         kernel = (not gdn_kernels.disabled_by_env() and gdn_tree_kernel.available(dev)
-                  and gdn_tree_kernel.serves(t, dims.head_k_dim, dims.head_v_dim)
+                  and gdn_tree_kernel.supports(t, dims.head_k_dim, dims.head_v_dim)
                   and not getattr(module, _KERNEL_FAILED, False))
     core = None
     if kernel:

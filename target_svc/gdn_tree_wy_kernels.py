@@ -139,18 +139,20 @@ def _block_terms(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0,
                     mask=rmask[:, None] & cmask[None, :], other=0)
         g_c = tl.load(g_ptr + cols * stride_gt, mask=cmask, other=0.0)
         cum_r += tl.sum(tl.where(a != 0, g_c[None, :], 0.0), axis=1)
-    # Rows past T count as the root's: nothing of theirs is stored.
-    in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=1) != 0
+    in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=0) != 0
     beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
     q_r = tl.load(q_ptr + rows[:, None] * stride_qt + offs_k[None, :], mask=rmask[:, None], other=0.0)
     k_r = tl.load(k_ptr + rows[:, None] * stride_kt + offs_k[None, :], mask=rmask[:, None], other=0.0)
     v_r = tl.load(v_ptr + rows[:, None] * stride_vt + offs_v[None, :], mask=rmask[:, None], other=0.0)
-    e_r = tl.exp(cum_r - tl.where(in_root, g0, 0.0))  # e^{G_i - g_0} against S_r; e^{G_i} against S_0
+    # e^{G_i - g_0} against S_r; e^{G_i} against S_0; exactly 0 past T. Rows past T have k = 0, and a scale of
+    # e^{-g_0} there (inf for a root gate below -88) made 0 * inf = NaN rows that the diagonal block's dot then
+    # spread to every row of the block (a 64-node tree of the random 27B on an H100, 2026-12-06).
+    e_r = _exp_where(rmask, cum_r - tl.where(in_root, g0, 0.0))
     kb_r = k_r * beta_r[:, None]  # the reference's k_beta
     # A node outside the root's subtree is padding: k = beta = 0, so its right-hand side has no state term.
     rhs = v_r * beta_r[:, None] - tl.dot(kb_r * e_r[:, None], s_root, input_precision=PRECISION)
     o = tl.dot(q_r * e_r[:, None], s_root, input_precision=PRECISION)
-    if tl.min(in_root.to(tl.int32), axis=0) == 0:  # padding in this block: its outputs start from S_0
+    if tl.min((in_root | ~rmask).to(tl.int32), axis=0) == 0:  # padding in this block: its outputs start from S_0
         # Read again here, not kept from the root step: a value block of S_0 held through the whole walk was 32
         # registers a thread of a kernel that spilled (sm_90, bench.kernel_sass).
         s0 = _load_s0(s0_base, offs_k, offs_v, stride_sk)

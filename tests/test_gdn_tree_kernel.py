@@ -243,6 +243,21 @@ def test_interpreted_kernel_reads_each_trees_state_from_a_pool_by_index(interpre
     assert all(((x - y).abs().max() / y.abs().max()).item() <= REL_TOL for x, y in zip(got, want_ref))
 
 
+@in_interpreter
+@pytest.mark.parametrize("phases", [1, 3])
+def test_interpreted_kernel_stays_exact_past_the_last_block_under_a_fast_decaying_root(interpreted, phases):
+    """Trees whose last 16-node block runs past the tree (16 and 33 nodes: nodes 1 .. T-1 in blocks of 16) with
+    a root gate of -100 (e^100 overflows float32): finite and the reference's, as at 17 nodes. Rows past the
+    tree once took e^{-g_0} = inf as their scale, 0 * inf = NaN spread through the diagonal block's dot."""
+    config = TileConfig(block_v=16, phases=phases)
+    for tree in (chain(16), random_parents(33, 16, torch.Generator().manual_seed(6)), chain(17)):
+        args = list(core_inputs([tree], heads=2, dk=16, dv=16, seed=len(tree)))
+        args[3] = args[3].clone()
+        args[3][:, :, 0] = -100.0
+        assert all(torch.isfinite(x).all() for x in gdn_tree_kernel.tree_wy_core(*args, config=config)), len(tree)
+        assert_matches_reference(args, config)
+
+
 def _small_forward_inputs(seed: int):
     from target_svc.gated_deltanet import LinearAttnStateShape
     from tests.test_gated_deltanet import HIDDEN, _make_layer
@@ -262,7 +277,7 @@ def _small_forward_inputs(seed: int):
 
 
 def test_the_forward_takes_the_kernel_where_available_unless_switched_off(monkeypatch):
-    """kernel=None: the kernel where available (never on the CPU) and serving the size, unless
+    """kernel=None: the kernel where available (never on the CPU) and supporting the size, unless
     DDTREE_GDN_KERNELS=off."""
     from target_svc import gdn_kernels
 
@@ -286,26 +301,9 @@ def test_the_forward_takes_the_kernel_where_available_unless_switched_off(monkey
         gdn_tree_forward_wy(*args)
         assert calls == [20]
         monkeypatch.delenv(gdn_kernels.ENV_VAR)
-        layer, x, parents, valid, conv, rec = args   # 16 nodes: a multiple of 16, the PyTorch core (serves())
-        aligned = (layer, x[:, :16], parents[:, :16], valid[:, :16], conv, rec)
-        gdn_tree_forward_wy(*aligned)
-        assert calls == [20]
-        monkeypatch.setenv(gdn_tree_kernel.ALIGNED_ENV, "on")
-        gdn_tree_forward_wy(*aligned)
+        layer, x, parents, valid, conv, rec = args   # 16 nodes: a last block with a row past the tree, served too
+        gdn_tree_forward_wy(layer, x[:, :16], parents[:, :16], valid[:, :16], conv, rec)
         assert calls == [20, 16]
-
-
-def test_the_serving_path_leaves_multiples_of_16_nodes_to_the_pytorch_core_unless_switched_on(monkeypatch):
-    """serves(): supports() less node counts that are multiples of 16 (a 64-node tree disagreed with ar through the
-    services on an H100), which DDTREE_TREE_KERNEL_ALIGNED=on gives back to the kernel."""
-    monkeypatch.delenv(gdn_tree_kernel.ALIGNED_ENV, raising=False)
-    assert gdn_tree_kernel.serves(65, 128, 128) and gdn_tree_kernel.serves(17, 128, 128)
-    assert gdn_tree_kernel.serves(1, 128, 128) and gdn_tree_kernel.serves(63, 128, 128)
-    assert not any(gdn_tree_kernel.serves(n, 128, 128) for n in (16, 32, 48, 64, 256))
-    assert not gdn_tree_kernel.serves(65, 96, 128)  # what the kernel does not support, it never serves
-    monkeypatch.setenv(gdn_tree_kernel.ALIGNED_ENV, "on")
-    assert all(gdn_tree_kernel.serves(n, 128, 128) for n in (16, 32, 48, 64, 256))
-    assert not gdn_tree_kernel.serves(gdn_tree_kernel.MAX_NODES + 1, 128, 128)
 
 
 def test_the_serving_precision_comes_from_the_environment_and_a_bad_name_is_refused(monkeypatch):

@@ -743,6 +743,33 @@ def test_tree_wy_kernel_equals_the_reference_core_at_27b_heads(case):
 
 
 @needs_tree_kernel
+@pytest.mark.parametrize("indexed", [False, True])
+@pytest.mark.parametrize("nodes", [16, 17, 32, 48, 63, 64, 65, 80])
+def test_tree_wy_kernel_equals_the_reference_core_on_and_off_the_block_boundary(nodes, indexed):
+    """Tree sizes on and off the 16-node blocks (nodes 1 .. T-1 fill them exactly at T = 16k + 1), two trees of T
+    and T - 3 nodes, from per-tree states or from a pool read in place (s0_index, as the serving path does); the
+    first tree's root gate -100, whose e^100 overflows float32 (rows past the last block once scaled by it: NaN)."""
+    from target_svc.gdn_tree_kernel import tree_wy_core
+    from target_svc.gdn_tree_wy import _wy_core_reference
+
+    qh, kh, vh, g, beta, anc, s0 = _tree_core_inputs_27b(
+        [_tree_parents(nodes, 16, nodes), _tree_parents(nodes - 3, 16, nodes + 1)], seed=nodes)
+    g = g.clone()
+    g[0, :, 0] = -100.0
+    want = _wy_core_reference(qh, kh, vh, g, beta, anc, s0)
+    if indexed:  # the same states, rows 3 and 1 of a pool of 5
+        pool = torch.randn(5, *s0.shape[1:], device="cuda")
+        index = torch.tensor([3, 1], device="cuda")
+        pool[index] = s0
+        got = tree_wy_core(qh, kh, vh, g, beta, anc, pool, s0_index=index)
+    else:
+        got = tree_wy_core(qh, kh, vh, g, beta, anc, s0)
+    for name, x, ref in zip(("core", "u", "cum"), got, want):
+        assert torch.isfinite(x).all(), f"{nodes} nodes: {name} not finite"
+        assert _rel_err(x, ref) <= TREE_KERNEL_TOL, f"{nodes} nodes: {name} {_rel_err(x, ref):.2e}"
+
+
+@needs_tree_kernel
 @pytest.mark.parametrize("tiles", [(16, 32, 8, "rows", 1), (32, 32, 8, "blocks", 1), (32, 64, 4, "blocks", 1),
                                    (16, 32, 8, "blocks", 3), (32, 32, 4, "blocks", 3)])
 def test_tree_wy_kernel_equals_the_reference_core_under_the_swept_tilings(tiles):
