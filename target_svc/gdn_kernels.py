@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
 import torch
 from torch import Tensor
 
+from ddtree_serve.plumbing.switches import switched_off
+
 log = logging.getLogger(__name__)
 
 ENV_VAR = "DDTREE_GDN_KERNELS"
-_OFF_VALUES = frozenset({"off", "0", "false", "no"})
 # Chains up to this many tokens go through the recurrent kernel (exact fp32 arithmetic, one launch); longer ones
 # through the chunked kernel, which parallelises over 64-token chunks (its fp32 products run as TF32 on the GPU).
 RECURRENT_MAX_TOKENS = 64
@@ -45,7 +45,7 @@ _FLA_MODULE = "fla.ops.gated_delta_rule"
 
 def disabled_by_env() -> bool:
     """True when DDTREE_GDN_KERNELS says off (off / 0 / false / no)."""
-    return os.environ.get(ENV_VAR, "").strip().lower() in _OFF_VALUES
+    return switched_off(ENV_VAR)
 
 
 def available(device: torch.device | str) -> bool:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from ddtree_serve.plumbing.switches import switched_on
 
 # Activation dtypes the kernels take (tl.dot of two 16-bit operands, float32 accumulate).
 DTYPES = (torch.bfloat16, torch.float16)
@@ -139,7 +140,7 @@ def gemv_enabled() -> bool:
     """Whether int8 decode rows take the GEMV kernel: DDTREE_INT8_GEMV=on. Off by default: on the H200 (2026-12-04,
     bench/results/gemv-sweep-h200-2026-12-04.log, one row) its best tiling per shape was within -10 % to +6 % of
     the dot kernel's time and the default tiling 4-29 % slower; on bf16 weights it was within 10 % of cuBLAS."""
-    return os.environ.get(GEMV_ENV, "off").strip().lower() == "on"
+    return switched_on(GEMV_ENV)
 
 
 def kernel_config(m: int, n: int, k: int, bits: int = 8, group: int = 0,
@@ -163,7 +164,7 @@ FUSED_REDUCE_ENV = "DDTREE_INT8_FUSED_REDUCE"
 def fused_reduce_enabled() -> bool:
     """Whether quantized weights get split_counters (their split-K dots then reduce in one kernel):
     DDTREE_INT8_FUSED_REDUCE=on."""
-    return os.environ.get(FUSED_REDUCE_ENV, "off").strip().lower() == "on"
+    return switched_on(FUSED_REDUCE_ENV)
 
 
 def split_counters(device: torch.device | str) -> Tensor | None:

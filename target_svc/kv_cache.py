@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from ddtree_serve.plumbing.switches import switched_off
 from target_svc.gated_deltanet import LinearAttnState, LinearAttnStateShape, allocate_linear_attn_state
 
 KV_WRITE_ENV_VAR = "DDTREE_KV_WRITE_KERNEL"
@@ -18,7 +18,7 @@ _KV_WRITE_BLOCK = 1024   # values per load/store of the write kernel (n_kv * hea
 def kv_write_kernel_available(device: torch.device | str) -> bool:
     """Whether write_kv and move_rows go through the Triton kernels on device: CUDA, Triton installed,
     DDTREE_KV_WRITE_KERNEL not off."""
-    if os.environ.get(KV_WRITE_ENV_VAR, "").strip().lower() in ("off", "0", "false", "no"):
+    if switched_off(KV_WRITE_ENV_VAR):
         return False
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.is_available() and importlib.util.find_spec("triton") is not None

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import torch
 from torch import Tensor
 
 from ddtree_serve.decoding.tree_mask import TreeStructure
+from ddtree_serve.plumbing.switches import switched_off
 
 ENV_VAR = "DDTREE_TREE_LAYOUT_KERNEL"
 # The mask is one BT x BT tile in registers (BT = the node count rounded up to a power of two): 128 x 128 bytes.
@@ -25,7 +25,7 @@ MAX_NODES = 128
 
 def available(device: torch.device | str) -> bool:
     """True when the kernel can run on device: CUDA, Triton installed, not turned off by DDTREE_TREE_LAYOUT_KERNEL."""
-    if os.environ.get(ENV_VAR, "").strip().lower() in ("off", "0", "false", "no"):
+    if switched_off(ENV_VAR):
         return False
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():

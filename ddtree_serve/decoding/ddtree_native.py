@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ddtree_serve.plumbing.switches import switched_off
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("ddtree_native.c")
@@ -30,7 +32,7 @@ PACKED_BITS = 128   # the C heap's rank key: depth_limit * bit_length(width) mus
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled builder, or None (disabled, no compiler, a failed build: logged once)."""
-    if os.environ.get("DDTREE_NATIVE_TREE", "on").lower() in ("0", "off", "false", "no"):
+    if switched_off("DDTREE_NATIVE_TREE"):
         return None
     source = SOURCE.read_bytes()
     cache = Path(os.environ.get("DDTREE_NATIVE_CACHE") or Path.home() / ".cache" / "ddtree-serve" / "native")

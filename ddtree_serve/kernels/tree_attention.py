@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from ddtree_serve.plumbing import switches
 
 ENV_VAR = "DDTREE_TREE_ATTENTION"   # "off": SDPA over gathered rows even where the kernel runs
 # "on": split launches merge in their last slice (SplitConfig.fused_merge) instead of a merge kernel. Off by default
@@ -76,12 +77,12 @@ class SplitConfig:
 
 def switched_off() -> bool:
     """True when DDTREE_TREE_ATTENTION turns the kernel off (SDPA over gathered rows in both services)."""
-    return os.environ.get(ENV_VAR, "").strip().lower() in ("off", "0", "false", "no")
+    return switches.switched_off(ENV_VAR)
 
 
 def fused_merge_on() -> bool:
     """True when DDTREE_ATTENTION_FUSED_MERGE=on: launches that split their keys merge in their last slice."""
-    return os.environ.get(FUSED_MERGE_ENV, "").strip().lower() in ("on", "1", "true", "yes")
+    return switches.switched_on(FUSED_MERGE_ENV)
 
 
 def merge_counts(batch: int, num_kv: int, rows: int, device: torch.device) -> Tensor | None:
