@@ -33,9 +33,11 @@ THREE_PHASE_MAX_NODES = 256
 # The dots' precisions (Triton's input_precision) the kernels take: IEEE float32, and tensor-core products split
 # into several TF32 or bf16 parts (gdn_tree_wy_kernels.py).
 PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32")
-# The dots' precision where the caller names no TileConfig (the serving path): unset = "ieee"; "bf16x3" put the
-# H100's 65-node core at 0.059 ms against 0.081 (1.1e-5 of the largest output; bench.gdn_tree_kernel).
+# Names the dots' precision where the caller names no TileConfig, over serving_precision's choice by model dtype.
 PRECISION_ENV = "DDTREE_TREE_WY_PRECISION"
+# Model dtypes whose layers round their outputs to 8 significant bits: the core's bf16x3 error (~1e-5 of the
+# largest output) is 300x below that rounding.
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Flat offsets inside the kernel are int32.
 _MAX_ELEMENTS = 2**31 - 1
 
@@ -92,12 +94,24 @@ def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132) -> Tile
                       num_stages=1, invert="blocks")
 
 
-def precision_from_env() -> str:
-    """The dots' precision DDTREE_TREE_WY_PRECISION names (default "ieee"); ValueError for a name not in PRECISIONS."""
-    name = os.environ.get(PRECISION_ENV, "").strip().lower() or "ieee"
-    if name not in PRECISIONS:
+def precision_from_env() -> str | None:
+    """The dots' precision DDTREE_TREE_WY_PRECISION names (None: unset); ValueError for a name not in PRECISIONS."""
+    name = os.environ.get(PRECISION_ENV, "").strip().lower() or None
+    if name is not None and name not in PRECISIONS:
         raise ValueError(f"{PRECISION_ENV}={name!r}: expected one of {', '.join(PRECISIONS)}")
     return name
+
+
+def serving_precision(model_dtype: torch.dtype) -> str:
+    """The dots' precision for a model of model_dtype: DDTREE_TREE_WY_PRECISION where set, else "bf16x3" for bf16
+    and fp16 models and "ieee" (float32 to its rounding) for float32 ones.
+
+    bf16x3 (three bf16 tensor-core products a dot) is ~1e-5 of the largest output, far below the 2^-8 to which a
+    bf16 layer rounds what the core gives it, and faster: on an H100 (2026-12-06) one 65-node tree's core took
+    0.059 ms against IEEE's 0.081, eight trees 0.23 against 0.65 (where IEEE lost to the PyTorch core's 0.55), the
+    16-layer 27B layout's 65-node verify 8.48 ms against 8.78, with every answer through the services equal to
+    `ar`'s (bench/results/h100-hybrid-fix-2026-12-06/)."""
+    return precision_from_env() or ("bf16x3" if model_dtype in _HALF_DTYPES else "ieee")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -112,14 +126,15 @@ def _unit_last(t: Tensor) -> Tensor:
 
 
 def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, anc: Tensor, s0: Tensor,
-                 config: TileConfig | None = None, s0_index: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 config: TileConfig | None = None, s0_index: Tensor | None = None,
+                 precision: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The fused WY core: (core [B, Hv, T, Dv], u [B, Hv, T, Dv], cum [B, Hv, T]), all float32, as the reference.
 
     qh, kh [B, Hv, T, Dk], vh [B, Hv, T, Dv], g, beta [B, Hv, T], s0 [B, Hv, Dk, Dv]: float32, any strides (views
     of transposes need no copy); anc [B, T, T] bool, ancestors-or-self with parents before children. s0_index [B]:
     s0 is a pool of states [N, Hv, Dk, Dv] and tree b starts from s0[s0_index[b]], read in place (the reference's
-    s0[s0_index] without its gather). The caller checks supports() first. config None: choose_config's tiles at the
-    precision DDTREE_TREE_WY_PRECISION names (IEEE float32 unless set)."""
+    s0[s0_index] without its gather). The caller checks supports() first. config None: choose_config's tiles at
+    `precision` (None: DDTREE_TREE_WY_PRECISION, else IEEE float32; the serving path passes serving_precision's)."""
     bsz, heads, t, dk = kh.shape
     dv = vh.shape[-1]
     s0_rows = (bsz,) if s0_index is None else (s0.shape[0],)
@@ -138,7 +153,8 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError("tree WY core exceeds int32 offsets")
     if bsz * heads > 65535:  # the grid's second axis
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
-    cfg = config or replace(choose_config(bsz * heads, dv, _num_sms(vh.device)), precision=precision_from_env())
+    cfg = config or replace(choose_config(bsz * heads, dv, _num_sms(vh.device)),
+                            precision=precision or serving_precision(torch.float32))
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
             or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 3)
             or cfg.precision not in PRECISIONS):

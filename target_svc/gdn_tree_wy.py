@@ -151,7 +151,8 @@ def gdn_tree_forward_wy(
     core = None
     if kernel:
         try:
-            core, u, cum = gdn_tree_kernel.tree_wy_core(qh, kh, vh, g, beta, anc, s0, s0_index=state_index)
+            core, u, cum = gdn_tree_kernel.tree_wy_core(qh, kh, vh, g, beta, anc, s0, s0_index=state_index,
+                                                        precision=gdn_tree_kernel.serving_precision(dtype))
         except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: the reference, not a dead service
             if not auto:  # asked for by name (tests, benches): the failure is the answer
                 raise

@@ -283,9 +283,11 @@ def test_the_forward_takes_the_kernel_where_available_unless_switched_off(monkey
 
     assert not gdn_tree_kernel.available("cpu")
     calls: list[int] = []
+    precisions: list[str] = []
 
-    def spy(*args, s0_index=None):
+    def spy(*args, s0_index=None, precision=None):
         calls.append(args[0].shape[2])
+        precisions.append(precision)
         return _wy_core_reference(*args)
 
     args = _small_forward_inputs(seed=8)
@@ -304,17 +306,26 @@ def test_the_forward_takes_the_kernel_where_available_unless_switched_off(monkey
         layer, x, parents, valid, conv, rec = args   # 16 nodes: a last block with a row past the tree, served too
         gdn_tree_forward_wy(layer, x[:, :16], parents[:, :16], valid[:, :16], conv, rec)
         assert calls == [20, 16]
+        assert precisions == ["ieee", "ieee"]   # a float32 model: the dots in float32
+        gdn_tree_forward_wy(layer.to(torch.bfloat16), x.bfloat16(), parents, valid, conv, rec)
+        assert calls == [20, 16, 20] and precisions[-1] == "bf16x3"
 
 
-def test_the_serving_precision_comes_from_the_environment_and_a_bad_name_is_refused(monkeypatch):
-    """DDTREE_TREE_WY_PRECISION picks the dots' precision where no TileConfig is named: IEEE unless set."""
+def test_the_serving_precision_follows_the_model_dtype_unless_the_environment_names_one(monkeypatch):
+    """serving_precision: bf16x3 for bf16 / fp16 models, IEEE for float32 ones; DDTREE_TREE_WY_PRECISION (any case,
+    spaces trimmed) overrides both; a name the kernels do not take is refused."""
     monkeypatch.delenv(gdn_tree_kernel.PRECISION_ENV, raising=False)
-    assert gdn_tree_kernel.precision_from_env() == "ieee"
-    monkeypatch.setenv(gdn_tree_kernel.PRECISION_ENV, " BF16x3 ")
-    assert gdn_tree_kernel.precision_from_env() == "bf16x3"
+    assert gdn_tree_kernel.precision_from_env() is None
+    assert gdn_tree_kernel.serving_precision(torch.bfloat16) == "bf16x3"
+    assert gdn_tree_kernel.serving_precision(torch.float16) == "bf16x3"
+    assert gdn_tree_kernel.serving_precision(torch.float32) == "ieee"
+    monkeypatch.setenv(gdn_tree_kernel.PRECISION_ENV, " IEEE ")
+    assert gdn_tree_kernel.serving_precision(torch.bfloat16) == "ieee"
+    monkeypatch.setenv(gdn_tree_kernel.PRECISION_ENV, "tf32x3")
+    assert gdn_tree_kernel.serving_precision(torch.float32) == "tf32x3"
     monkeypatch.setenv(gdn_tree_kernel.PRECISION_ENV, "fp8")
-    with pytest.raises(ValueError, match="DDTREE_TREE_WY_PRECISION='fp8'"):
-        gdn_tree_kernel.precision_from_env()
+    with pytest.raises(ValueError, match="fp8"):
+        gdn_tree_kernel.serving_precision(torch.bfloat16)
 
 
 def test_supported_shapes_and_tiles():
