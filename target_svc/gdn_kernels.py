@@ -32,7 +32,7 @@ import logging
 import torch
 from torch import Tensor
 
-from ddtree_serve.plumbing.switches import switched_off
+from ddtree_serve.switches import switched_off
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree_serve.plumbing.switches import switched_on
+from ddtree_serve.switches import switched_on
 
 # Activation dtypes the kernels take (tl.dot of two 16-bit operands, float32 accumulate).
 DTYPES = (torch.bfloat16, torch.float16)

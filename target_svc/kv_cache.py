@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ddtree_serve.plumbing.switches import switched_off
+from ddtree_serve.switches import switched_off
 from target_svc.gated_deltanet import LinearAttnState, LinearAttnStateShape, allocate_linear_attn_state
 
 KV_WRITE_ENV_VAR = "DDTREE_KV_WRITE_KERNEL"

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ddtree_serve.decoding.tree_mask import TreeStructure
-from ddtree_serve.plumbing.switches import switched_off
+from ddtree_serve.switches import switched_off
 
 ENV_VAR = "DDTREE_TREE_LAYOUT_KERNEL"
 # The mask is one BT x BT tile in registers (BT = the node count rounded up to a power of two): 128 x 128 bytes.

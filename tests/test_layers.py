@@ -1,8 +1,8 @@
 """The layering of the non-test code: every import points down (shared -> services -> launcher), no circles.
 
-Layers, lowest first: ddtree_serve.kernels (GPU kernels) < ddtree_serve.decoding (algorithms) < ddtree_serve.proto <
-ddtree_serve.plumbing < ddtree_serve.transport < the shared package's own modules (client, default_model, rope) <
-the services (target_svc, drafter_svc, gateway: none imports another) < launch (the composition root). Imports
+Layers, lowest first: ddtree_serve.switches (environment on/off flags) < ddtree_serve.kernels (GPU kernels) <
+ddtree_serve.decoding (algorithms) < ddtree_serve.proto < ddtree_serve.plumbing < ddtree_serve.transport < the
+shared package's own modules (client, default_model, rope) < the services (target_svc, drafter_svc, gateway: none imports another) < launch (the composition root). Imports
 inside functions count.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ddtree_serve", "target_svc", "drafter_svc", "gateway", "launch")
 SERVICES = ("target_svc", "drafter_svc", "gateway")
-SHARED_ORDER = ("ddtree_serve.kernels", "ddtree_serve.decoding", "ddtree_serve.proto", "ddtree_serve.plumbing",
-                "ddtree_serve.transport")
+SHARED_ORDER = ("ddtree_serve.switches", "ddtree_serve.kernels", "ddtree_serve.decoding", "ddtree_serve.proto",
+                "ddtree_serve.plumbing", "ddtree_serve.transport")
 SERVICE_RANK = len(SHARED_ORDER) + 1   # above the shared package's own modules (rank len(SHARED_ORDER))
 
 

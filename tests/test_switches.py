@@ -1,9 +1,9 @@
-"""Environment switches (ddtree_serve/plumbing/switches.py): one spelling for every DDTREE_* on/off variable."""
+"""Environment switches (ddtree_serve/switches.py): one spelling for every DDTREE_* on/off variable."""
 from __future__ import annotations
 
 import pytest
 
-from ddtree_serve.plumbing.switches import switched_off, switched_on
+from ddtree_serve.switches import switched_off, switched_on
 
 NAME = "DDTREE_TEST_SWITCH"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree_serve.plumbing.switches import switched_off
+from ddtree_serve.switches import switched_off
 
 log = logging.getLogger(__name__)
 

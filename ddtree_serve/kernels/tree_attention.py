@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree_serve.plumbing import switches
+from ddtree_serve import switches
 
 ENV_VAR = "DDTREE_TREE_ATTENTION"   # "off": SDPA over gathered rows even where the kernel runs
 # "on": split launches merge in their last slice (SplitConfig.fused_merge) instead of a merge kernel. Off by default
