@@ -154,7 +154,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     if bsz * heads > 65535:  # the grid's second axis
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
     cfg = config or replace(choose_config(bsz * heads, dv, _num_sms(vh.device)),
-                            precision=precision or serving_precision(torch.float32))
+                            precision=precision or precision_from_env() or "ieee")
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
             or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 3)
             or cfg.precision not in PRECISIONS):

@@ -2,8 +2,8 @@
 
 Layers, lowest first: ddtree_serve.switches (environment on/off flags) < ddtree_serve.kernels (GPU kernels) <
 ddtree_serve.decoding (algorithms) < ddtree_serve.proto < ddtree_serve.plumbing < ddtree_serve.transport < the
-shared package's own modules (client, default_model, rope) < the services (target_svc, drafter_svc, gateway: none imports another) < launch (the composition root). Imports
-inside functions count.
+shared package's own modules (client, default_model, rope) < the services (target_svc, drafter_svc, gateway: none
+imports another) < launch (the composition root). Imports inside functions count.
 """
 from __future__ import annotations
 
