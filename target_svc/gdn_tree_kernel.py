@@ -35,6 +35,8 @@ THREE_PHASE_MAX_NODES = 256
 PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32")
 # Names the dots' precision where the caller names no TileConfig, over serving_precision's choice by model dtype.
 PRECISION_ENV = "DDTREE_TREE_WY_PRECISION"
+# Names the launch form (TileConfig.phases, 1 or 3) where the caller names no TileConfig: an A/B switch for benches.
+PHASES_ENV = "DDTREE_TREE_WY_PHASES"
 # Model dtypes whose layers round their outputs to 8 significant bits: the core's bf16x3 error (~1e-5 of the
 # largest output) is 300x below that rounding.
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -102,6 +104,14 @@ def precision_from_env() -> str | None:
     return name
 
 
+def phases_from_env() -> int | None:
+    """The launch form DDTREE_TREE_WY_PHASES names (None: unset); ValueError for anything but 1 or 3."""
+    name = os.environ.get(PHASES_ENV, "").strip() or None
+    if name is not None and name not in ("1", "3"):
+        raise ValueError(f"{PHASES_ENV}={name!r}: expected 1 or 3")
+    return None if name is None else int(name)
+
+
 def serving_precision(model_dtype: torch.dtype) -> str:
     """The dots' precision for a model of model_dtype: DDTREE_TREE_WY_PRECISION where set, else "bf16x3" for bf16
     and fp16 models and "ieee" (float32 to its rounding) for float32 ones.
@@ -134,7 +144,8 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     of transposes need no copy); anc [B, T, T] bool, ancestors-or-self with parents before children. s0_index [B]:
     s0 is a pool of states [N, Hv, Dk, Dv] and tree b starts from s0[s0_index[b]], read in place (the reference's
     s0[s0_index] without its gather). The caller checks supports() first. config None: choose_config's tiles at
-    `precision` (None: DDTREE_TREE_WY_PRECISION, else IEEE float32; the serving path passes serving_precision's)."""
+    `precision` (None: DDTREE_TREE_WY_PRECISION, else IEEE float32; the serving path passes serving_precision's)
+    and the launch form DDTREE_TREE_WY_PHASES names, if any."""
     bsz, heads, t, dk = kh.shape
     dv = vh.shape[-1]
     s0_rows = (bsz,) if s0_index is None else (s0.shape[0],)
@@ -153,8 +164,11 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError("tree WY core exceeds int32 offsets")
     if bsz * heads > 65535:  # the grid's second axis
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
-    cfg = config or replace(choose_config(bsz * heads, dv, _num_sms(vh.device)),
-                            precision=precision or precision_from_env() or "ieee")
+    if config is None:
+        config = replace(choose_config(bsz * heads, dv, _num_sms(vh.device)),
+                         precision=precision or precision_from_env() or "ieee")
+        config = replace(config, phases=phases_from_env() or config.phases)
+    cfg = config
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
             or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 3)
             or cfg.precision not in PRECISIONS):

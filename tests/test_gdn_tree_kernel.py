@@ -328,6 +328,19 @@ def test_the_serving_precision_follows_the_model_dtype_unless_the_environment_na
         gdn_tree_kernel.serving_precision(torch.bfloat16)
 
 
+def test_the_launch_form_switch_reads_one_or_three_and_refuses_anything_else(monkeypatch):
+    """DDTREE_TREE_WY_PHASES: unset is None (choose_config's form), "1" and "3" name the form, others are refused."""
+    monkeypatch.delenv(gdn_tree_kernel.PHASES_ENV, raising=False)
+    assert gdn_tree_kernel.phases_from_env() is None
+    monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, " 3 ")
+    assert gdn_tree_kernel.phases_from_env() == 3
+    monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, "1")
+    assert gdn_tree_kernel.phases_from_env() == 1
+    monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, "2")
+    with pytest.raises(ValueError, match="expected 1 or 3"):
+        gdn_tree_kernel.phases_from_env()
+
+
 def test_supported_shapes_and_tiles():
     assert supports(1, 128, 128) and supports(256, 128, 128) and supports(gdn_tree_kernel.MAX_NODES, 16, 256)
     assert not supports(0, 128, 128) and not supports(gdn_tree_kernel.MAX_NODES + 1, 128, 128)
