@@ -9,6 +9,7 @@ import asyncio
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -287,6 +288,24 @@ def total(samples: Samples, name: str, **labels) -> float:
     """Sum of the values of every series `name` whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def tau_standard_error(drafts: float, accepted_at_depth: dict[int, float]) -> float | None:
+    """Standard error of tau (1 + mean accepted draft tokens per draft) from per-depth counts: accepted_at_depth[p]
+    drafts accepted a token at depth p + 1 (the gateway's vllm:spec_decode_num_accepted_tokens_per_pos); None
+    without drafts. A draft accepting L tokens counts at depths 1..L, so P(L >= j) = count(j - 1) / drafts,
+    E[L] = sum_j P(L >= j) and E[L^2] = sum_j (2j - 1) P(L >= j)."""
+    if drafts <= 0:
+        return None
+    at_least = {p + 1: c / drafts for p, c in accepted_at_depth.items() if c > 0}
+    mean = sum(at_least.values())
+    second = sum((2 * j - 1) * q for j, q in at_least.items())
+    return math.sqrt(max(0.0, second - mean * mean) / drafts)
+
+
+def ratio_standard_error(ratio: float, a: float, a_se: float, b: float, b_se: float) -> float:
+    """Standard error of ratio = (x a) / (y b) from those of independent a and b alone (first order)."""
+    return ratio * math.sqrt((a_se / a) ** 2 + (b_se / b) ** 2)
 
 
 def delta(before: Samples, after: Samples, name: str, **labels) -> float:

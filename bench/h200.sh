@@ -29,9 +29,11 @@
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27); trees
 #              of 1, 17 (a chain: root + 16 drafts) and 65 nodes (HYB_NODES; a 64-node tree runs in the 65-node
 #              bucket; HYB_STEP_ARGS="--graph-node-sizes 64" measures one of its own)
-#   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), budgets 16, 63 and 64
-#              (63 and 64 both in the 65-node bucket; SPEEDHYB_ARGS="--target-args=--graph-node-sizes=64" gives 63 a
-#              64-node bucket), step sockets with the gateway polling as in speed8b (2026-12-06 on: before, gRPC steps)
+#   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), batch 1 and 4,
+#              SPEEDHYB_PROMPTS=32 prompts x 256 tokens (8 prompts left each tau ~3 % of sampling error, 2026-12-06),
+#              transformers on one prompt, SPEEDHYB_BUDGETS=32,64, each in a graph bucket of its own size
+#              (SPEEDHYB_TARGET_ARGS, default --graph-node-sizes=33,64), step sockets with the gateway polling as in
+#              speed8b; SPEEDHYB_ARGS adds flags, SPEEDHYB_S its time limit (~7 min on an H200)
 #   hybridenv  the hybrid step costs with HYB_ENV set (e.g. HYB_ENV=DDTREE_TREE_WY_PRECISION=bf16x3), after hybrid
 #   attnab     step costs with SDPA attention (DDTREE_TREE_ATTENTION=off) on /tmp/w8 and /tmp/w27 where present:
 #              the tree-attention kernel's A/B against the 8b / hybrid sections of the same call
@@ -198,9 +200,10 @@ for s in $SECTIONS; do
       fla_check
       mkdir -p "$R/hybrid"
       record_services "$R/speed-27b.log"
-      timeout ${SPEEDHYB_S:-330} python3 -m bench.speed --model /tmp/w27/target --drafter /tmp/w27/drafter --device cuda \
-        --dtype bfloat16 --num-prompts 4 --max-tokens 64 --batch 4 --budget 16,63,64 --no-hf-batch "${CALIB[@]}" --kernel-warmup-passes 0 \
-        --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} \
+      timeout ${SPEEDHYB_S:-540} python3 -m bench.speed --model /tmp/w27/target --drafter /tmp/w27/drafter --device cuda \
+        --dtype bfloat16 --num-prompts ${SPEEDHYB_PROMPTS:-32} --max-tokens 256 --hf-prompts 1 --batch 4 \
+        --budget ${SPEEDHYB_BUDGETS:-32,64} --no-hf-batch "${CALIB[@]}" --kernel-warmup-passes 0 \
+        --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} --target-args="${SPEEDHYB_TARGET_ARGS---graph-node-sizes=33,64}" \
         ${SPEEDHYB_ARGS:-} --out-dir "$R/hybrid" --log-dir "$R/logs-27b" > "$R/speed-27b.log" 2>&1
       grep -E "tok/s|CALIB|Error|error" "$R/speed-27b.log" | tail -12 ;;
     rpchop)   # one gRPC hop between the services on this host's CPUs (tiny CPU models): is the host's hop the cost?

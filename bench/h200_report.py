@@ -90,6 +90,9 @@ def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -
         out[f"ddtree_over_dflash_{prefix}_b1"] = dd.get("x_vs_services_dflash")
         out[f"ddtree_over_hf_{prefix}_b1"] = dd.get("x_vs_hf_generate_b1")
         out[f"ddtree_tau_{prefix}_b1"] = dd.get("tau")
+        if dd.get("x_vs_services_dflash_tau_se") is not None:   # speed files of 2026-12-06 on: the draws' error
+            out[f"ddtree_tau_se_{prefix}_b1"] = dd.get("tau_se")
+            out[f"ddtree_over_dflash_tau_se_{prefix}_b1"] = dd["x_vs_services_dflash_tau_se"]
         out[f"ddtree_budget_{prefix}_b1"] = dd.get("budget")
     # Older speed files name one batched size ("batch"), newer ones every size ("batches").
     for batch in speed.get("batches") or ([speed["batch"]] if speed.get("batch") else []):

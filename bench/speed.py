@@ -200,6 +200,8 @@ class ServiceSystem:
         g = self.deltas["gateway"]
         drafts = common.total(g, "vllm:spec_decode_num_drafts_total")
         accepted = common.total(g, "vllm:spec_decode_num_accepted_tokens_total")
+        per_depth = {int(dict(labels)["position"]): v for (name, labels), v in g.items()
+                     if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
         tokens = sum(r.stats["generated_tokens"] for r in results)
         steps = sum(r.stats["steps"] for r in results)
         bd = breakdown(zero, self.deltas)
@@ -210,6 +212,8 @@ class ServiceSystem:
             "mean_latency_s": round(sum(r.client_latency_s for r in results) / len(results), 3),
             "mean_ttft_s": round(sum(r.client_ttft_s for r in results) / len(results), 4),
             "tau": round(1 + accepted / drafts, 3) if drafts else 1.0,
+            # the sampling error of tau over this run's drafts (what a calibrated run's ratios carry from its draws)
+            "tau_se": (None if not drafts else round(common.tau_standard_error(drafts, per_depth), 3)),
             "tokens_per_seq_step": round((tokens - len(results)) / steps, 3) if steps else None,
             "engine_steps": bd["engine_steps"],
             # prefill, release, streaming and gaps between the engine's steps
@@ -308,7 +312,7 @@ def main(argv=None) -> None:
                       f"{r['tokens_per_s']:.2f} tok/s"
                 if "breakdown" in r:
                     ps = r["breakdown"]["per_step_ms"]
-                    msg += f", tau {r['tau']}, step {ps.get('step')} ms (draft {ps.get('draft_phase')}, " \
+                    msg += f", tau {_tau_cell(r)}, step {ps.get('step')} ms (draft {ps.get('draft_phase')}, " \
                            f"tree {ps.get('tree_build')}, verify {ps.get('verify_phase')})"
                     segments = {n: r["breakdown"]["histograms"].get(f"segment_{n}", {}).get("mean_ms") for n in SEGMENTS}
                     if any(v is not None for v in segments.values()):   # printed now: a run cut short keeps them
@@ -367,10 +371,13 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
         chain = find("services dflash", r["batch"])
         r["x_vs_services_ar"] = round(r["tokens_per_s"] / ar["tokens_per_s"], 3) if ar else None
         r["x_vs_services_dflash"] = round(r["tokens_per_s"] / chain["tokens_per_s"], 3) if chain else None
+        if chain and r.get("mode") == "ddtree" and r.get("tau_se") is not None and chain.get("tau_se") is not None:
+            r["x_vs_services_dflash_tau_se"] = round(common.ratio_standard_error(
+                r["x_vs_services_dflash"], r["tau"], r["tau_se"], chain["tau"], chain["tau_se"]), 3)
         r["x_vs_hf_generate_b1"] = round(r["tokens_per_s"] / hf1["tokens_per_s"], 3) if hf1 else None
         r["x_vs_hf_generate_same_batch"] = round(r["tokens_per_s"] / hf_same["tokens_per_s"], 3) if hf_same else None
         rows.append([r["system"], r["batch"], r["tokens"], r["wall_s"], r["tokens_per_s"], r["x_vs_services_ar"],
-                     r["x_vs_services_dflash"] if r["mode"] == "ddtree" else None, r["x_vs_hf_generate_b1"], r["x_vs_hf_generate_same_batch"], r.get("tau"),
+                     r["x_vs_services_dflash"] if r["mode"] == "ddtree" else None, r["x_vs_hf_generate_b1"], r["x_vs_hf_generate_same_batch"], _tau_cell(r),
                      r.get("mean_latency_s"), r.get("outputs_equal_services_ar")])
     table = common.md_table(["system", "batch", "tokens", "wall s", "tok/s", "× services ar (same batch)",
                              "× services dflash (same batch)", "× HF generate b1", "× HF generate (same batch)", "tau", "mean latency s",
@@ -487,6 +494,11 @@ gateway tree + verify request + target handler, when the Draft request arrives b
         headline(runs, calibration)
 
 
+def _tau_cell(run: dict) -> str | float | None:
+    """tau, with its standard error where the run measured one."""
+    return run.get("tau") if run.get("tau_se") is None else f"{run['tau']} ± {run['tau_se']}"
+
+
 def calibrated_md(info: dict) -> str:
     from bench.calibrated import markdown
 
@@ -500,8 +512,10 @@ def headline(runs: list[dict], info: dict) -> None:
           f"DDTree {info['implied_ddtree_tau']}) ==", flush=True)
     for r in runs:
         if r.get("mode") and "tokens_per_s" in r:
+            vs_chain = ("" if r.get("x_vs_services_dflash_tau_se") is None else
+                        f" x{r['x_vs_services_dflash']} ± {r['x_vs_services_dflash_tau_se']} (the taus' draws) vs dflash,")
             print(f"  {r['system']:36s} batch {r['batch']}: {r['tokens_per_s']:.2f} tok/s, x{r['x_vs_services_ar']} "
-                  f"vs ar, tau {r['tau']}, outputs == ar {r.get('outputs_equal_services_ar')}", flush=True)
+                  f"vs ar,{vs_chain} tau {_tau_cell(r)}, outputs == ar {r.get('outputs_equal_services_ar')}", flush=True)
 
 
 if __name__ == "__main__":

@@ -101,3 +101,19 @@ def test_a_quantized_run_with_the_fused_reduction_on_is_reported_beside_the_plai
                                            run("int8", 4.0, {"DDTREE_INT8_FUSED_REDUCE": "on"})])
     assert out["int8_ar_over_bf16_8b"] == pytest.approx(0.75, rel=1e-3)
     assert out["int8fused_ar_over_bf16_8b"] == pytest.approx(0.667, rel=1e-3)
+
+
+def test_a_speed_run_with_tau_errors_reports_them_beside_the_ratio(tmp_path):
+    """Speed files that carry tau_se (2026-12-06 on) put the ddtree tau's error and the ddtree / dflash ratio's
+    error from the draws into the report; older files (no tau_se) add no such keys."""
+    h200_report.main(["--step-cost", str(STEP), "--speed", str(SPEED), "--out-dir", str(tmp_path)])
+    assert "ddtree_over_dflash_tau_se_8b_b1" not in json.loads((tmp_path / "h200.json").read_text())
+    speed = json.loads(SPEED.read_text())
+    for r in speed["runs"]:
+        if r.get("batch") == 1 and r.get("mode") == "ddtree":
+            r["tau_se"], r["x_vs_services_dflash_tau_se"] = 0.14, 0.03
+    path = tmp_path / "speed.json"
+    path.write_text(json.dumps(speed))
+    h200_report.main(["--step-cost", str(STEP), "--speed", str(path), "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "h200.json").read_text())
+    assert data["ddtree_tau_se_8b_b1"] == 0.14 and data["ddtree_over_dflash_tau_se_8b_b1"] == 0.03
