@@ -255,6 +255,22 @@ def test_the_c_heap_is_the_one_that_builds_where_a_compiler_is(host_heap, monkey
     assert len(calls) == (1 if host_heap == "c-heap" else 0)
 
 
+def test_a_sharp_drafters_draft_takes_the_c_heap_and_gives_the_references_tree(monkeypatch):
+    """Top log-probs within 2**-17 of 0 (a confident drafter; most calibrated drafts) are built by the C heap on the
+    fixed point, one call, no Python fallback, bit for bit the reference's tree."""
+    if not ddtree_native.available(64, 15):
+        pytest.skip("no C compiler: the C heap is not built here")
+    calls = []
+    real = ddtree_native.best_first
+    monkeypatch.setattr(ddtree_native, "best_first", lambda *a: calls.append(a) or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    lp, ids = random_topk(gen, 1, 15, 64, vocab=5000, sharp=3.0)
+    lp = lp[0].clone()
+    lp[:, 0] = -torch.rand(15, generator=gen) * 2.0**-18   # p(top-1) > 0.999996 at every depth
+    assert_host_equals_reference(lp, ids[0], budgets=(64,), depths=(None, 15))
+    assert len(calls) == 2
+
+
 def test_the_c_heap_leaves_rank_keys_wider_than_128_bits_to_python():
     assert ddtree_native.available(64, 18) is (ddtree_native.library() is not None)   # 7 bits x 18 = 126
     assert not ddtree_native.available(1024, 15)                                       # 11 bits x 15 = 165

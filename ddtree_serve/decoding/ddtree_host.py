@@ -18,8 +18,8 @@ in the same order for any input (unsorted rows, ties, NaN, -inf):
 - the outputs are made from one numpy array per field rather than torch.tensor on Python lists.
 
 `build_chain_host` does the same for a DFlash chain (`build_chain`'s row, in numpy). Where a C compiler is, the
-float32 heap runs in C (ddtree_native.py: the same keys, so the same pops), and only the fixed-point fallback stays
-in Python.
+heap runs in C on the fixed-point scores (ddtree_native.py: the same keys, so the same pops; the float sums above
+are the fixed-point sums exactly, so either order is the reference's), and the Python heap only without one.
 """
 from __future__ import annotations
 
@@ -101,13 +101,11 @@ def _pop_order(lp: np.ndarray, budget: int, max_depth: int | None, native: bool 
     if budget <= 0 or depth_limit <= 0 or width <= 0:
         return ([0], [-1], [-1]), False
     n_max = num_prefixes(width, depth_limit, budget)  # nodes the budget gets, root aside
+    if native and ddtree_native.available(width, depth_limit):   # the same heap in C, on the fixed point
+        return ddtree_native.best_first(_quantize_np(lp[:depth_limit]).ravel(), k, width, depth_limit, n_max), True
     if lp.dtype == np.float32:
         floor = -min(_LOGP_FLOOR, _FLOAT64_EXACT_SUM / depth_limit)
-        if native and ddtree_native.available(width, depth_limit):   # the same heap in C
-            nodes = ddtree_native.best_first(lp.ravel(), k, width, depth_limit, n_max, floor, _FLOAT32_EXACT_MAX)
-        else:
-            nodes = _best_first(memoryview(lp.ravel()), floor, _FLOAT32_EXACT_MAX, _levels(k, width, depth_limit),
-                                n_max)
+        nodes = _best_first(memoryview(lp.ravel()), floor, _FLOAT32_EXACT_MAX, _levels(k, width, depth_limit), n_max)
         if nodes is not None:
             return nodes, False
     q = memoryview(_quantize_np(lp[:depth_limit]).ravel())
@@ -171,8 +169,8 @@ def _tree(nodes: _Nodes, fixed_point: bool, ids: np.ndarray, root_token: int) ->
         tokens, depths = np.empty(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
     tokens[0] = root_token  # the root's cell took the last id
     # 0 - x rather than -x: a zero score is +0.0, as the reference's int -> float conversion makes it
-    if isinstance(neg_scores, np.ndarray):   # the C heap's float64 array: the same IEEE sums and rounding
-        scores = (0.0 - neg_scores).astype(np.float32)
+    if isinstance(neg_scores, np.ndarray):   # the C heap's int64 fixed point: the same _dequantize, in numpy
+        scores = (np.negative(neg_scores).astype(np.float64) / _SCALE).astype(np.float32)
     elif fixed_point:  # the reference's _dequantize: int64 -> float64, / 2**40 (exact), -> float32
         scores = np.fromiter(map(operator.truediv, map(operator.neg, neg_scores), repeat(_SCALE)), np.float32, n)
     else:

@@ -1,13 +1,13 @@
 /* DDTree's best-first pop order in C: ddtree_host._best_first, the same heap over the same keys.
  *
- * Compiled on first use by ddtree_native.py (cc -O2 -ffp-contract=off: no fused multiply-adds, so every sum is
- * the IEEE double sum Python makes). A heap entry's key is (-score, packed ranks): the packed ranks are unique,
- * so any correct priority queue pops the entries in the one order Python's heapq does. The packed ranks are the
- * rank tuple, digit r + 1 at depth d shifted by bits * (depth_limit - d), in an unsigned 128-bit integer (the
- * caller checks that they fit).
+ * Compiled on first use by ddtree_native.py. Scores are the reference's fixed point (log-probs quantized to
+ * multiples of 2**-40 by the caller, as int64; sums of at most 128 of them stay far inside int64), so every sum is
+ * exact and no input sends the build elsewhere. A heap entry's key is (-score, packed ranks): the packed ranks are
+ * unique, so any correct priority queue pops the entries in the one order Python's heapq does. The packed ranks
+ * are the rank tuple, digit r + 1 at depth d shifted by bits * (depth_limit - d), in an unsigned 128-bit integer
+ * (the caller checks that they fit).
  *
- * Returns the number of nodes written (root included), or -1 at the first log-prob outside [lo, hi] and not 0
- * (NaN included): the caller then takes the fixed-point path, as the Python builder does.
+ * Returns the number of nodes written (root included), or -2 when the heap cannot be allocated.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -15,11 +15,11 @@
 typedef unsigned __int128 u128;
 
 typedef struct {
-    double neg;         /* -score */
+    int64_t neg;        /* -score */
     u128 packed;        /* rank digits */
     int64_t parent;     /* parent node */
     int64_t cell;       /* flat index in the [depth, k] tables */
-    double parent_neg;  /* parent's -score */
+    int64_t parent_neg; /* parent's -score */
     int64_t depth;      /* 1-based */
 } entry;
 
@@ -68,25 +68,19 @@ static entry pushpop(entry *heap, int64_t n, entry e) {
     return top;
 }
 
-static int outside(double x, double lo, double hi) {
-    return !(lo <= x && x <= hi) && x != 0.0;
-}
-
-/* out: three rows of n_nodes + 1 eight-byte values: -scores (double), parents, cells (int64). */
-int64_t ddtree_best_first(const float *values, int64_t stride, int64_t width, int64_t depth_limit,
-                          int64_t n_nodes, int64_t bits, double lo, double hi, void *out) {
-    double *neg_scores = (double *)out;
-    int64_t *parents = (int64_t *)out + (n_nodes + 1);
-    int64_t *cells = (int64_t *)out + 2 * (n_nodes + 1);
+/* out: three rows of n_nodes + 1 int64 values: -scores (fixed point), parents, cells. */
+int64_t ddtree_best_first(const int64_t *values, int64_t stride, int64_t width, int64_t depth_limit,
+                          int64_t n_nodes, int64_t bits, int64_t *out) {
+    int64_t *neg_scores = out;
+    int64_t *parents = out + (n_nodes + 1);
+    int64_t *cells = out + 2 * (n_nodes + 1);
     entry *heap = malloc(sizeof(entry) * (size_t)(2 * n_nodes + 2));
     if (heap == NULL) return -2;
     int64_t size = 0;
-    neg_scores[0] = 0.0;
+    neg_scores[0] = 0;
     parents[0] = -1;
     cells[0] = -1;
-    double x = values[0];
-    if (outside(x, lo, hi)) { free(heap); return -1; }
-    entry item = {-x, (u128)1 << (bits * (depth_limit - 1)), 0, 0, 0.0, 1};
+    entry item = {-values[0], (u128)1 << (bits * (depth_limit - 1)), 0, 0, 0, 1};
     for (int64_t node = 1; node < n_nodes; node++) {
         neg_scores[node] = item.neg;
         parents[node] = item.parent;
@@ -95,17 +89,13 @@ int64_t ddtree_best_first(const float *values, int64_t stride, int64_t width, in
         u128 unit = (u128)1 << (bits * (depth_limit - d));
         int64_t cell = item.cell + 1;
         if (cell < (d - 1) * stride + width) {   /* next sibling: same parent, next rank */
-            x = values[cell];
-            if (outside(x, lo, hi)) { free(heap); return -1; }
-            entry sibling = {item.parent_neg - x, item.packed + unit, item.parent, cell, item.parent_neg, d};
+            entry sibling = {item.parent_neg - values[cell], item.packed + unit, item.parent, cell, item.parent_neg, d};
             push(heap, &size, sibling);
         }
         if (d < depth_limit) {                    /* first child: the best token of the next position */
             int64_t child_cell = d * stride;
-            x = values[child_cell];
-            if (outside(x, lo, hi)) { free(heap); return -1; }
             u128 child_unit = (u128)1 << (bits * (depth_limit - d - 1));
-            entry child = {item.neg - x, item.packed + child_unit, node, child_cell, item.neg, d + 1};
+            entry child = {item.neg - values[child_cell], item.packed + child_unit, node, child_cell, item.neg, d + 1};
             item = pushpop(heap, size, child);
         } else {                                  /* the prefixes still to pop come from the heap */
             item = pop(heap, &size);
