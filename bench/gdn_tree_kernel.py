@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-t", default="16,32", help="diagonal block sizes of the sweep grid (of 16, 32, 64)")
     p.add_argument("--precision", default="ieee", help="the dots' precisions to time (TileConfig.precision), e.g. "
                    "ieee,bf16x3,tf32x3,tf32: the default tiles at each, and with --sweep every tiling at each")
+    p.add_argument("--phases", default="1,2,3",
+                   help="the launch forms the sweep times (TileConfig.phases), e.g. 2 for the two-launch form alone")
     return p.parse_args(argv)
 
 
@@ -85,6 +87,10 @@ def sweep_grid(block_ts: tuple[int, ...] = (16, 32)):
     # The three-launch form (products first, in parallel over blocks), block doubling only.
     for bt, bc, warps in itertools.product(block_ts, (32, 64), (4, 8)):
         yield TileConfig(block_t=bt, block_c=bc, block_v=64, num_warps=warps, num_stages=1, phases=3)
+    # The two-launch form (the key side once per head, then all nodes past the root as one block; trees of up to
+    # 65 nodes, larger ones run the one launch): its block is the tree's, so block_t does not vary.
+    for bv, warps in itertools.product((32, 64), (4, 8)):
+        yield TileConfig(block_c=32, block_v=bv, num_warps=warps, num_stages=1, phases=2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         ref_ms, mode = time_per_call(lambda: _wy_core_reference(*inputs), args.calls, args.replays)
         rows.append([name, "PyTorch core", f"{ref_ms:.4f}", "", mode])
         print(" | ".join(rows[-1]), flush=True)
-        grid = sweep_grid(tuple(int(x) for x in args.block_t.split(","))) if args.sweep else []
+        forms = {int(x) for x in args.phases.split(",")}
+        grid = [cfg for cfg in sweep_grid(tuple(int(x) for x in args.block_t.split(","))) if cfg.phases in forms] \
+            if args.sweep else []
         default = gdn_tree_kernel.choose_config(len(trees) * VALUE_HEADS, HEAD_DIM,
                                                 torch.cuda.get_device_properties(0).multi_processor_count)
         configs = [None] + [dataclasses.replace(cfg, precision=precision) for precision in args.precision.split(",")

@@ -10,7 +10,8 @@
 #              tree-attention merge fused into the split kernel)
 #   attnprof   Nsight Compute (where installed) on the tree-attention split kernel of a 65-node block (ATTN_PROF_NODES)
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel;
-#              TREE_SWEEP= (empty) for the default tiles only) at each dot precision (TREE_PRECISION)
+#              TREE_SWEEP= (empty) for the default tiles only, TREE_SWEEP="--sweep --phases 2" for the two-launch form
+#              alone: the whole sweep at one precision outlasts 170 s on an H100) at each dot precision (TREE_PRECISION)
 #   fusedmerge the tree-attention merge fused into the split kernel: GPU tests with it on, its kernel A/B, the 8B step
 #              costs with it on (run after 8b in the same call: those are the A/B's other half)
 #   attnsweep  the tree-attention kernel's tilings and key splits for decode and verify blocks at the 8B and 27B heads

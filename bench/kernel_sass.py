@@ -269,7 +269,10 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
     if case == "tree_wy":
         return tree_wy_launches(65, {"three phases": {"phases": 3}, "4 warps": {"num_warps": 4},
                                      "tf32x3": {"precision": "tf32x3"}, "tf32": {"precision": "tf32"},
-                                     "bf16x3": {"precision": "bf16x3"}, "bf16x6": {"precision": "bf16x6"}})
+                                     "bf16x3": {"precision": "bf16x3"}, "bf16x6": {"precision": "bf16x6"},
+                                     "two phases": {"phases": 2},
+                                     "two phases bf16x3": {"phases": 2, "precision": "bf16x3"},
+                                     "two phases bf16x3 4 warps": {"phases": 2, "precision": "bf16x3", "num_warps": 4}})
     raise ValueError(f"unknown case {case!r} (of {', '.join(CASES)})")
 
 

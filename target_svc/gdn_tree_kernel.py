@@ -30,12 +30,15 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 _BLOCK_T = (16, 32, 64)
 # The three-launch form keeps two [T, T] float32 products per (tree, head): past this many nodes, one launch.
 THREE_PHASE_MAX_NODES = 256
+# The two-launch form solves every node past the root as one block (up to 64 rows, inverted by block doubling):
+# past this many nodes, one launch.
+TWO_PHASE_MAX_NODES = 65
 # The dots' precisions (Triton's input_precision) the kernels take: IEEE float32, and tensor-core products split
 # into several TF32 or bf16 parts (gdn_tree_wy_kernels.py).
 PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3", "tf32")
 # Names the dots' precision where the caller names no TileConfig, over serving_precision's choice by model dtype.
 PRECISION_ENV = "DDTREE_TREE_WY_PRECISION"
-# Names the launch form (TileConfig.phases, 1 or 3) where the caller names no TileConfig: an A/B switch for benches.
+# Names the launch form (TileConfig.phases, 1, 2 or 3) where the caller names no TileConfig: an A/B switch for benches.
 PHASES_ENV = "DDTREE_TREE_WY_PHASES"
 # Model dtypes whose layers round their outputs to 8 significant bits: the core's bf16x3 error (~1e-5 of the
 # largest output) is 300x below that rounding.
@@ -58,7 +61,9 @@ class TileConfig:
     invert: str = "blocks"
     # 1: one program per (tree, head, value block) does everything, block after block; 3: what does not depend on
     # earlier blocks' u is made first by a program per block in parallel, the substitution runs on precomputed
-    # products, the outputs are added last (gdn_tree_wy_kernels.py; trees of up to THREE_PHASE_MAX_NODES nodes)
+    # products, the outputs are added last (gdn_tree_wy_kernels.py; trees of up to THREE_PHASE_MAX_NODES nodes);
+    # 2: the key side (the whole inverse, QK) once per (tree, head), then every value block's nodes in one 64-row
+    # step (trees of up to TWO_PHASE_MAX_NODES nodes; block_t is then the nodes' own power of two)
     phases: int = 1
     # The dots' precision (the diagonal inverse's aside): "ieee" float32 FMAs, "tf32x3" three TF32 tensor-core
     # products a dot (about float32's accuracy), "tf32" one (~1e-3 relative; for the sweep)
@@ -105,10 +110,10 @@ def precision_from_env() -> str | None:
 
 
 def phases_from_env() -> int | None:
-    """The launch form DDTREE_TREE_WY_PHASES names (None: unset); ValueError for anything but 1 or 3."""
+    """The launch form DDTREE_TREE_WY_PHASES names (None: unset); ValueError for anything but 1, 2 or 3."""
     name = os.environ.get(PHASES_ENV, "").strip() or None
-    if name is not None and name not in ("1", "3"):
-        raise ValueError(f"{PHASES_ENV}={name!r}: expected 1 or 3")
+    if name is not None and name not in ("1", "2", "3"):
+        raise ValueError(f"{PHASES_ENV}={name!r}: expected 1, 2 or 3")
     return None if name is None else int(name)
 
 
@@ -170,7 +175,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         config = replace(config, phases=phases_from_env() or config.phases)
     cfg = config
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
-            or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 3)
+            or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 2, 3)
             or cfg.precision not in PRECISIONS):
         raise ValueError(f"bad tiles for Dv {dv}: {cfg}")
     qh, kh, vh, s0 = _unit_last(qh), _unit_last(kh), _unit_last(vh), _unit_last(s0)
@@ -183,6 +188,9 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     if core.numel() == 0:
         return core, u, cum.zero_()
     kernels = importlib.import_module("target_svc.gdn_tree_wy_kernels")  # Triton: only once a launch is certain
+    if cfg.phases == 2 and 2 <= t <= TWO_PHASE_MAX_NODES:
+        _two_launches(kernels, qh, kh, vh, g, beta, anc_u8, s0, s0_index, core, u, cum, cfg)
+        return core, u, cum
     if cfg.phases == 3 and 2 <= t <= THREE_PHASE_MAX_NODES:
         _three_launches(kernels, qh, kh, vh, g, beta, anc_u8, s0, s0_index, core, u, cum, cfg)
         return core, u, cum
@@ -200,6 +208,31 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return core, u, cum
+
+
+def _two_launches(kernels, qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, anc_u8: Tensor, s0: Tensor,
+                  s0_index: Tensor | None, core: Tensor, u: Tensor, cum: Tensor, cfg: TileConfig) -> None:
+    """TileConfig.phases == 2: the key side per (tree, head), then the values per (tree, head, value block)."""
+    bsz, heads, t, dk = kh.shape
+    dv = vh.shape[-1]
+    rows = max(16, 1 << (t - 2).bit_length())   # nodes 1 .. t-1 in one power-of-two block (t <= 65: at most 64)
+    inv = torch.empty(bsz * heads, rows, rows, dtype=torch.float32, device=vh.device)
+    qkd = torch.empty_like(inv)
+    strides = (qh.stride(0), qh.stride(1), qh.stride(2), kh.stride(0), kh.stride(1), kh.stride(2))
+    gates = (g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
+             anc_u8.stride(0), anc_u8.stride(1), anc_u8.stride(2))
+    kernels.tree_wy_keys_kernel[(bsz * heads,)](
+        qh, kh, g, beta, anc_u8, inv, qkd, t, heads, *strides, *gates,
+        DK=dk, NP=rows, BC=cfg.block_c, KC=min(32, dk), PRECISION=cfg.precision, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    kernels.tree_wy_values_kernel[(dv // cfg.block_v, bsz * heads)](
+        qh, kh, vh, g, beta, anc_u8, s0, s0 if s0_index is None else s0_index, core, u, cum, inv, qkd,
+        t, heads, *strides, vh.stride(0), vh.stride(1), vh.stride(2), *gates,
+        s0.stride(0), s0.stride(1), s0.stride(2), 0 if s0_index is None else s0_index.stride(0),
+        DK=dk, DV=dv, NP=rows, BC=cfg.block_c, KC=min(32, dk), BV=cfg.block_v, INDEXED=s0_index is not None,
+        PRECISION=cfg.precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
 
 
 def _three_launches(kernels, qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, anc_u8: Tensor, s0: Tensor,

@@ -52,8 +52,9 @@ def _exp_where(mask, x):
 
 
 @triton.jit
-def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr):
-    """(I + sys_a)^-1 of a strictly lower triangular BT x BT sys_a (BT a power of two >= 16)."""
+def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + sys_a)^-1 of a strictly lower triangular BT x BT sys_a (BT a power of two >= 16); the doubling's dots
+    at PRECISION (IEEE but for the two-launch form's 64-row inverse, see tree_wy_keys_kernel)."""
     eye = tl.where(loc[:, None] == loc[None, :], 1.0, 0.0)
     if INVERT == "rows":
         # Forward substitution: row i of the inverse is e_i - sum_{r < i} A[i, r] inv[r, :], rows r < i final by
@@ -80,7 +81,7 @@ def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr):
             if 2**s < BT:  # b = 2^s: blocks of b -> 2b
                 quarter = ((row // 2**s) % 2 == 1) & (col // 2**s == row // 2**s - 1)
                 m = tl.where(quarter, sys_a, 0.0)
-                inv -= tl.dot(inv, tl.dot(m, inv, input_precision="ieee"), input_precision="ieee")
+                inv -= tl.dot(inv, tl.dot(m, inv, input_precision=PRECISION), input_precision=PRECISION)
     return inv
 
 
@@ -230,7 +231,7 @@ def tree_wy_core_kernel(
                     mask=rmask[:, None] & rmask[None, :], other=0)
         decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
         sys_a = tl.where(strict, tl.dot(kb_r, tl.trans(k_r), input_precision=PRECISION) * decay, 0.0)
-        inv = _invert_unit_lower(sys_a, loc, BT, INVERT)
+        inv = _invert_unit_lower(sys_a, loc, BT, INVERT, "ieee")
         u_r = tl.dot(inv, rhs, input_precision=PRECISION)
         o += tl.dot(tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION) * decay, u_r, input_precision=PRECISION)
 
@@ -298,7 +299,7 @@ def tree_wy_prepare_kernel(
         decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
         strict = loc[:, None] > loc[None, :]
         sys_a = tl.where(strict, tl.dot(kb_r, tl.trans(k_r), input_precision=PRECISION) * decay, 0.0)
-        inv = _invert_unit_lower(sys_a, loc, BT, INVERT)
+        inv = _invert_unit_lower(sys_a, loc, BT, INVERT, "ieee")
         tl.store(inv_ptr + (bh * NB + blk) * BT * BT + loc[:, None] * BT + loc[None, :], inv)
         qk = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION) * decay
         tl.store(aqk_ptr + bh * T * T + rows[:, None] * T + rows[None, :], qk, mask=square)
@@ -395,3 +396,151 @@ def tree_wy_output_kernel(
         u_c = tl.load(u_ptr + bh * T * DV + cols[:, None] * DV + offs_v[None, :], mask=cmask[:, None], other=0.0)
         o += tl.dot(a, u_c, input_precision=PRECISION)
     tl.store(core_ptr + bh * T * DV + rows[:, None] * DV + offs_v[None, :], o, mask=rmask[:, None])
+
+
+# ---- the same core in two launches (TileConfig.phases == 2), trees of up to 1 + 64 nodes ----------------------
+# The nodes past the root fit one block of NP (16, 32 or 64) rows, so nothing is sequential over blocks: one
+# program per (tree, head) makes the key side, G, the whole (I + A)^-1 (block doubling up to NP) and the decayed
+# QK, once for all value blocks; then one program per (tree, head, value block) makes the right-hand sides,
+# U = (I + A)^-1 rhs and the outputs. Both walk the key dim in chunks of KC, so no [NP, DK] tile and no state is
+# held whole (the one-launch kernel at 64-row blocks and Dk 128 spilled tens of KB a thread). Scratch: the
+# inverse and QK [BH, NP, NP] (float32).
+
+
+@triton.jit
+def _rows_cum(anc_ptr, g_ptr, rows, rmask, T, stride_gt, stride_ai, stride_aj, NP: tl.constexpr, BC: tl.constexpr):
+    """G of the rows (the root's gate included), summed as _block_terms sums it for a block of NP rows at r0 = 1."""
+    cum_r = tl.zeros([NP], dtype=tl.float32)
+    for c0 in range(0, 1 + NP, BC):
+        cols = c0 + tl.arange(0, BC)
+        cmask = cols < T
+        a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
+                    mask=rmask[:, None] & cmask[None, :], other=0)
+        g_c = tl.load(g_ptr + cols * stride_gt, mask=cmask, other=0.0)
+        cum_r += tl.sum(tl.where(a != 0, g_c[None, :], 0.0), axis=1)
+    return cum_r
+
+
+@triton.jit(do_not_specialize=["T"])
+def tree_wy_keys_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, anc_ptr, inv_ptr, qkd_ptr,
+    T, H,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+    stride_gb, stride_gh, stride_gt, stride_bb, stride_bh, stride_bt, stride_ab, stride_ai, stride_aj,
+    DK: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr = "ieee",
+):
+    """Tree b, head h = program_id(0): (I + A)^-1 and QK * decay over nodes 1 .. T-1 (rows and columns 0 .. NP-1
+    of inv and qkd [BH, NP, NP]; rows past T: identity and zeros)."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    q_ptr += b * stride_qb + h * stride_qh
+    k_ptr += b * stride_kb + h * stride_kh
+    g_ptr += b * stride_gb + h * stride_gh
+    beta_ptr += b * stride_bb + h * stride_bh
+    anc_ptr += b * stride_ab
+    loc = tl.arange(0, NP)
+    rows = 1 + loc
+    rmask = rows < T
+    beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
+    kk = tl.zeros([NP, NP], dtype=tl.float32)
+    qk = tl.zeros([NP, NP], dtype=tl.float32)
+    for c in tl.static_range(0, DK, KC):
+        offs_c = c + tl.arange(0, KC)
+        k_c = tl.load(k_ptr + rows[:, None] * stride_kt + offs_c[None, :], mask=rmask[:, None], other=0.0)
+        q_c = tl.load(q_ptr + rows[:, None] * stride_qt + offs_c[None, :], mask=rmask[:, None], other=0.0)
+        kk += tl.dot(k_c * beta_r[:, None], tl.trans(k_c), input_precision=PRECISION)
+        qk += tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
+    cum_r = _rows_cum(anc_ptr, g_ptr, rows, rmask, T, stride_gt, stride_ai, stride_aj, NP, BC)
+    a = tl.load(anc_ptr + rows[:, None] * stride_ai + rows[None, :] * stride_aj,
+                mask=rmask[:, None] & rmask[None, :], other=0)
+    decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
+    # The whole block's inverse is 2 (log2(NP) - 1) dots of NP^3 (one-launch blocks: of 16^3): in IEEE float32 that
+    # is ~1000 FFMAs a thread a dot at NP 64, so tensor-core precisions take it to TF32 x 3 (float32's accuracy).
+    inv = _invert_unit_lower(tl.where(loc[:, None] > loc[None, :], kk * decay, 0.0), loc, NP, "blocks",
+                             "ieee" if PRECISION == "ieee" else "tf32x3")
+    square = bh * NP * NP + loc[:, None] * NP + loc[None, :]
+    tl.store(inv_ptr + square, inv)
+    tl.store(qkd_ptr + square, qk * decay)
+
+
+@triton.jit(do_not_specialize=["T"])
+def tree_wy_values_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, s0_ptr, s0_index_ptr, core_ptr, u_ptr, cum_ptr, inv_ptr, qkd_ptr,
+    T, H,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_gb, stride_gh, stride_gt, stride_bb, stride_bh, stride_bt, stride_ab, stride_ai, stride_aj,
+    stride_sb, stride_sh, stride_sk, stride_si,
+    DK: tl.constexpr, DV: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr,
+    BV: tl.constexpr, INDEXED: tl.constexpr, PRECISION: tl.constexpr = "ieee",
+):
+    """Value block program_id(0) of tree b, head h = program_id(1): the root step (as _root_step), then nodes
+    1 .. T-1 at once: their right-hand sides and root-state terms (as _block_terms) with S_r made chunk by chunk
+    of the key dim, U = inv rhs, o += qkd U."""
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
+        stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab)
+    core_ptr += bh * T * DV
+    u_ptr += bh * T * DV
+    cum_ptr += bh * T
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    s0_base = _s0_base(s0_ptr, s0_index_ptr, b, h, stride_sb, stride_sh, stride_si, INDEXED)
+
+    # Node 0: u_0 = beta_0 v_0 - S_0^T (beta_0 e^{g_0} k_0), o_0 = e^{g_0} S_0^T q_0 + (q_0 . k_0) u_0.
+    g0 = tl.load(g_ptr)
+    beta0 = tl.load(beta_ptr)
+    e0 = tl.exp(g0)
+    v0 = tl.load(v_ptr + offs_v)
+    sk0 = tl.zeros([BV], dtype=tl.float32)
+    sq0 = tl.zeros([BV], dtype=tl.float32)
+    qk0 = tl.zeros([KC], dtype=tl.float32)
+    for c in tl.static_range(0, DK, KC):
+        offs_c = c + tl.arange(0, KC)
+        s0_c = _load_s0(s0_base, offs_c, offs_v, stride_sk)
+        k0_c = tl.load(k_ptr + offs_c)
+        q0_c = tl.load(q_ptr + offs_c)
+        sk0 += tl.sum((k0_c * (beta0 * e0))[:, None] * s0_c, axis=0)
+        sq0 += tl.sum((q0_c * e0)[:, None] * s0_c, axis=0)
+        qk0 += q0_c * k0_c
+    u0 = v0 * beta0 - sk0
+    tl.store(u_ptr + offs_v, u0)
+    tl.store(core_ptr + offs_v, sq0 + tl.sum(qk0) * u0)
+    tl.store(cum_ptr, g0)
+
+    # Nodes 1 .. T-1 against S_r = e^{g_0} S_0 + k_0 u_0^T, one chunk of its rows at a time.
+    loc = tl.arange(0, NP)
+    rows = 1 + loc
+    rmask = rows < T
+    cum_r = _rows_cum(anc_ptr, g_ptr, rows, rmask, T, stride_gt, stride_ai, stride_aj, NP, BC)
+    in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=0) != 0
+    beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
+    e_r = _exp_where(rmask, cum_r - tl.where(in_root, g0, 0.0))   # see _block_terms: exactly 0 past T
+    rhs = tl.load(v_ptr + rows[:, None] * stride_vt + offs_v[None, :], mask=rmask[:, None], other=0.0) \
+        * beta_r[:, None]
+    o = tl.zeros([NP, BV], dtype=tl.float32)
+    for c in tl.static_range(0, DK, KC):
+        offs_c = c + tl.arange(0, KC)
+        s_root = _load_s0(s0_base, offs_c, offs_v, stride_sk) * e0 + tl.load(k_ptr + offs_c)[:, None] * u0[None, :]
+        k_c = tl.load(k_ptr + rows[:, None] * stride_kt + offs_c[None, :], mask=rmask[:, None], other=0.0)
+        q_c = tl.load(q_ptr + rows[:, None] * stride_qt + offs_c[None, :], mask=rmask[:, None], other=0.0)
+        rhs -= tl.dot(k_c * (beta_r * e_r)[:, None], s_root, input_precision=PRECISION)
+        o += tl.dot(q_c * e_r[:, None], s_root, input_precision=PRECISION)
+    if tl.min((in_root | ~rmask).to(tl.int32), axis=0) == 0:  # padding: its outputs start from S_0 (as above)
+        o_s0 = tl.zeros([NP, BV], dtype=tl.float32)
+        for c in tl.static_range(0, DK, KC):
+            offs_c = c + tl.arange(0, KC)
+            q_c = tl.load(q_ptr + rows[:, None] * stride_qt + offs_c[None, :], mask=rmask[:, None], other=0.0)
+            o_s0 += tl.dot(q_c * e_r[:, None], _load_s0(s0_base, offs_c, offs_v, stride_sk), input_precision=PRECISION)
+        o = tl.where(in_root[:, None], o, o_s0)
+
+    square = bh * NP * NP + loc[:, None] * NP + loc[None, :]
+    u_r = tl.dot(tl.load(inv_ptr + square), rhs, input_precision=PRECISION)
+    o += tl.dot(tl.load(qkd_ptr + square), u_r, input_precision=PRECISION)
+    out_mask = rmask[:, None]
+    tl.store(u_ptr + rows[:, None] * DV + offs_v[None, :], u_r, mask=out_mask)
+    tl.store(core_ptr + rows[:, None] * DV + offs_v[None, :], o, mask=out_mask)
+    tl.store(cum_ptr + rows, cum_r, mask=rmask)

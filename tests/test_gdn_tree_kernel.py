@@ -140,6 +140,16 @@ def test_interpreted_three_launch_kernel_equals_the_reference_core_on_random_tre
 
 
 @in_interpreter
+@pytest.mark.parametrize("case", [c for c in CASES if max(map(len, CASES[c][0])) <= gdn_tree_kernel.TWO_PHASE_MAX_NODES])
+def test_interpreted_two_launch_kernel_equals_the_reference_core_on_random_trees(interpreted, case):
+    """TileConfig.phases == 2 (the whole inverse and QK per head, then every node past the root in one block) on
+    every tree case of up to TWO_PHASE_MAX_NODES nodes: 1, 16, 17 and 65 nodes, padded trees, chains and any depth."""
+    trees, dk, dv = CASES[case]
+    assert_matches_reference(core_inputs(trees, heads=2, dk=dk, dv=dv, seed=len(case)),
+                             TileConfig(block_c=32, block_v=16, phases=2))
+
+
+@in_interpreter
 @pytest.mark.parametrize("config", [TileConfig(block_t=16, block_c=16, block_v=16),
                                     TileConfig(block_t=32, block_c=16, block_v=16, phases=3),
                                     TileConfig(block_t=16, block_c=64, block_v=32, phases=3, invert="rows"),
@@ -209,6 +219,22 @@ def test_interpreted_inversions_round_like_substitution_against_float64(interpre
 
 
 @in_interpreter
+def test_interpreted_two_launch_inverse_rounds_like_substitution_against_float64(interpreted):
+    """The two-launch form inverts all 64 nodes past the root as one block (doubling up to 64): within the
+    float32 rounding bound of the one-launch kernel, on the random tree and the correlated chains above."""
+    config = TileConfig(block_c=32, block_v=16, phases=2)
+    for args in (core_inputs([random_parents(65, 16, torch.Generator().manual_seed(4))], heads=2, dk=128, dv=16,
+                             seed=5),
+                 correlated_chain_inputs(64, dk=128, dv=16, cosine=0.8, seed=7),
+                 correlated_chain_inputs(64, dk=16, dv=16, cosine=0.98, seed=9)):
+        want = _wy_core_reference(*(a.double() if a.is_floating_point() else a for a in args))
+        got = gdn_tree_kernel.tree_wy_core(*args, config=config)
+        for name, x, ref in zip(("core", "u"), got, want):
+            err = ((x.double() - ref).abs().max() / ref.abs().max()).item()
+            assert err <= F64_TOL, f"{name}: {err:.2e} against float64"
+
+
+@in_interpreter
 def test_interpreted_tree_forward_with_the_kernel_equals_it_without(interpreted):
     """gdn_tree_forward_wy on a layer: outputs and the trace the commit reads agree; the trace's layout is kept."""
     layer, x, parents, valid, conv, rec = _small_forward_inputs(seed=5)
@@ -232,7 +258,7 @@ def test_interpreted_kernel_reads_each_trees_state_from_a_pool_by_index(interpre
     pool = torch.randn(6, 2, 16, 32, generator=torch.Generator().manual_seed(4)) * 0.3
     packed = torch.tensor([[7, 5], [7, 1], [7, 5]])
     index = packed[:, 1]
-    for phases in (1, 3):
+    for phases in (1, 2, 3):
         config = TileConfig(block_v=32, phases=phases)
         args[6] = pool
         got = gdn_tree_kernel.tree_wy_core(*args, config=config, s0_index=index)
@@ -244,7 +270,7 @@ def test_interpreted_kernel_reads_each_trees_state_from_a_pool_by_index(interpre
 
 
 @in_interpreter
-@pytest.mark.parametrize("phases", [1, 3])
+@pytest.mark.parametrize("phases", [1, 2, 3])
 def test_interpreted_kernel_stays_exact_past_the_last_block_under_a_fast_decaying_root(interpreted, phases):
     """Trees whose last 16-node block runs past the tree (16 and 33 nodes: nodes 1 .. T-1 in blocks of 16) with
     a root gate of -100 (e^100 overflows float32): finite and the reference's, as at 17 nodes. Rows past the
@@ -329,7 +355,8 @@ def test_the_serving_precision_follows_the_model_dtype_unless_the_environment_na
 
 
 def test_the_launch_form_switch_reads_one_or_three_and_refuses_anything_else(monkeypatch):
-    """DDTREE_TREE_WY_PHASES: unset is None (choose_config's form), "1" and "3" name the form, others are refused."""
+    """DDTREE_TREE_WY_PHASES: unset is None (choose_config's form), "1", "2" and "3" name the form, others are
+    refused."""
     monkeypatch.delenv(gdn_tree_kernel.PHASES_ENV, raising=False)
     assert gdn_tree_kernel.phases_from_env() is None
     monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, " 3 ")
@@ -337,7 +364,9 @@ def test_the_launch_form_switch_reads_one_or_three_and_refuses_anything_else(mon
     monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, "1")
     assert gdn_tree_kernel.phases_from_env() == 1
     monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, "2")
-    with pytest.raises(ValueError, match="expected 1 or 3"):
+    assert gdn_tree_kernel.phases_from_env() == 2
+    monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, "4")
+    with pytest.raises(ValueError, match="expected 1, 2 or 3"):
         gdn_tree_kernel.phases_from_env()
 
 

@@ -771,10 +771,12 @@ def test_tree_wy_kernel_equals_the_reference_core_on_and_off_the_block_boundary(
 
 @needs_tree_kernel
 @pytest.mark.parametrize("tiles", [(16, 32, 8, "rows", 1), (32, 32, 8, "blocks", 1), (32, 64, 4, "blocks", 1),
-                                   (16, 32, 8, "blocks", 3), (32, 32, 4, "blocks", 3)])
+                                   (16, 32, 8, "blocks", 3), (32, 32, 4, "blocks", 3), (16, 32, 4, "blocks", 2),
+                                   (16, 32, 8, "blocks", 2)])
 def test_tree_wy_kernel_equals_the_reference_core_under_the_swept_tilings(tiles):
     """Tilings the sweep may pick besides the default: the row-by-row inversion, 32-node diagonal blocks, the
-    three-launch form (its 255-node chain takes it too: up to THREE_PHASE_MAX_NODES)."""
+    three-launch form (its 255-node chain takes it too: up to THREE_PHASE_MAX_NODES), the two-launch form (65
+    nodes; the chain goes to one launch)."""
     from target_svc.gdn_tree_kernel import TileConfig, tree_wy_core
     from target_svc.gdn_tree_wy import _wy_core_reference
 
@@ -800,7 +802,7 @@ def test_tree_wy_kernel_on_tensor_cores_stays_within_its_precisions_error(precis
 
     args = _tree_core_inputs_27b([_tree_parents(65, 16, 1), _tree_parents(40, 16, 2)], seed=5)
     want = _wy_core_reference(*args)
-    for phases in (1, 3):
+    for phases in (1, 2, 3):
         config = TileConfig(block_t=16, block_c=32, block_v=64, num_warps=8, num_stages=1, phases=phases,
                             precision=precision)
         for name, x, ref in zip(("core", "u", "cum"), tree_wy_core(*args, config=config), want):
@@ -828,7 +830,7 @@ def test_tree_wy_precision_named_in_the_environment_is_the_one_the_serving_call_
 
 
 @needs_tree_kernel
-@pytest.mark.parametrize("phases", [1, 3])
+@pytest.mark.parametrize("phases", [1, 2, 3])
 @pytest.mark.parametrize("nodes", [16, 65])
 def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes, phases):
     """No host sync, no autotuning: a replay on new inputs equals an eager call bit for bit (the G that the
