@@ -33,7 +33,7 @@
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), batch 1 and 4,
 #              SPEEDHYB_PROMPTS=32 prompts x 256 tokens (8 prompts left each tau ~3 % of sampling error, 2026-12-06),
 #              transformers on one prompt, SPEEDHYB_BUDGETS=32,64, each in a graph bucket of its own size
-#              (SPEEDHYB_TARGET_ARGS, default --graph-node-sizes=33,64), step sockets with the gateway polling as in
+#              (SPEEDHYB_TARGET_ARGS, default --graph-node-sizes=33: 64 runs 65 nodes, a default bucket), step sockets with the gateway polling as in
 #              speed8b; SPEEDHYB_ARGS adds flags, SPEEDHYB_S its time limit (~7 min on an H200)
 #   hybridenv  the hybrid step costs with HYB_ENV set (e.g. HYB_ENV=DDTREE_TREE_WY_PRECISION=bf16x3), after hybrid
 #   attnab     step costs with SDPA attention (DDTREE_TREE_ATTENTION=off) on /tmp/w8 and /tmp/w27 where present:
@@ -204,7 +204,7 @@ for s in $SECTIONS; do
       timeout ${SPEEDHYB_S:-540} python3 -m bench.speed --model /tmp/w27/target --drafter /tmp/w27/drafter --device cuda \
         --dtype bfloat16 --num-prompts ${SPEEDHYB_PROMPTS:-32} --max-tokens 256 --hf-prompts 1 --batch 4 \
         --budget ${SPEEDHYB_BUDGETS:-32,64} --no-hf-batch "${CALIB[@]}" --kernel-warmup-passes 0 \
-        --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} --target-args="${SPEEDHYB_TARGET_ARGS---graph-node-sizes=33,64}" \
+        --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} --target-args="${SPEEDHYB_TARGET_ARGS---graph-node-sizes=33}" \
         ${SPEEDHYB_ARGS:-} --out-dir "$R/hybrid" --log-dir "$R/logs-27b" > "$R/speed-27b.log" 2>&1
       grep -E "tok/s|CALIB|Error|error" "$R/speed-27b.log" | tail -12 ;;
     rpchop)   # one gRPC hop between the services on this host's CPUs (tiny CPU models): is the host's hop the cost?
