@@ -33,8 +33,9 @@
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), batch 1 and 4,
 #              SPEEDHYB_PROMPTS=32 prompts x 256 tokens (8 prompts left each tau ~3 % of sampling error, 2026-12-06),
 #              transformers on one prompt, SPEEDHYB_BUDGETS=32,64, each in a graph bucket of its own size
-#              (SPEEDHYB_TARGET_ARGS, default --graph-node-sizes=33: 64 runs 65 nodes, a default bucket), step sockets with the gateway polling as in
-#              speed8b; SPEEDHYB_ARGS adds flags, SPEEDHYB_S its time limit (~7 min on an H200)
+#              (SPEEDHYB_TARGET_ARGS, default --graph-node-sizes=33; budget 64's 65 nodes are a default bucket),
+#              step sockets with the gateway polling as in speed8b; SPEEDHYB_ARGS adds flags, SPEEDHYB_S its time
+#              limit (~7 min on an H200)
 #   hybridenv  the hybrid step costs with HYB_ENV set (e.g. HYB_ENV=DDTREE_TREE_WY_PRECISION=bf16x3), after hybrid
 #   attnab     step costs with SDPA attention (DDTREE_TREE_ATTENTION=off) on /tmp/w8 and /tmp/w27 where present:
 #              the tree-attention kernel's A/B against the 8b / hybrid sections of the same call
