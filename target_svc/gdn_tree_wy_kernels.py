@@ -95,6 +95,22 @@ def _tree_head(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, s
 
 
 @triton.jit
+def _value_program(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, core_ptr, u_ptr, cum_ptr, T, H, stride_qb,
+                   stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh,
+                   stride_ab, DV: tl.constexpr):
+    """A (value block, tree x head) program's value block, tree b and head h, its inputs' pointers (_tree_head)
+    and its outputs' rows: core, u [B, H, T, DV] and cum [B, H, T], contiguous."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
+        stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab)
+    return (tl.program_id(0), b, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, core_ptr + bh * T * DV,
+            u_ptr + bh * T * DV, cum_ptr + bh * T)
+
+
+@triton.jit
 def _s0_base(s0_ptr, s0_index_ptr, b, h, stride_sb, stride_sh, stride_si, INDEXED: tl.constexpr):
     """Tree b's initial state of head h: s0[s0_index[b], h] of a pool (INDEXED) or s0[b, h]."""
     if INDEXED:
@@ -175,16 +191,9 @@ def tree_wy_core_kernel(
     """core, u [B, H, T, DV] and cum [B, H, T] (contiguous float32) of one (b, h, value block); q, k [B, H, T, DK],
     v [B, H, T, DV] and s0 [B or pool, H, DK, DV] have unit stride along their last dim, anc [B, T, T] is uint8
     (0/1). INDEXED: tree b starts from s0[s0_index[b]] (a state pool read in place), else from s0[b]."""
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
-        stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab)
-    core_ptr += bh * T * DV
-    u_ptr += bh * T * DV
-    cum_ptr += bh * T
+    pid_v, b, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, core_ptr, u_ptr, cum_ptr = _value_program(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, core_ptr, u_ptr, cum_ptr, T, H, stride_qb, stride_qh,
+        stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab, DV)
 
     offs_k = tl.arange(0, DK)
     offs_v = pid_v * BV + tl.arange(0, BV)
@@ -477,16 +486,9 @@ def tree_wy_values_kernel(
     """Value block program_id(0) of tree b, head h = program_id(1): the root step (as _root_step), then nodes
     1 .. T-1 at once: their right-hand sides and root-state terms (as _block_terms) with S_r made chunk by chunk
     of the key dim, U = inv rhs, o += qkd U."""
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
-        stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab)
-    core_ptr += bh * T * DV
-    u_ptr += bh * T * DV
-    cum_ptr += bh * T
+    pid_v, b, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, core_ptr, u_ptr, cum_ptr = _value_program(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, core_ptr, u_ptr, cum_ptr, T, H, stride_qb, stride_qh,
+        stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab, DV)
     offs_v = pid_v * BV + tl.arange(0, BV)
     s0_base = _s0_base(s0_ptr, s0_index_ptr, b, h, stride_sb, stride_sh, stride_si, INDEXED)
 
@@ -537,7 +539,7 @@ def tree_wy_values_kernel(
             o_s0 += tl.dot(q_c * e_r[:, None], _load_s0(s0_base, offs_c, offs_v, stride_sk), input_precision=PRECISION)
         o = tl.where(in_root[:, None], o, o_s0)
 
-    square = bh * NP * NP + loc[:, None] * NP + loc[None, :]
+    square = (b * H + h) * NP * NP + loc[:, None] * NP + loc[None, :]
     u_r = tl.dot(tl.load(inv_ptr + square), rhs, input_precision=PRECISION)
     o += tl.dot(tl.load(qkd_ptr + square), u_r, input_precision=PRECISION)
     out_mask = rmask[:, None]
