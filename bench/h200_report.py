@@ -176,7 +176,7 @@ def plot(speed: dict, path: Path, gpu: str = "H200") -> bool:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.h200_report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--step-cost", help="the Qwen3-8B step costs (the 8B figures; optional with --fit)")
+    p.add_argument("--step-cost", help="the Qwen3-8B step costs (the 8B figures; optional with another input)")
     p.add_argument("--speed")
     p.add_argument("--hybrid-step-cost")
     p.add_argument("--hybrid-speed")
@@ -195,9 +195,9 @@ def main(argv=None) -> None:
     hstep, hspeed = _load(args.hybrid_step_cost), _load(args.hybrid_speed)
     fit, quality = _load(args.fit), _load(args.quality)
     quant = [_load(f) for f in args.quant_step_cost]
-    first = step or fit or (quant[0] if quant else None)
+    first = step or hstep or fit or (quant[0] if quant else None)
     if first is None:
-        p.error("give --step-cost, --fit or --quant-step-cost")
+        p.error("give --step-cost, --hybrid-step-cost, --fit or --quant-step-cost")
     data = {"date": first["date"], "gpu": first["hardware"].get("gpu"), "command": first["command"],
             "commands": [x["command"] for x in (step, speed, hstep, hspeed, fit, *quant, quality) if x],
             **(summarize(step, speed, args.budget, "8b") if step else {})}

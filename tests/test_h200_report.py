@@ -117,3 +117,16 @@ def test_a_speed_run_with_tau_errors_reports_them_beside_the_ratio(tmp_path):
     h200_report.main(["--step-cost", str(STEP), "--speed", str(path), "--out-dir", str(tmp_path)])
     data = json.loads((tmp_path / "h200.json").read_text())
     assert data["ddtree_tau_se_8b_b1"] == 0.14 and data["ddtree_over_dflash_tau_se_8b_b1"] == 0.03
+
+
+def test_a_hybrid_only_run_makes_a_report_of_its_own(tmp_path):
+    """`bash bench/h200.sh OUT hybrid speedhyb report` has no 8B files: the hybrid keys alone, dated by its run."""
+    run = common.RESULTS_DIR / "h200-hybrid-2026-12-06"
+    step = run / "step-cost-qwen3.6-27b-cuda-nvidia-h200.json"
+    speed = run / "speed-calibrated-cuda-nvidia-h200.json"
+    h200_report.main(["--hybrid-step-cost", str(step), "--hybrid-speed", str(speed), "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "h200.json").read_text())
+    runs = json.loads(speed.read_text())
+    assert data["date"] == json.loads(step.read_text())["date"] and "ar_step_ms_8b" not in data
+    best = max(_tokens_per_s(runs, "ddtree", 1, b) for b in runs["budgets"])
+    assert data["hybrid_ddtree_over_ar_b1"] == pytest.approx(best / _tokens_per_s(runs, "ar", 1), rel=1e-3)
