@@ -9,7 +9,7 @@ are shaped like a drafter's: per position the sorted top-k of log_softmax(randn(
 
 Two ways of timing, the builders taking turns (ratios within one run):
 - in a step (turns at every step): each timed build is preceded by the step's other host work in the gateway, the
-  drafts read from a serialized DraftResponse with gateway/engine.py's draft_tensors, and followed by the
+  drafts read from a serialized DraftResponse with the gateway's draft_arrays (numpy), and followed by the
   VerifyRequest built from the trees (tokens.tolist(), parents.tolist(), serialized; timed as "lists");
 - back to back (turns every --block steps): the build alone, called again and again (caches as warm as they get).
 
@@ -31,9 +31,8 @@ from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding import ddtree_native
 from ddtree_serve.decoding.ddtree import DraftTree, build_ddtree_reference
 from ddtree_serve.decoding.ddtree_host import build_ddtree_host
-from ddtree_serve.plumbing.messages import draft_result
+from ddtree_serve.plumbing.messages import draft_arrays, draft_result
 from ddtree_serve.proto import drafter_pb2, target_pb2
-from gateway.engine import draft_tensors
 from gateway.sequence import Sequence
 from gateway.step_trees import build_step_trees
 
@@ -53,15 +52,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--draft-sets", type=int, default=32, help="distinct drafts per config, cycled through")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sharpness", default="4,9",
+                   help="LO,HI: each position's logits are randn x s, s uniform in [LO, HI]; e.g. 40,120 for a sharp "
+                        "drafter whose top log-probs sit within 2**-17 of 0 (the fixed-point scores; outputs named "
+                        "...-sharp<LO>-<HI>)")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
 
-def drafter_like(gen: torch.Generator, n_pos: int, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def drafter_like(gen: torch.Generator, n_pos: int, k: int, vocab: int,
+                 sharpness_range: tuple[float, float] = (4.0, 9.0)) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 log-probs and int64 ids [n_pos, k], sorted descending per position."""
-    sharpness = 4.0 + 5.0 * torch.rand(n_pos, 1, generator=gen)
+    lo, hi = sharpness_range
+    sharpness = lo + (hi - lo) * torch.rand(n_pos, 1, generator=gen)
     top = torch.log_softmax(torch.randn(n_pos, vocab, generator=gen) * sharpness, dim=-1).topk(k, dim=-1)
     return top.values.contiguous(), top.indices.contiguous()
+
+
+def _sharpness(text: str) -> tuple[float, float]:
+    lo, hi = (float(x) for x in text.split(","))
+    return lo, hi
 
 
 def make_sequences(batch: int, budget: int) -> list[Sequence]:
@@ -82,8 +92,8 @@ def draft_response(seqs: list[Sequence], drafts: Drafts) -> bytes:
 
 def reference_step_trees(seqs: list[Sequence], drafts: Drafts, max_depths: dict[str, int]) -> dict[str, DraftTree]:
     """The DDTree part of build_step_trees as it was: drafts stacked, then the reference heap per sequence."""
-    logprobs = torch.stack([drafts[s.seq_id][0] for s in seqs])
-    ids = torch.stack([drafts[s.seq_id][1] for s in seqs])
+    logprobs = torch.stack([torch.as_tensor(drafts[s.seq_id][0]) for s in seqs])
+    ids = torch.stack([torch.as_tensor(drafts[s.seq_id][1]) for s in seqs])
     return {s.seq_id: build_ddtree_reference(lp, tk, s.budget, max_depths[s.seq_id], s.bonus)
             for s, lp, tk in zip(seqs, logprobs, ids)}
 
@@ -107,7 +117,7 @@ def assert_same_trees(a: dict[str, DraftTree], b: dict[str, DraftTree]) -> None:
 def in_a_step(builder: Builder, blob: bytes, seqs: list[Sequence], max_depths: dict[str, int]) -> tuple[float, float]:
     """One gateway step's host work around the build; µs of the build and of the VerifyRequest's lists."""
     response = drafter_pb2.DraftResponse.FromString(blob)
-    drafts = {r.seq_id: draft_tensors(r) for r in response.results}
+    drafts = {r.seq_id: draft_arrays(r) for r in response.results}   # numpy, as the gateway reads them
     t0 = time.perf_counter_ns()
     trees = builder(seqs, drafts, max_depths)
     t1 = time.perf_counter_ns()
@@ -126,7 +136,8 @@ def summary(values: list[float]) -> dict[str, float]:
 def measure(batch: int, budget: int, args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(args.seed + 1000 * batch + budget)
     seqs = make_sequences(batch, budget)
-    draft_sets = [{s.seq_id: drafter_like(gen, args.depth, budget, args.vocab) for s in seqs}
+    sharpness = _sharpness(args.sharpness)
+    draft_sets = [{s.seq_id: drafter_like(gen, args.depth, budget, args.vocab, sharpness) for s in seqs}
                   for _ in range(args.draft_sets)]
     blobs = [draft_response(seqs, d) for d in draft_sets]
     max_depths = {s.seq_id: args.depth for s in seqs}
@@ -181,7 +192,8 @@ def main(argv=None) -> None:
     hw = common.hardware("cpu", "-", torch.get_num_threads())
     data = {"bench": "tree_build", "command": common.command_line("bench.tree_build"), "date": common.now_utc(),
             "hardware": hw, "steps": args.steps, "warmup": args.warmup, "block": args.block,
-            "draft_sets": args.draft_sets, "vocab": args.vocab, "results": results}
+            "draft_sets": args.draft_sets, "vocab": args.vocab, "sharpness": list(_sharpness(args.sharpness)),
+            "results": results}
 
     def cell(r: dict, key: str) -> str:
         return f"{r[key]['median_us']} / {r[key]['p90_us']}"
@@ -198,9 +210,9 @@ def main(argv=None) -> None:
              f"- Hardware: {hw['cpu_model']} ({hw['usable_cpus']} usable CPUs); torch {hw['torch']} "
              f"({hw['torch_threads_per_service']} threads), Python {hw['python']}",
              f"- Work: per config {args.draft_sets} drafter-like draft sets (top-k = budget, {args.depth} positions, "
-             f"vocab {args.vocab}) cycled; both builders' trees checked identical first. In a step: {args.warmup} "
+             f"vocab {args.vocab}, logits randn x s, s in [{args.sharpness.replace(',', ', ')}]) cycled; both builders' trees checked identical first. In a step: {args.warmup} "
              f"untimed then {args.steps} timed steps, each running the gateway's host work around one build of each "
-             f"builder in turn (DraftResponse -> draft_tensors, build, VerifyRequest). Back to back: {args.steps} "
+             f"builder in turn (DraftResponse -> draft_arrays, build, VerifyRequest). Back to back: {args.steps} "
              f"timed builds per builder in blocks of {args.block}, builders alternating",
              "- C heap: " + ("built" if ddtree_native.library() is not None
                              else "NOT built (no compiler): host = the Python heap"),
@@ -211,7 +223,8 @@ def main(argv=None) -> None:
                               "host", "x reference", "x python heap", "back to back: python heap", "host",
                               "x python heap", "lists"], rows)]
     print("\n".join(lines))
-    common.write_outputs(args.out_dir, f"tree-build-{common.hardware_tag(hw)}", data, "\n".join(lines))
+    suffix = "" if _sharpness(args.sharpness) == (4.0, 9.0) else "-sharp" + args.sharpness.replace(",", "-")
+    common.write_outputs(args.out_dir, f"tree-build-{common.hardware_tag(hw)}{suffix}", data, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -271,6 +271,17 @@ def test_a_sharp_drafters_draft_takes_the_c_heap_and_gives_the_references_tree(m
     assert len(calls) == 2
 
 
+@pytest.mark.usefixtures("host_heap")
+def test_host_equals_reference_on_float64_and_bfloat16_log_probs():
+    """float32 log-probs are quantized inside the C heap; other dtypes arrive quantized (float64) or widened to
+    float32 (half types): every path gives the reference's tree."""
+    gen = torch.Generator().manual_seed(25)
+    lp, ids = random_topk(gen, 1, 15, 64, vocab=5000, sharp=3.0)
+    lp64 = lp[0].double() + torch.rand(15, 64, generator=gen, dtype=torch.float64) * 1e-9   # past float32's bits
+    assert_host_equals_reference(lp64, ids[0], budgets=(64,), depths=(None, 15))
+    assert_host_equals_reference(lp[0].bfloat16(), ids[0], budgets=(64,), depths=(None, 15))
+
+
 def test_the_c_heap_leaves_rank_keys_wider_than_128_bits_to_python():
     assert ddtree_native.available(64, 18) is (ddtree_native.library() is not None)   # 7 bits x 18 = 126
     assert not ddtree_native.available(1024, 15)                                       # 11 bits x 15 = 165

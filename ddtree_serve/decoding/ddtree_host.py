@@ -102,7 +102,8 @@ def _pop_order(lp: np.ndarray, budget: int, max_depth: int | None, native: bool 
         return ([0], [-1], [-1]), False
     n_max = num_prefixes(width, depth_limit, budget)  # nodes the budget gets, root aside
     if native and ddtree_native.available(width, depth_limit):   # the same heap in C, on the fixed point
-        return ddtree_native.best_first(_quantize_np(lp[:depth_limit]).ravel(), k, width, depth_limit, n_max), True
+        values = lp[:depth_limit] if lp.dtype == np.float32 else _quantize_np(lp[:depth_limit])  # float32: in C
+        return ddtree_native.best_first(values.ravel(), k, width, depth_limit, n_max, _LOGP_FLOOR), True
     if lp.dtype == np.float32:
         floor = -min(_LOGP_FLOOR, _FLOAT64_EXACT_SUM / depth_limit)
         nodes = _best_first(memoryview(lp.ravel()), floor, _FLOAT32_EXACT_MAX, _levels(k, width, depth_limit), n_max)

@@ -1,14 +1,16 @@
 /* DDTree's best-first pop order in C: ddtree_host._best_first, the same heap over the same keys.
  *
- * Compiled on first use by ddtree_native.py. Scores are the reference's fixed point (log-probs quantized to
- * multiples of 2**-40 by the caller, as int64; sums of at most 128 of them stay far inside int64), so every sum is
- * exact and no input sends the build elsewhere. A heap entry's key is (-score, packed ranks): the packed ranks are
+ * Compiled on first use by ddtree_native.py (cc -O2 -ffp-contract=off). Scores are the reference's fixed point:
+ * log-probs quantized to multiples of 2**-40 as int64 (sums of at most 128 of them stay far inside int64), so
+ * every sum is exact and no input sends the build elsewhere. float32 log-probs are quantized here, each when the
+ * heap first reads it, exactly as ddtree_host._quantize_np does in float32; other dtypes come quantized. A heap entry's key is (-score, packed ranks): the packed ranks are
  * unique, so any correct priority queue pops the entries in the one order Python's heapq does. The packed ranks
  * are the rank tuple, digit r + 1 at depth d shifted by bits * (depth_limit - d), in an unsigned 128-bit integer
  * (the caller checks that they fit).
  *
  * Returns the number of nodes written (root included), or -2 when the heap cannot be allocated.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -68,9 +70,29 @@ static entry pushpop(entry *heap, int64_t n, entry e) {
     return top;
 }
 
-/* out: three rows of n_nodes + 1 int64 values: -scores (fixed point), parents, cells. */
-int64_t ddtree_best_first(const int64_t *values, int64_t stride, int64_t width, int64_t depth_limit,
-                          int64_t n_nodes, int64_t bits, int64_t *out) {
+/* _quantize_np on one float32: NaN to the floor (fmaxf drops NaN, as np.fmax), clamped to [-floor, 0], times
+ * 2**40 (exact in float32 from 2**-17 up), rounded half to even, as int64. */
+static int64_t quantized(float x, float floor_value) {
+    float v = fminf(fmaxf(x, -floor_value), 0.0f);
+    return (int64_t)rintf(v * 1099511627776.0f);
+}
+
+typedef struct {
+    const float *f32;      /* float32 log-probs, quantized on read; or NULL and */
+    const int64_t *fixed;  /* log-probs quantized already */
+    float floor_value;
+} scores;
+
+static int64_t score(const scores *v, int64_t cell) {
+    return v->f32 != NULL ? quantized(v->f32[cell], v->floor_value) : v->fixed[cell];
+}
+
+/* values: float32 log-probs when is_float32 (floor_value: the reference's floor), else int64 fixed-point ones.
+ * out: three rows of n_nodes + 1 int64 values: -scores (fixed point), parents, cells. */
+int64_t ddtree_best_first(const void *values, int64_t is_float32, double floor_value, int64_t stride, int64_t width,
+                          int64_t depth_limit, int64_t n_nodes, int64_t bits, int64_t *out) {
+    scores v = {is_float32 ? (const float *)values : NULL, is_float32 ? NULL : (const int64_t *)values,
+                (float)floor_value};
     int64_t *neg_scores = out;
     int64_t *parents = out + (n_nodes + 1);
     int64_t *cells = out + 2 * (n_nodes + 1);
@@ -80,7 +102,7 @@ int64_t ddtree_best_first(const int64_t *values, int64_t stride, int64_t width, 
     neg_scores[0] = 0;
     parents[0] = -1;
     cells[0] = -1;
-    entry item = {-values[0], (u128)1 << (bits * (depth_limit - 1)), 0, 0, 0, 1};
+    entry item = {-score(&v, 0), (u128)1 << (bits * (depth_limit - 1)), 0, 0, 0, 1};
     for (int64_t node = 1; node < n_nodes; node++) {
         neg_scores[node] = item.neg;
         parents[node] = item.parent;
@@ -89,13 +111,13 @@ int64_t ddtree_best_first(const int64_t *values, int64_t stride, int64_t width, 
         u128 unit = (u128)1 << (bits * (depth_limit - d));
         int64_t cell = item.cell + 1;
         if (cell < (d - 1) * stride + width) {   /* next sibling: same parent, next rank */
-            entry sibling = {item.parent_neg - values[cell], item.packed + unit, item.parent, cell, item.parent_neg, d};
+            entry sibling = {item.parent_neg - score(&v, cell), item.packed + unit, item.parent, cell, item.parent_neg, d};
             push(heap, &size, sibling);
         }
         if (d < depth_limit) {                    /* first child: the best token of the next position */
             int64_t child_cell = d * stride;
             u128 child_unit = (u128)1 << (bits * (depth_limit - d - 1));
-            entry child = {item.neg - values[child_cell], item.packed + child_unit, node, child_cell, item.neg, d + 1};
+            entry child = {item.neg - score(&v, child_cell), item.packed + child_unit, node, child_cell, item.neg, d + 1};
             item = pushpop(heap, size, child);
         } else {                                  /* the prefixes still to pop come from the heap */
             item = pop(heap, &size);

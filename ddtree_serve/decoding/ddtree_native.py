@@ -50,7 +50,7 @@ def library() -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=cache) as tmp:   # built aside, then renamed: no half-written file
                 out = Path(tmp) / target.name
                 subprocess.run([compiler, "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(out),
-                                str(SOURCE)], check=True, capture_output=True, timeout=120)
+                                str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
                 os.replace(out, target)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
@@ -59,8 +59,8 @@ def library() -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(target))
     lib.ddtree_best_first.restype = ctypes.c_int64
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.ddtree_best_first.argtypes = [ptr, i64, i64, i64, i64, i64, ptr]
+    i64, f64, ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+    lib.ddtree_best_first.argtypes = [ptr, i64, f64, i64, i64, i64, i64, i64, ptr]
     return lib
 
 
@@ -69,15 +69,17 @@ def available(width: int, depth_limit: int) -> bool:
     return width.bit_length() * depth_limit <= PACKED_BITS and library() is not None
 
 
-def best_first(values: np.ndarray, stride: int, width: int, depth_limit: int,
-               n_nodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ddtree_host._best_first over fixed-point log-probs (int64 multiples of 2**-40, [n_pos * stride]) ->
-    (-scores, parents, cells), int64 each, the root first. Only where available(width, depth_limit)."""
+def best_first(values: np.ndarray, stride: int, width: int, depth_limit: int, n_nodes: int,
+               floor: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ddtree_host._best_first over log-probs [n_pos * stride] on the reference's fixed point -> (-scores,
+    parents, cells), int64 each, the root first. values: float32 log-probs (quantized in C as _quantize_np would,
+    floor: the log-prob floor) or int64 ones quantized already. Only where available(width, depth_limit)."""
     lib, bits = library(), width.bit_length()
-    values = np.ascontiguousarray(values, dtype=np.int64)
+    f32 = values.dtype == np.float32
+    values = np.ascontiguousarray(values, dtype=np.float32 if f32 else np.int64)
     out = np.empty((3, n_nodes + 1), dtype=np.int64)   # -scores, parents, cells
-    written = lib.ddtree_best_first(values.__array_interface__["data"][0], stride, width, depth_limit, n_nodes,
-                                    bits, out.__array_interface__["data"][0])
+    written = lib.ddtree_best_first(values.__array_interface__["data"][0], int(f32), floor, stride, width,
+                                    depth_limit, n_nodes, bits, out.__array_interface__["data"][0])
     if written == -2:
         raise MemoryError("DDTree's C builder could not allocate its heap")
     return out[0], out[1], out[2]
