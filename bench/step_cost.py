@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -249,6 +250,7 @@ def kernel_profile(fn, device: torch.device, top: int = 25, warmup: bool = True,
     if trace_path is not None:
         prof.export_chrome_trace(trace_path)
     kernels: dict[str, list[float]] = {}
+    families: dict[str, float] = {}
     for ev in prof.events():
         if device.type == "cuda" and ev.device_type.name != "CUDA":
             continue
@@ -256,10 +258,53 @@ def kernel_profile(fn, device: torch.device, top: int = 25, warmup: bool = True,
         entry = kernels.setdefault(ev.name[:90], [0.0, 0])
         entry[0] += us / 1e3
         entry[1] += 1
+        family = kernel_family(ev.name)   # the whole name: templates say ArgMax past the 90 characters kept
+        families[family] = families.get(family, 0.0) + us / 1e3
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return {"kernel_ms_total": round(sum(v[0] for v in kernels.values()), 3),
             "kernel_launches": int(sum(v[1] for v in kernels.values())),
+            "families": {f: round(ms, 4) for f, ms in sorted(families.items())},
             "top": [{"kernel": name, "ms": round(ms, 4), "calls": calls} for name, (ms, calls) in ranked[:top]]}
+
+
+# Kernel names -> what part of a step they are, first match wins (cuBLAS's nvjet / xmma / split-K kernels are the
+# projections and the LM head; the commit's float32 product is one of them too).
+KERNEL_FAMILIES = (
+    ("tree WY core", re.compile(r"tree_wy")),
+    ("GDN recurrence (fla)", re.compile(r"gated_delta|chunk_|fused_recurrent")),
+    ("attention", re.compile(r"tree_attention|flash|fmha|attention")),
+    ("GEMM", re.compile(r"nvjet|gemm|xmma|splitKreduce|cutlass|int8_|dot_kernel|gemv|aten::(addmm|mm|bmm|linear)\b")),
+    ("sampling (argmax, top-k)", re.compile(r"ArgMax|argmax|topk|TopK|[Ss]ort")),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The part of a step a kernel belongs to (KERNEL_FAMILIES; everything else is elementwise glue, copies,
+    norms and gathers)."""
+    return next((family for family, pattern in KERNEL_FAMILIES if pattern.search(name)), "glue")
+
+
+def tree_profiles(profiles: list[dict]) -> list[dict]:
+    """The batch-1 profiles of trees (over one node) by size: the captured verify calls, else (no graphs: a CPU)
+    the eager forwards."""
+    trees = [p for p in profiles if p.get("batch") == 1 and p.get("nodes", 0) > 1 and "families" in p]
+    captured = [p for p in trees if p.get("what") == "one captured verify call"]
+    return sorted(captured or [p for p in trees if "what" not in p], key=lambda p: p["nodes"])
+
+
+def tree_extra_rows(profiles: list[dict]) -> list[list]:
+    """Per kernel family: ms of the smallest tree's profile (tree_profiles) and the largest's, and the
+    difference: where a larger tree's extra time goes. [] without two tree sizes."""
+    calls = tree_profiles(profiles)
+    if len(calls) < 2:
+        return []
+    small, large = calls[0], calls[-1]
+    names = sorted(set(small["families"]) | set(large["families"]),
+                   key=lambda f: -(large["families"].get(f, 0.0) - small["families"].get(f, 0.0)))
+    rows = [[f, small["families"].get(f, 0.0), large["families"].get(f, 0.0),
+             round(large["families"].get(f, 0.0) - small["families"].get(f, 0.0), 4)] for f in names]
+    return rows + [["all", small["kernel_ms_total"], large["kernel_ms_total"],
+                    round(large["kernel_ms_total"] - small["kernel_ms_total"], 4)]]
 
 
 def drafter_costs(drafter: DrafterRunner, batches: list[int], context: int, steps: int,
@@ -382,6 +427,13 @@ def main(argv=None) -> None:
         md += ["", f"## Kernels of {call}, batch {prof['batch']}, {what}: "
                    f"{prof['kernel_launches']} kernels, {prof['kernel_ms_total']} ms of device time", "",
                common.md_table(["kernel", "ms", "calls"], [[k["kernel"], k["ms"], k["calls"]] for k in prof["top"]])]
+    extra = tree_extra_rows(profiles or [])
+    if extra:
+        trees = tree_profiles(profiles)
+        small, large = trees[0]["nodes"], trees[-1]["nodes"]
+        md += ["", f"## Where a larger tree's time goes: {trees[-1].get('what', 'one eager forward')}, batch 1, "
+                   f"{large} against {small} nodes (ms per kernel family)", "",
+               common.md_table(["family", f"{small} nodes", f"{large} nodes", "extra"], extra)]
     stem = f"step-cost-{args.shape}-{common.hardware_tag(hw)}"
     if args.quantize != "none":
         stem += f"-{args.quantize}"
