@@ -169,11 +169,11 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError("tree WY core exceeds int32 offsets")
     if bsz * heads > 65535:  # the grid's second axis
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
-    if config is None:
-        config = replace(choose_config(bsz * heads, dv, _num_sms(vh.device)),
-                         precision=precision or precision_from_env() or "ieee")
-        config = replace(config, phases=phases_from_env() or config.phases)
     cfg = config
+    if cfg is None:
+        tiles = choose_config(bsz * heads, dv, _num_sms(vh.device))
+        cfg = replace(tiles, precision=precision or precision_from_env() or "ieee",
+                      phases=phases_from_env() or tiles.phases)
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
             or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 2, 3)
             or cfg.precision not in PRECISIONS):
