@@ -3,10 +3,10 @@
  * Compiled on first use by ddtree_native.py (cc -O2 -ffp-contract=off). Scores are the reference's fixed point:
  * log-probs quantized to multiples of 2**-40 as int64 (sums of at most 128 of them stay far inside int64), so
  * every sum is exact and no input sends the build elsewhere. float32 log-probs are quantized here, each when the
- * heap first reads it, exactly as ddtree_host._quantize_np does in float32; other dtypes come quantized. A heap entry's key is (-score, packed ranks): the packed ranks are
- * unique, so any correct priority queue pops the entries in the one order Python's heapq does. The packed ranks
- * are the rank tuple, digit r + 1 at depth d shifted by bits * (depth_limit - d), in an unsigned 128-bit integer
- * (the caller checks that they fit).
+ * heap first reads it, exactly as ddtree_host._quantize_np does in float32; other dtypes come quantized.
+ * A heap entry's key is (-score, packed ranks): the packed ranks are unique, so any correct priority queue pops
+ * the entries in the one order Python's heapq does. The packed ranks are the rank tuple, digit r + 1 at depth d
+ * shifted by bits * (depth_limit - d), in an unsigned 128-bit integer (the caller checks that they fit).
  *
  * Returns the number of nodes written (root included), or -2 when the heap cannot be allocated.
  */
@@ -111,7 +111,8 @@ int64_t ddtree_best_first(const void *values, int64_t is_float32, double floor_v
         u128 unit = (u128)1 << (bits * (depth_limit - d));
         int64_t cell = item.cell + 1;
         if (cell < (d - 1) * stride + width) {   /* next sibling: same parent, next rank */
-            entry sibling = {item.parent_neg - score(&v, cell), item.packed + unit, item.parent, cell, item.parent_neg, d};
+            entry sibling = {item.parent_neg - score(&v, cell), item.packed + unit, item.parent, cell,
+                             item.parent_neg, d};
             push(heap, &size, sibling);
         }
         if (d < depth_limit) {                    /* first child: the best token of the next position */
