@@ -118,7 +118,8 @@ int64_t ddtree_best_first(const void *values, int64_t is_float32, double floor_v
         if (d < depth_limit) {                    /* first child: the best token of the next position */
             int64_t child_cell = d * stride;
             u128 child_unit = (u128)1 << (bits * (depth_limit - d - 1));
-            entry child = {item.neg - score(&v, child_cell), item.packed + child_unit, node, child_cell, item.neg, d + 1};
+            entry child = {item.neg - score(&v, child_cell), item.packed + child_unit, node, child_cell, item.neg,
+                           d + 1};
             item = pushpop(heap, size, child);
         } else {                                  /* the prefixes still to pop come from the heap */
             item = pop(heap, &size);
