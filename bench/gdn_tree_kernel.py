@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             label = "kernel, default tiles" if cfg is None else (
                 f"kernel BT {cfg.block_t} {cfg.invert} BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps} "
                 f"stages {cfg.num_stages}" + (f" {cfg.phases} launches" if cfg.phases > 1 else "")
+                + (" (one launch: too many nodes)" if cfg.phases == 2 and max(map(len, trees))
+                   > gdn_tree_kernel.TWO_PHASE_MAX_NODES else "")
                 + ("" if cfg.precision == "ieee" else f" {cfg.precision}"))
             rows.append(sweep_row(name, label, lambda cfg=cfg: gdn_tree_kernel.tree_wy_core(*inputs, config=cfg),
                                   lambda got: agreement(got[:2], want[:2]), args.calls, args.replays))

@@ -85,8 +85,8 @@ def supports(nodes: int, head_k_dim: int, head_v_dim: int) -> bool:
     return 1 <= nodes <= MAX_NODES and head_k_dim in _HEAD_DIMS and head_v_dim in _HEAD_DIMS
 
 
-def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132) -> TileConfig:
-    """Tile sizes for batch_heads = B * Hv heads: a pure function of the shape.
+def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132, phases: int = 1) -> TileConfig:
+    """Tile sizes for batch_heads = B * Hv heads in the launch form `phases`: a pure function of the shape.
 
     From sweeps on an H200 at 27B heads (48 x 128; bench.gdn_tree_kernel --sweep, every call inside a CUDA
     graph): 64 value columns per program and one pipeline stage won for every tree shape, even with fewer
@@ -95,6 +95,11 @@ def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132) -> Tile
     beat 64; and the block-doubling inversion beat the row-by-row one at every measured shape (one 65-node tree
     of depth 16: 0.097 ms against 0.116; a 16-node chain 0.0145 against 0.0182; eight 65-node trees 0.507
     against 0.550; bench/results/gdn-tree-kernel-h200-sweep.log)."""
+    if phases == 2:
+        # Two launches (H100, bf16x3, 27B heads, 2026-12-06): value blocks of 32 and 4 warps won for one tree of 65
+        # nodes (0.0514 ms; 64 and 4 warps 0.0570, 8 warps 0.0703 and 0.0758) and of 16 (0.0174), and were level
+        # with 64 for eight trees (0.2332 against 0.2280; bench/results/h200-hybrid-2026-12-06/h100/).
+        return TileConfig(block_c=32, block_v=min(32, head_v_dim), num_warps=4, num_stages=1, phases=2)
     block_v = min(64, head_v_dim)
     programs = batch_heads * (head_v_dim // block_v)
     return TileConfig(block_t=16, block_c=32, block_v=block_v, num_warps=8 if programs < 2 * num_sms else 4,
@@ -150,7 +155,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     s0 is a pool of states [N, Hv, Dk, Dv] and tree b starts from s0[s0_index[b]], read in place (the reference's
     s0[s0_index] without its gather). The caller checks supports() first. config None: choose_config's tiles at
     `precision` (None: DDTREE_TREE_WY_PRECISION, else IEEE float32; the serving path passes serving_precision's)
-    and the launch form DDTREE_TREE_WY_PHASES names, if any."""
+    for the launch form DDTREE_TREE_WY_PHASES names, if any."""
     bsz, heads, t, dk = kh.shape
     dv = vh.shape[-1]
     s0_rows = (bsz,) if s0_index is None else (s0.shape[0],)
@@ -171,9 +176,8 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
     cfg = config
     if cfg is None:
-        tiles = choose_config(bsz * heads, dv, _num_sms(vh.device))
-        cfg = replace(tiles, precision=precision or precision_from_env() or "ieee",
-                      phases=phases_from_env() or tiles.phases)
+        cfg = replace(choose_config(bsz * heads, dv, _num_sms(vh.device), phases_from_env() or 1),
+                      precision=precision or precision_from_env() or "ieee")
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
             or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 2, 3)
             or cfg.precision not in PRECISIONS):

@@ -830,6 +830,22 @@ def test_tree_wy_precision_named_in_the_environment_is_the_one_the_serving_call_
 
 
 @needs_tree_kernel
+def test_tree_wy_launch_form_named_in_the_environment_is_the_one_the_serving_call_runs(monkeypatch):
+    """DDTREE_TREE_WY_PHASES=2: tree_wy_core without a config gives the bits of choose_config's two-launch tiles."""
+    import dataclasses
+
+    from target_svc import gdn_tree_kernel
+    from target_svc.gdn_tree_kernel import choose_config, tree_wy_core
+
+    args = _tree_core_inputs_27b([_tree_parents(65, 16, 1)], seed=9)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, "2")
+    got = tree_wy_core(*args, precision="bf16x3")
+    want = tree_wy_core(*args, config=dataclasses.replace(choose_config(48, 128, sms, phases=2), precision="bf16x3"))
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@needs_tree_kernel
 @pytest.mark.parametrize("phases", [1, 2, 3])
 @pytest.mark.parametrize("nodes", [16, 65])
 def test_tree_wy_kernel_replays_inside_a_captured_graph(nodes, phases):
