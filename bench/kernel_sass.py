@@ -272,7 +272,8 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
                                      "bf16x3": {"precision": "bf16x3"}, "bf16x6": {"precision": "bf16x6"},
                                      "two phases": {"phases": 2},
                                      "two phases bf16x3": {"phases": 2, "precision": "bf16x3"},
-                                     "two phases bf16x3 4 warps": {"phases": 2, "precision": "bf16x3", "num_warps": 4}})
+                                     "two phases bf16x3, its tiles": {"phases": 2, "precision": "bf16x3",
+                                                                      "block_v": 32, "num_warps": 4}})
     raise ValueError(f"unknown case {case!r} (of {', '.join(CASES)})")
 
 
