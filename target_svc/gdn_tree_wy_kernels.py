@@ -86,10 +86,12 @@ def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr, PRECI
 
 
 @triton.jit
-def _tree_head(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
+def _tree_head(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, bh, H, stride_qb, stride_qh, stride_kb, stride_kh,
                stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab):
-    """The inputs' pointers moved to tree b, head h (the ancestor mask's to tree b)."""
-    return (q_ptr + b * stride_qb + h * stride_qh, k_ptr + b * stride_kb + h * stride_kh,
+    """Tree b = bh // H, head h = bh % H, and the inputs' pointers moved to them (the ancestor mask's to tree b)."""
+    b = bh // H
+    h = bh % H
+    return (b, h, q_ptr + b * stride_qb + h * stride_qh, k_ptr + b * stride_kb + h * stride_kh,
             v_ptr + b * stride_vb + h * stride_vh, g_ptr + b * stride_gb + h * stride_gh,
             beta_ptr + b * stride_bb + h * stride_bh, anc_ptr + b * stride_ab)
 
@@ -101,10 +103,8 @@ def _value_program(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, core_ptr, u_pt
     """A (value block, tree x head) program's value block, tree b and head h, its inputs' pointers (_tree_head)
     and its outputs' rows: core, u [B, H, T, DV] and cum [B, H, T], contiguous."""
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
+    b, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, bh, H, stride_qb, stride_qh, stride_kb, stride_kh,
         stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab)
     return (tl.program_id(0), b, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, core_ptr + bh * T * DV,
             u_ptr + bh * T * DV, cum_ptr + bh * T)
@@ -141,21 +141,29 @@ def _root_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0, offs_k, offs_v):
 
 
 @triton.jit
-def _block_terms(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0_base, s_root,
-                 g0, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk,
-                 BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr):
-    """What a block of nodes needs before any earlier block's u: (G of its rows, q, k and beta k rows, its right-hand
-    side less the root state's term, its outputs' root-state term). Rows past T load as zeros (k = v = beta = 0:
-    they solve to u = 0 and are never stored); rows outside the root's subtree (padding) use S_0 and G."""
-    # G (the root's gate included): the rows' ancestors all precede them, so no column past the block is needed.
+def _rows_cum(anc_ptr, g_ptr, rows, rmask, end, T, stride_gt, stride_ai, stride_aj, BT: tl.constexpr,
+              BC: tl.constexpr):
+    """G of the rows (the root's gate included), over ancestor columns 0 .. end - 1: the rows' ancestors all precede
+    them, so no column past their block is needed."""
     cum_r = tl.zeros([BT], dtype=tl.float32)
-    for c0 in range(0, r0 + BT, BC):
+    for c0 in range(0, end, BC):
         cols = c0 + tl.arange(0, BC)
         cmask = cols < T
         a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
                     mask=rmask[:, None] & cmask[None, :], other=0)
         g_c = tl.load(g_ptr + cols * stride_gt, mask=cmask, other=0.0)
         cum_r += tl.sum(tl.where(a != 0, g_c[None, :], 0.0), axis=1)
+    return cum_r
+
+
+@triton.jit
+def _block_terms(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, rows, rmask, r0, T, offs_k, offs_v, s0_base, s_root,
+                 g0, stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ai, stride_aj, stride_sk,
+                 BT: tl.constexpr, BC: tl.constexpr, PRECISION: tl.constexpr):
+    """What a block of nodes needs before any earlier block's u: (G of its rows, q, k and beta k rows, its right-hand
+    side less the root state's term, its outputs' root-state term). Rows past T load as zeros (k = v = beta = 0:
+    they solve to u = 0 and are never stored); rows outside the root's subtree (padding) use S_0 and G."""
+    cum_r = _rows_cum(anc_ptr, g_ptr, rows, rmask, r0 + BT, T, stride_gt, stride_ai, stride_aj, BT, BC)
     in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=0) != 0
     beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
     q_r = tl.load(q_ptr + rows[:, None] * stride_qt + offs_k[None, :], mask=rmask[:, None], other=0.0)
@@ -278,10 +286,8 @@ def tree_wy_prepare_kernel(
     pid_v = tl.program_id(0)
     blk = tl.program_id(1)
     bh = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, b, h, stride_qb, stride_qh, stride_kb, stride_kh,
+    b, h, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr = _tree_head(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, anc_ptr, bh, H, stride_qb, stride_qh, stride_kb, stride_kh,
         stride_vb, stride_vh, stride_gb, stride_gh, stride_bb, stride_bh, stride_ab)
     offs_k = tl.arange(0, DK)
     offs_v = pid_v * BV + tl.arange(0, BV)
@@ -416,20 +422,6 @@ def tree_wy_output_kernel(
 # inverse and QK [BH, NP, NP] (float32).
 
 
-@triton.jit
-def _rows_cum(anc_ptr, g_ptr, rows, rmask, T, stride_gt, stride_ai, stride_aj, NP: tl.constexpr, BC: tl.constexpr):
-    """G of the rows (the root's gate included), summed as _block_terms sums it for a block of NP rows at r0 = 1."""
-    cum_r = tl.zeros([NP], dtype=tl.float32)
-    for c0 in range(0, 1 + NP, BC):
-        cols = c0 + tl.arange(0, BC)
-        cmask = cols < T
-        a = tl.load(anc_ptr + rows[:, None] * stride_ai + cols[None, :] * stride_aj,
-                    mask=rmask[:, None] & cmask[None, :], other=0)
-        g_c = tl.load(g_ptr + cols * stride_gt, mask=cmask, other=0.0)
-        cum_r += tl.sum(tl.where(a != 0, g_c[None, :], 0.0), axis=1)
-    return cum_r
-
-
 @triton.jit(do_not_specialize=["T"])
 def tree_wy_keys_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, anc_ptr, inv_ptr, qkd_ptr,
@@ -460,7 +452,7 @@ def tree_wy_keys_kernel(
         q_c = tl.load(q_ptr + rows[:, None] * stride_qt + offs_c[None, :], mask=rmask[:, None], other=0.0)
         kk += tl.dot(k_c * beta_r[:, None], tl.trans(k_c), input_precision=PRECISION)
         qk += tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
-    cum_r = _rows_cum(anc_ptr, g_ptr, rows, rmask, T, stride_gt, stride_ai, stride_aj, NP, BC)
+    cum_r = _rows_cum(anc_ptr, g_ptr, rows, rmask, 1 + NP, T, stride_gt, stride_ai, stride_aj, NP, BC)
     a = tl.load(anc_ptr + rows[:, None] * stride_ai + rows[None, :] * stride_aj,
                 mask=rmask[:, None] & rmask[None, :], other=0)
     decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
@@ -517,7 +509,7 @@ def tree_wy_values_kernel(
     loc = tl.arange(0, NP)
     rows = 1 + loc
     rmask = rows < T
-    cum_r = _rows_cum(anc_ptr, g_ptr, rows, rmask, T, stride_gt, stride_ai, stride_aj, NP, BC)
+    cum_r = _rows_cum(anc_ptr, g_ptr, rows, rmask, 1 + NP, T, stride_gt, stride_ai, stride_aj, NP, BC)
     in_root = tl.load(anc_ptr + rows * stride_ai, mask=rmask, other=0) != 0
     beta_r = tl.load(beta_ptr + rows * stride_bt, mask=rmask, other=0.0)
     e_r = _exp_where(rmask, cum_r - tl.where(in_root, g0, 0.0))   # see _block_terms: exactly 0 past T
