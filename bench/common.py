@@ -304,7 +304,7 @@ def tau_standard_error(drafts: float, accepted_at_depth: dict[int, float]) -> fl
 
 
 def ratio_standard_error(ratio: float, a: float, a_se: float, b: float, b_se: float) -> float:
-    """Standard error of ratio = (x a) / (y b) from those of independent a and b alone (first order)."""
+    """Standard error of a ratio proportional to a / b, from the errors of independent a and b alone (first order)."""
     return ratio * math.sqrt((a_se / a) ** 2 + (b_se / b) ** 2)
 
 
