@@ -7,7 +7,8 @@ In one process on one device, with random-weight checkpoints built on the spot (
 - target: a whole `TargetRunner.verify` call (host work included: validation, packing, the walk, the commit,
   the device->host copy) for trees of 1 (`ar`), 16 (a DFlash chain) and 65 nodes (a DDTree budget 64), per
   batch size, eager and graphed; and the forward alone (device time);
-- drafter: a whole `DrafterRunner.draft` call at top-K 64 (tree mode) and top-K 1 (chain mode);
+- drafter: a whole `DrafterRunner.draft` call at top-K 64 (tree mode) and top-K 1 (chain mode), and with graphs
+  its captured block forward and top-K alone (the drafter's forward, as the target's);
 - agreement: graphed and eager forwards on the same batch (max |logit diff| / max |logit|, greedy agreement).
 
     python -m bench.step_cost --shape qwen3-8b --batches 1,8,32
@@ -31,7 +32,7 @@ import torch
 from bench import common
 from bench.shapes import SHAPES, build_drafter, build_target, target_config
 from ddtree_serve.decoding.config import SamplingParams
-from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
+from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner, top_logprobs
 from target_svc.int8_matmul import FUSED_REDUCE_ENV
 from target_svc.quantization import QUANTIZE_MODES, QuantizedLinear, tensor_bytes
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
@@ -307,6 +308,17 @@ def tree_extra_rows(profiles: list[dict]) -> list[list]:
                     round(large["kernel_ms_total"] - small["kernel_ms_total"], 4)]]
 
 
+def captured_draft(drafter: DrafterRunner, items: list[DraftItem], top_k: int):
+    """The device part of drafter.draft(items, top_k, 15) alone, as the target's "forward graph" column: the
+    captured block forward's replay and the top-K, its packed rows already on the device (no checks, packing or
+    host-to-device copy)."""
+    batch, keys = drafter.graphs.shape_for(len(items), max(it.context_len for it in items))
+    rows = [(it.bonus_token, it.context_len, drafter._slot[it.seq_id]) for it in items]
+    packed = drafter._pack(rows, batch).to(drafter.device)
+    forward = drafter._block_graph(batch, keys)
+    return lambda: top_logprobs(*forward(packed), len(items), 15, top_k)
+
+
 def drafter_costs(drafter: DrafterRunner, batches: list[int], context: int, steps: int,
                   device: torch.device, profiles: list[dict] | None = None) -> list[dict]:
     """Draft-call times per batch: tree mode (top-64) and chain mode (top-1), eager and graphed; with profiles
@@ -326,6 +338,8 @@ def drafter_costs(drafter: DrafterRunner, batches: list[int], context: int, step
                 drafter.graphs = graphs if run == "graph" else None
                 row[f"draft_{run}_ms"] = median_ms(lambda: drafter.draft(items, top_k, 15), steps, device)
             drafter.graphs = graphs
+            if graphs is not None:
+                row["forward_graph_ms"] = median_ms(captured_draft(drafter, items, top_k), steps, device)
             rows.append(row)
             print(row, flush=True)
             if profiles is not None and batch == batches[0] and mode == "tree":
@@ -412,10 +426,11 @@ def main(argv=None) -> None:
           common.md_table(["batch", "nodes", "verify eager", "verify graph", "forward eager", "forward graph"],
                           [[r["batch"], r["nodes"], r.get("verify_eager_ms"), r.get("verify_graph_ms"),
                             r.get("forward_eager_ms"), r.get("forward_graph_ms")] for r in target_rows]),
-          "", "## Drafter: one `DrafterRunner.draft` call, depth 15 (ms, median)", "",
-          common.md_table(["batch", "mode", "top-K", "eager", "graph"],
-                          [[r["batch"], r["mode"], r["top_k"], r.get("draft_eager_ms"), r.get("draft_graph_ms")]
-                           for r in drafter_rows]),
+          "", "## Drafter: one `DrafterRunner.draft` call, depth 15 (host work included), and the captured forward and "
+          "top-K alone (ms, median)", "",
+          common.md_table(["batch", "mode", "top-K", "call eager", "call graph", "forward graph"],
+                          [[r["batch"], r["mode"], r["top_k"], r.get("draft_eager_ms"), r.get("draft_graph_ms"),
+                            r.get("forward_graph_ms")] for r in drafter_rows]),
           "", "## Graph vs eager forward on the same batch", "",
           common.md_table(["batch", "nodes", "max |diff| / max |logit|", "greedy agreement", "eager finite",
                            "graph finite"],

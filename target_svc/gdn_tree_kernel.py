@@ -106,6 +106,17 @@ def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132, phases:
                       num_stages=1, invert="blocks")
 
 
+def default_phases(nodes: int, precision: str) -> int:
+    """The launch form for a tree of `nodes` nodes whose dots run at `precision`: two launches where they take the
+    tree (2 .. TWO_PHASE_MAX_NODES nodes) on the tensor cores (any precision but "ieee"), else one.
+
+    Timed at 27B heads in bf16x3 (H100, 2026-12-06): one 65-node tree 0.0514 ms against the one launch's 0.0581
+    (its best tiling 0.0547), a 16-node chain 0.0174 against 0.0198, eight 65-node trees level (0.2332 against
+    0.2327), agreement with the PyTorch core 1.1e-5 of the largest output as the one launch's. At IEEE the
+    two-launch form was not timed, so float32 models keep the one launch."""
+    return 2 if precision != "ieee" and 2 <= nodes <= TWO_PHASE_MAX_NODES else 1
+
+
 def precision_from_env() -> str | None:
     """The dots' precision DDTREE_TREE_WY_PRECISION names (None: unset); ValueError for a name not in PRECISIONS."""
     name = os.environ.get(PRECISION_ENV, "").strip().lower() or None
@@ -155,7 +166,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
     s0 is a pool of states [N, Hv, Dk, Dv] and tree b starts from s0[s0_index[b]], read in place (the reference's
     s0[s0_index] without its gather). The caller checks supports() first. config None: choose_config's tiles at
     `precision` (None: DDTREE_TREE_WY_PRECISION, else IEEE float32; the serving path passes serving_precision's)
-    for the launch form DDTREE_TREE_WY_PHASES names, if any."""
+    in the launch form DDTREE_TREE_WY_PHASES names, else default_phases'."""
     bsz, heads, t, dk = kh.shape
     dv = vh.shape[-1]
     s0_rows = (bsz,) if s0_index is None else (s0.shape[0],)
@@ -176,8 +187,9 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         raise ValueError(f"tree WY core of {bsz} x {heads} heads exceeds the launch grid")
     cfg = config
     if cfg is None:
-        cfg = replace(choose_config(bsz * heads, dv, _num_sms(vh.device), phases_from_env() or 1),
-                      precision=precision or precision_from_env() or "ieee")
+        dots = precision or precision_from_env() or "ieee"
+        cfg = replace(choose_config(bsz * heads, dv, _num_sms(vh.device), phases_from_env() or default_phases(t, dots)),
+                      precision=dots)
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
             or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 2, 3)
             or cfg.precision not in PRECISIONS):

@@ -365,6 +365,15 @@ def test_the_launch_form_switch_reads_one_or_three_and_refuses_anything_else(mon
         gdn_tree_kernel.phases_from_env()
 
 
+def test_trees_on_the_tensor_cores_up_to_65_nodes_default_to_two_launches():
+    """default_phases: two launches for 2 .. 65 nodes at any tensor-core precision; one at IEEE, for a lone root
+    and past 65 nodes."""
+    assert gdn_tree_kernel.default_phases(65, "bf16x3") == 2 and gdn_tree_kernel.default_phases(2, "tf32x3") == 2
+    assert gdn_tree_kernel.default_phases(17, "bf16x3") == 2
+    assert gdn_tree_kernel.default_phases(65, "ieee") == 1 and gdn_tree_kernel.default_phases(1, "bf16x3") == 1
+    assert gdn_tree_kernel.default_phases(gdn_tree_kernel.TWO_PHASE_MAX_NODES + 1, "bf16x3") == 1
+
+
 def test_supported_shapes_and_tiles():
     assert supports(1, 128, 128) and supports(256, 128, 128) and supports(gdn_tree_kernel.MAX_NODES, 16, 256)
     assert not supports(0, 128, 128) and not supports(gdn_tree_kernel.MAX_NODES + 1, 128, 128)

@@ -820,18 +820,20 @@ def test_tree_wy_precision_named_in_the_environment_is_the_one_the_serving_call_
 
     args = _tree_core_inputs_27b([_tree_parents(65, 16, 1)], seed=9)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles = choose_config(48, 128, sms)
+    monkeypatch.delenv(gdn_tree_kernel.PHASES_ENV, raising=False)
+    tiles = choose_config(48, 128, sms, phases=gdn_tree_kernel.default_phases(65, "bf16x3"))
     monkeypatch.setenv(gdn_tree_kernel.PRECISION_ENV, "bf16x3")
     got = tree_wy_core(*args)
     want = tree_wy_core(*args, config=dataclasses.replace(tiles, precision="bf16x3"))
-    ieee = tree_wy_core(*args, config=tiles)
+    ieee = tree_wy_core(*args, config=dataclasses.replace(tiles, precision="ieee"))
     assert all(torch.equal(x, y) for x, y in zip(got, want))
     assert not torch.equal(got[0], ieee[0])
 
 
 @needs_tree_kernel
 def test_tree_wy_launch_form_named_in_the_environment_is_the_one_the_serving_call_runs(monkeypatch):
-    """DDTREE_TREE_WY_PHASES=2: tree_wy_core without a config gives the bits of choose_config's two-launch tiles."""
+    """Unset, a bf16x3 65-node tree runs the two launches; DDTREE_TREE_WY_PHASES=1 makes tree_wy_core without a
+    config give the bits of choose_config's one-launch tiles instead."""
     import dataclasses
 
     from target_svc import gdn_tree_kernel
@@ -839,10 +841,13 @@ def test_tree_wy_launch_form_named_in_the_environment_is_the_one_the_serving_cal
 
     args = _tree_core_inputs_27b([_tree_parents(65, 16, 1)], seed=9)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, "2")
-    got = tree_wy_core(*args, precision="bf16x3")
-    want = tree_wy_core(*args, config=dataclasses.replace(choose_config(48, 128, sms, phases=2), precision="bf16x3"))
-    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    monkeypatch.delenv(gdn_tree_kernel.PHASES_ENV, raising=False)
+    for phases in (2, 1):
+        got = tree_wy_core(*args, precision="bf16x3")
+        want = tree_wy_core(*args, config=dataclasses.replace(choose_config(48, 128, sms, phases=phases),
+                                                              precision="bf16x3"))
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), phases
+        monkeypatch.setenv(gdn_tree_kernel.PHASES_ENV, "1")
 
 
 @needs_tree_kernel

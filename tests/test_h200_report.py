@@ -130,3 +130,19 @@ def test_a_hybrid_only_run_makes_a_report_of_its_own(tmp_path):
     assert data["date"] == json.loads(step.read_text())["date"] and "ar_step_ms_8b" not in data
     best = max(_tokens_per_s(runs, "ddtree", 1, b) for b in runs["budgets"])
     assert data["hybrid_ddtree_over_ar_b1"] == pytest.approx(best / _tokens_per_s(runs, "ar", 1), rel=1e-3)
+
+
+def test_the_drafter_ratio_takes_the_captured_forward_where_the_run_timed_it(tmp_path):
+    """A step-cost file with the drafter's captured forward timed: drafter_forward_over_ar_step is that forward
+    over the ar step, drafter_call_over_ar_step the whole draft call's; a file without it keeps the call."""
+    step = json.loads(STEP.read_text())
+    [tree] = [r for r in step["drafter"] if r["batch"] == 1 and r["mode"] == "tree"]
+    tree["forward_graph_ms"] = tree["draft_graph_ms"] / 2
+    path = tmp_path / "step.json"
+    path.write_text(json.dumps(step))
+    h200_report.main(["--step-cost", str(path), "--speed", str(SPEED), "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "h200.json").read_text())
+    assert data["drafter_forward_over_ar_step_8b"] == pytest.approx(data["drafter_call_over_ar_step_8b"] / 2, rel=1e-2)
+    h200_report.main(["--step-cost", str(STEP), "--speed", str(SPEED), "--out-dir", str(tmp_path)])
+    old = json.loads((tmp_path / "h200.json").read_text())
+    assert old["drafter_forward_over_ar_step_8b"] == old["drafter_call_over_ar_step_8b"]
