@@ -80,6 +80,11 @@ def supports(x: Tensor, bits: int, in_features: int, group: int = 0) -> bool:
 # through); the plain x W^T dot won over the swapped one, 3 stages and 4 warps were best or within a few %.
 _BUCKETS = ((16, (16, 64, 128)), (32, (32, 64, 128)), (64, (64, 128, 64)), (128, (128, 64, 64)))
 _BEYOND = (64, 128, 64)  # more rows: several M tiles per N tile, the weight re-read from L2
+# Long reductions at the 64-row bucket (a 64-node verify's down_proj): 128-deep K steps on 64-column tiles. H100 sweep
+# at 64 rows (2026-12-06, bench/results/h100-2026-12-06-0830/int8/): the 8B down_proj (K 12288) 0.0328 ms against
+# 0.0420 for (64, 128, 64), both split 4; at K 4096 the same tiles did not win (fused qkv 0.0254 against 0.0205).
+_LONG_K = 8192
+_LONG_K_TILES = (64, 64, 128)
 # K is split while the programs stay under this many per SM: a projection with few output tiles (o_proj, down
 # at 4096 columns) then still spreads its weight read over every SM (about 2x faster there), while one with many
 # (gate_up at 24576) loses to the split's extra reduction pass.
@@ -92,6 +97,8 @@ def choose_config(m: int, n: int, k: int, bits: int = 8, group: int = 0, num_sms
     """Tile sizes for an [m, k] x [k, n] product: a pure function of the row bucket and the shape (no autotuning,
     so a captured graph replays exactly what its warm-up compiled). int4 tiles fit inside a scale group."""
     block_m, block_n, block_k = next((tiles for top, tiles in _BUCKETS if m <= top), _BEYOND)
+    if 32 < m <= 64 and k >= _LONG_K:
+        block_m, block_n, block_k = _LONG_K_TILES
     if bits == 4:
         block_k = min(block_k, group)
     tiles = -(-m // block_m) * -(-n // block_n)

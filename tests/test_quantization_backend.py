@@ -114,6 +114,16 @@ def test_tiles_are_valid_triton_blocks_for_every_row_count(n, k, bits):
         assert cfg.split_k <= k_steps  # every split has K to sum
 
 
+def test_a_64_row_bucket_over_a_long_reduction_takes_deep_narrow_tiles():
+    """33-64 rows over K >= 8192 (the 8B's down_proj in a 64-node verify): 64 x 64 tiles, 128-deep K steps, K split
+    4 ways; a short K (4096) keeps the bucket's 64 x 128 x 64."""
+    down = choose_config(64, 4096, 12288)
+    assert (down.block_m, down.block_n, down.block_k, down.split_k) == (64, 64, 128, 4)
+    assert choose_config(33, 4096, 12288) == down
+    assert (choose_config(64, 4096, 4096).block_n, choose_config(64, 4096, 4096).block_k) == (128, 64)
+    assert choose_config(65, 4096, 12288).block_m == 128   # the next bucket keeps its own tiles
+
+
 def test_tiles_depend_on_the_row_bucket_not_on_each_row_count():
     """Padded graph buckets and eager calls of nearby sizes share compiled kernels."""
     assert len({choose_config(m, 4096, 4096) for m in range(1, 17)}) == 1
