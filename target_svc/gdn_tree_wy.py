@@ -168,21 +168,22 @@ def gdn_tree_forward_wy(
 
 @dataclass
 class AcceptedPath:
-    """The part of a commit that depends on the tree and the accepted path only: computed once per commit and
-    shared by every GDN layer (their traces share the forward's ancestor mask)."""
+    """The part of a commit that depends on the accepted path only: computed once per commit and shared by every
+    GDN layer."""
 
     last: Tensor     # [B] the last accepted node (0 where none)
-    on_path: Tensor  # [B, T] fp32: ancestors-or-self of the last accepted node
+    nodes: Tensor    # [B, P] the accepted nodes, root first (node 0 past a row's path, where on_path is 0)
+    on_path: Tensor  # [B, P] fp32: 1 for the accepted nodes, 0 past each row's path
     keep: Tensor     # [B] bool: rows that accepted at least one node
 
 
-def accepted_path(anc: Tensor, path: Tensor, path_len: Tensor) -> AcceptedPath:
-    """AcceptedPath of path[b, :path_len[b]] (root first) in trees whose ancestor mask is anc [B, T, T]; no sync."""
-    dev = anc.device
-    rows = torch.arange(anc.shape[0], device=dev)
-    path_len = path_len.to(dev)
-    last = path.to(dev).gather(1, (path_len - 1).clamp(min=0)[:, None])[:, 0].clamp(min=0)
-    return AcceptedPath(last=last, on_path=anc[rows, last].to(torch.float32), keep=path_len > 0)
+def accepted_path(path: Tensor, path_len: Tensor, device: torch.device) -> AcceptedPath:
+    """AcceptedPath of path[b, :path_len[b]] (root first, -1 padded), on device; no sync."""
+    nodes = path.to(device).clamp(min=0)
+    path_len = path_len.to(device)
+    last = nodes.gather(1, (path_len - 1).clamp(min=0)[:, None])[:, 0]
+    on_path = (torch.arange(nodes.shape[1], device=device)[None, :] < path_len[:, None]).to(torch.float32)
+    return AcceptedPath(last=last, nodes=nodes, on_path=on_path, keep=path_len > 0)
 
 
 def gdn_commit_path_wy(
@@ -191,28 +192,36 @@ def gdn_commit_path_wy(
     state_index: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """States after the accepted nodes path[b, :path_len[b]] (root first): closed form, no replay, no sync.
-    accepted: accepted_path(trace.anc, path, path_len), when the caller shares it between layers; commit:
+    accepted: accepted_path(path, path_len, device), when the caller shares it between layers; commit:
     commit_states compiled (HybridKernels.commit_states), else the plain function; state_index [B]: conv_state and
     rec_state are the layer's pools, row b's states at state_index[b] (gathered inside the compiled commit)."""
     if accepted is None:
-        accepted = accepted_path(trace.anc, path, path_len)
+        accepted = accepted_path(path, path_len, trace.anc.device)
     return (commit or commit_states)(trace.conv_inputs, trace.window_idx, trace.key, trace.u, trace.cum_g, conv_state,
-                                     rec_state, accepted.last, accepted.on_path, accepted.keep, state_index)
+                                     rec_state, accepted.last, accepted.nodes, accepted.on_path, accepted.keep,
+                                     state_index)
 
 
 def commit_states(conv_inputs: Tensor, window_idx: Tensor, key: Tensor, u: Tensor, cum_g: Tensor, conv_state: Tensor,
-                  rec_state: Tensor, last: Tensor, on_path: Tensor, keep: Tensor,
+                  rec_state: Tensor, last: Tensor, nodes: Tensor, on_path: Tensor, keep: Tensor,
                   state_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One layer's (conv state, recurrent state) after the accepted path ending at node last[b] (GdnTreeWYTrace's
-    fields, AcceptedPath's): S_l = e^{G_l} S_0 + K^T diag(on_path e^{G_l - G}) U, and the conv inputs of the last
-    node's window; rows that accepted nothing keep their states (one GEMM and two or three kernels, compiled).
-    state_index: the states are pools, row b's at state_index[b]."""
+    fields, AcceptedPath's): S_l = e^{G_l} S_0 + sum over the path's nodes p of e^{G_l - G_p} k_p u_p^T, and the
+    conv inputs of the last node's window; rows that accepted nothing keep their states (one GEMM and two or three
+    kernels, compiled). The sum runs over the path's P columns gathered, not the tree's T nodes masked: a path is
+    at most as long as the draft is deep, so the commit's cost no longer grows with the tree (the same nonzero
+    terms in the same order; the GEMM may associate them differently). state_index: the states are pools, row
+    b's at state_index[b]."""
     if state_index is not None:
         conv_state, rec_state = conv_state[state_index], rec_state[state_index]
     rows = torch.arange(u.shape[0], device=u.device)
-    g_last = cum_g.gather(2, last[:, None, None].expand(-1, cum_g.shape[1], 1))  # [B, Hv, 1]
-    weight = on_path[:, None, :] * (g_last - cum_g).clamp(max=0).exp()  # [B, Hv, T]
-    state = g_last.exp()[..., None] * rec_state.float() + (key * weight.unsqueeze(-1)).transpose(-1, -2) @ u
+    heads = cum_g.shape[1]
+    g_last = cum_g.gather(2, last[:, None, None].expand(-1, heads, 1))  # [B, Hv, 1]
+    at = nodes[:, None, :].expand(-1, heads, -1)  # [B, Hv, P]
+    weight = on_path[:, None, :] * (g_last - cum_g.gather(2, at)).clamp(max=0).exp()  # [B, Hv, P]
+    key_p = key.gather(2, at[..., None].expand(-1, -1, -1, key.shape[-1]))  # [B, Hv, P, Dk]
+    u_p = u.gather(2, at[..., None].expand(-1, -1, -1, u.shape[-1]))  # [B, Hv, P, Dv]
+    state = g_last.exp()[..., None] * rec_state.float() + (key_p * weight.unsqueeze(-1)).transpose(-1, -2) @ u_p
     state = torch.where(keep[:, None, None, None], state, rec_state.float())
     after_last = conv_inputs[rows[:, None], window_idx[rows, last, 1:]].transpose(1, 2)  # [B, C, k-1]
     conv = torch.where(keep[:, None, None], after_last, conv_state.to(after_last.dtype))

@@ -456,7 +456,7 @@ class TargetModel:
                 continue
             if isinstance(trace, GdnTreeWYTrace):
                 if accepted is None:
-                    accepted = accepted_path(trace.anc, path, path_len)
+                    accepted = accepted_path(path, path_len, trace.anc.device)
                 commit = None if self.hybrid_kernels is None else self.hybrid_kernels.commit_states
                 conv, rec = gdn_commit_path_wy(trace, path, path_len, state.conv, state.rec, accepted, commit,
                                                state_index=slots)
