@@ -463,12 +463,13 @@ class TargetRunner:
 
     def _forward_commit(self, batch: VerifyBatch, packed_dev: Tensor, graphed: bool,
                         choose: Callable[[Tensor, Tensor], Tensor], eager_feature_layers: tuple[int, ...],
-                        eager_width: int, copy_result: bool = False) -> _Walked:
+                        path_width: int, copy_result: bool = False) -> _Walked:
         """Forward, choices, walk, then the commit of a packed block: through its bucket's graphs where graphed,
         else eagerly. The commit is queued last, behind the result's host copy (copy_result) and the rows, so that
         neither waits for it. A bucket whose capture runs out of memory is given up and the block runs again
         eagerly: nothing is committed before its commit runs (the forward only wrote the block's K/V past the
-        context)."""
+        context). path_width: no accepted path is longer (the deepest tree's depth + 1): the eager walk's width,
+        and what picks the captured commit's."""
         s = batch.shape
         if graphed:
             try:
@@ -477,7 +478,7 @@ class TargetRunner:
                                                              anc)
                 # The graphs' rows buffer is overwritten by the next step; the pushes may read them later.
                 walked = self._walked(logits, result, None if rows is None else rows.clone(), True, copy_result)
-                self.graphs.commit(batch, packed_dev, path, n_acc)
+                self.graphs.commit(batch, packed_dev, path, n_acc, path_width)
                 return walked
             except torch.OutOfMemoryError as exc:
                 log.warning("verify bucket %s could not be captured (%s): its steps run eagerly; %s", s,
@@ -485,7 +486,7 @@ class TargetRunner:
                 self.graphs.give_up(s)
         logits, choices, features, anc = verify_forward(self.model, packed_dev, s.nodes, s.key_len,
                                                         eager_feature_layers)
-        result, rows, path, n_acc = verify_walk(packed_dev, s.nodes, choose(logits, choices), features, eager_width,
+        result, rows, path, n_acc = verify_walk(packed_dev, s.nodes, choose(logits, choices), features, path_width,
                                                 anc=anc)
         walked = self._walked(logits, result, rows, False, copy_result)
         commit_path(self.model, packed_dev, s.nodes, path, n_acc)

@@ -70,6 +70,18 @@ class VerifyBatch:
         return cls(torch.from_numpy(packed), shape, len(trees))
 
 
+# A commit's state update and K/V compaction walk the accepted paths' columns: a bucket of many nodes also gets a
+# commit this narrow, which takes every batch whose trees are at most this deep (a DFlash block: 16 drafts and their
+# root), so that a wide tree's commit costs what a chain's does (the H100's 65-node verify spent 1.5x a 17-node
+# chain's time on the GDN commit's state GEMM over all 65 columns).
+SHALLOW_COMMIT_WIDTH = 17
+
+
+def commit_widths(nodes: int) -> tuple[int, ...]:
+    """The path widths a bucket of `nodes` nodes captures its commit at, narrowest first (the last is nodes)."""
+    return (SHALLOW_COMMIT_WIDTH, nodes) if nodes > SHALLOW_COMMIT_WIDTH else (nodes,)
+
+
 def unpack(packed: Tensor, nodes: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(ids, parents, sizes, ctx_lens, slots) views of a packed batch."""
     t = nodes
@@ -179,9 +191,9 @@ class VerifyGraphs:
         """Bucket s runs eagerly from now on (its capture failed): what its capture left is let go."""
         self.eager_shapes.add(s)
         self.forwards.graphs.pop(s, None)
-        self.commits.graphs.pop(s, None)
-        for key in [k for k in self.walks.graphs if k[0] == s]:
-            del self.walks.graphs[key]
+        for cache in (self.commits, self.walks):
+            for key in [k for k in cache.graphs if k[0] == s]:
+                del cache.graphs[key]
         self._traces.pop(s, None)
         self.model.pending_traces = None
         if self.model.device.type == "cuda":
@@ -252,20 +264,26 @@ class VerifyGraphs:
         )
         return fn(packed_dev, choices, anc)
 
-    def commit(self, batch: VerifyBatch, packed_dev: Tensor, path: Tensor, n_acc: Tensor) -> None:
-        """Replays (capturing on first use) the commit of batch's bucket along the walked paths."""
+    def commit(self, batch: VerifyBatch, packed_dev: Tensor, path: Tensor, n_acc: Tensor,
+               path_len_bound: int | None = None) -> None:
+        """Replays (capturing on first use) the commit of batch's bucket along the walked paths. path_len_bound: no
+        accepted path is longer (the deepest tree's depth + 1; None: the bucket's nodes), which picks the commit's
+        path width (commit_widths)."""
         s = batch.shape
         if s.nodes == 1 and not self.model.linear_index:
             self._traces.pop(s, None)
             return   # a dense one-node block commits nothing: its row sits where it was written (no empty graph)
-        fn = self.commits.get(
-            s,
-            lambda p, w, n: commit_path(self.model, p, s.nodes, w, n, self._traces[s]),
-            lambda: [self._example(s), torch.zeros(s.batch, s.nodes, dtype=torch.long, device=self.model.device),
-                     torch.ones(s.batch, dtype=torch.long, device=self.model.device)],
-        )
-        self._traces.pop(s, None)   # captured: the graph holds the traces' addresses (see the class docstring)
-        fn(packed_dev, path, n_acc)
+        widths = commit_widths(s.nodes)
+        # Every width of the bucket is captured at once: they all read the bucket's traces, let go of after.
+        fns = {w: self.commits.get(
+            (s, w),
+            lambda p, path_w, n: commit_path(self.model, p, s.nodes, path_w, n, self._traces[s]),
+            lambda w=w: [self._example(s), torch.zeros(s.batch, w, dtype=torch.long, device=self.model.device),
+                         torch.ones(s.batch, dtype=torch.long, device=self.model.device)],
+        ) for w in widths}
+        self._traces.pop(s, None)   # captured: the graphs hold the traces' addresses (see the class docstring)
+        width = next(w for w in widths if w >= min(path_len_bound or s.nodes, s.nodes))
+        fns[width](packed_dev, path[:, :width], n_acc)
 
     def shapes(self) -> list[VerifyShape]:
         """Every (batch, nodes, key length) bucket, largest first.

@@ -13,7 +13,8 @@ from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.plumbing.cuda_graphs import (SharedOutput, key_buckets, pick_bucket, power_of_two_buckets,
                                                tree_node_buckets)
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
-from target_svc.verify import VerifyBatch, VerifyShape, commit_path, unpack, verify_commit, verify_forward, verify_walk
+from target_svc.verify import (SHALLOW_COMMIT_WIDTH, VerifyBatch, VerifyShape, commit_path, commit_widths, unpack,
+                               verify_commit, verify_forward, verify_walk)
 from tests.fixtures import make_tiny_qwen3, make_tiny_qwen3_5
 
 TREE = [-1, 0, 0, 1, 1, 2, 3]  # node i's parent
@@ -197,3 +198,33 @@ def test_the_walk_commits_nothing_and_the_commit_after_it_equals_walk_and_commit
     for a, b in zip(split.model.cache.linear, whole.model.cache.linear):
         assert torch.equal(a.rec, b.rec) and torch.equal(a.conv, b.conv)
     assert torch.equal(split.model.cache.k, whole.model.cache.k)
+
+
+def test_commit_widths_add_a_chains_width_to_wide_buckets_only():
+    """A bucket of more nodes than a DFlash block's chain also captures its commit at the chain's width."""
+    assert commit_widths(1) == (1,) and commit_widths(17) == (17,)
+    assert commit_widths(65) == (SHALLOW_COMMIT_WIDTH, 65) and commit_widths(129) == (SHALLOW_COMMIT_WIDTH, 129)
+
+
+@pytest.mark.parametrize("maker", [make_tiny_qwen3, make_tiny_qwen3_5], ids=["dense", "hybrid"])
+def test_a_commit_over_paths_narrowed_to_the_deepest_tree_equals_the_full_width_one(tmp_path, maker):
+    """What the captured narrow commit does: the walked paths cut to the deepest tree's depth + 1 columns commit the
+    same K/V rows and conv states, and recurrent states to float32 rounding (the state GEMM sums the same terms)."""
+    model_dir = maker(tmp_path / "m", seed=8)
+    prompts = [list(range(20, 31)), list(range(40, 45))]
+    (narrow, roots), (full, _) = _prefilled(model_dir, prompts, "wy"), _prefilled(model_dir, prompts, "wy")
+    draft = _accepting_draft(narrow, roots, [[60 + i for i in range(len(TREE) - 1)]] * 2)
+    _accepting_draft(full, roots, draft)
+    shape = VerifyShape(batch=2, nodes=len(TREE), key_len=64)
+    deepest = 4   # TREE's longest root path: 0 -> 1 -> 3 -> 6
+    for runner, width in ((narrow, deepest), (full, shape.nodes)):
+        trees, ctx, slots = _trees(runner, roots, draft)
+        batch = VerifyBatch.pack(trees, ctx, slots, shape, runner.model.cache.spec.scratch_slot)
+        _, greedy, features, _ = verify_forward(runner.model, batch.packed, shape.nodes, shape.key_len, (0, 1))
+        result, _, path, n_acc = verify_walk(batch.packed, shape.nodes, greedy, features, shape.nodes)
+        assert result[:, 0].tolist() == [4, 4] and (path[:, deepest:] < 0).all()
+        commit_path(runner.model, batch.packed, shape.nodes, path[:, :width], n_acc)
+    assert torch.equal(narrow.model.cache.k, full.model.cache.k) and torch.equal(narrow.model.cache.v, full.model.cache.v)
+    for a, b in zip(narrow.model.cache.linear, full.model.cache.linear):
+        assert torch.equal(a.conv, b.conv)
+        torch.testing.assert_close(a.rec, b.rec, atol=1e-6, rtol=0)
