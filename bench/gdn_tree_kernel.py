@@ -89,8 +89,9 @@ def sweep_grid(block_ts: tuple[int, ...] = (16, 32)):
         yield TileConfig(block_t=bt, block_c=bc, block_v=64, num_warps=warps, num_stages=1, phases=3)
     # The two-launch form (the key side once per head, then all nodes past the root as one block; trees of up to
     # 65 nodes, larger ones run the one launch): its block is the tree's, so block_t does not vary.
-    for bv, warps in itertools.product((32, 64), (4, 8)):
-        yield TileConfig(block_c=32, block_v=bv, num_warps=warps, num_stages=1, phases=2)
+    # blocks16: its inverse's doubling up to 16 on the diagonal 16-blocks batched.
+    for bv, warps, invert in itertools.product((32, 64), (4, 8), ("blocks", "blocks16")):
+        yield TileConfig(block_c=32, block_v=bv, num_warps=warps, num_stages=1, phases=2, invert=invert)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -273,7 +273,10 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
                                      "two phases": {"phases": 2},
                                      "two phases bf16x3": {"phases": 2, "precision": "bf16x3"},
                                      "two phases bf16x3, its tiles": {"phases": 2, "precision": "bf16x3",
-                                                                      "block_v": 32, "num_warps": 4}})
+                                                                      "block_v": 32, "num_warps": 4},
+                                     "two phases bf16x3, its tiles, batched 16-blocks": {
+                                         "phases": 2, "precision": "bf16x3", "block_v": 32, "num_warps": 4,
+                                         "invert": "blocks16"}})
     raise ValueError(f"unknown case {case!r} (of {', '.join(CASES)})")
 
 

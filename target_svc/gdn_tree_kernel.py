@@ -50,8 +50,9 @@ _MAX_ELEMENTS = 2**31 - 1
 @dataclass(frozen=True)
 class TileConfig:
     """One launch's tiling: BLOCK_T nodes per substitution step (the diagonal block inverted in registers, by
-    `invert`: "blocks", 2 (log2(BLOCK_T) - 1) dots, or "rows", BLOCK_T - 1 row steps), BLOCK_C ancestor columns
-    per inner step, BLOCK_V value columns per program."""
+    `invert`: "blocks", 2 (log2(BLOCK_T) - 1) dots, or "rows", BLOCK_T - 1 row steps; the two-launch form's 64-row
+    inverse also takes "blocks16": its doubling up to blocks of 16 on the diagonal 16-blocks batched, 1/16 of the
+    whole dots' work), BLOCK_C ancestor columns per inner step, BLOCK_V value columns per program."""
 
     block_t: int = 16
     block_c: int = 32
@@ -191,7 +192,8 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
         cfg = replace(choose_config(bsz * heads, dv, _num_sms(vh.device), phases_from_env() or default_phases(t, dots)),
                       precision=dots)
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
-            or cfg.invert not in ("blocks", "rows") or cfg.phases not in (1, 2, 3)
+            or cfg.invert not in ("blocks", "rows", "blocks16") or (cfg.invert == "blocks16" and cfg.phases != 2)
+            or cfg.phases not in (1, 2, 3)
             or cfg.precision not in PRECISIONS):
         raise ValueError(f"bad tiles for Dv {dv}: {cfg}")
     qh, kh, vh, s0 = _unit_last(qh), _unit_last(kh), _unit_last(vh), _unit_last(s0)
@@ -239,8 +241,8 @@ def _two_launches(kernels, qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: 
              anc_u8.stride(0), anc_u8.stride(1), anc_u8.stride(2))
     kernels.tree_wy_keys_kernel[(bsz * heads,)](
         qh, kh, g, beta, anc_u8, inv, qkd, t, heads, *strides, *gates,
-        DK=dk, NP=rows, BC=cfg.block_c, KC=min(32, dk), PRECISION=cfg.precision, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        DK=dk, NP=rows, BC=cfg.block_c, KC=min(32, dk), PRECISION=cfg.precision,
+        INVERT="blocks16" if cfg.invert == "blocks16" else "blocks", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     kernels.tree_wy_values_kernel[(dv // cfg.block_v, bsz * heads)](
         qh, kh, vh, g, beta, anc_u8, s0, s0 if s0_index is None else s0_index, core, u, cum, inv, qkd,

@@ -65,7 +65,7 @@ def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr, PRECI
             a_i = tl.sum(tl.where(sel, sys_a, 0.0), axis=0)  # A[i, :], indexed by column
             inv = tl.where(sel, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
     else:
-        tl.static_assert(INVERT == "blocks")
+        tl.static_assert((INVERT == "blocks") | (INVERT == "blocks16"))
         tl.static_assert(BT <= 128)
         # Diagonal blocks of doubling size: with X the inverse of I + A's diagonal blocks of size b, those of size
         # 2b are X - X M X, M = A's lower-left b x b quarter of each 2b block (the 2 x 2 block inverse
@@ -77,12 +77,44 @@ def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr, PRECI
         row = loc[:, None]
         col = loc[None, :]
         inv = eye - tl.where((row % 2 == 1) & (col == row - 1), sys_a, 0.0)
-        for s in tl.static_range(1, 7):
-            if 2**s < BT:  # b = 2^s: blocks of b -> 2b
-                quarter = ((row // 2**s) % 2 == 1) & (col // 2**s == row // 2**s - 1)
-                m = tl.where(quarter, sys_a, 0.0)
-                inv -= tl.dot(inv, tl.dot(m, inv, input_precision=PRECISION), input_precision=PRECISION)
+        if (INVERT == "blocks16") & (BT > 16):
+            # Up to blocks of 16 every product is block-diagonal: a BT^3 dot of them is (BT / 16)^2 times the work
+            # of the BT / 16 diagonal blocks' own 16^3 dots, batched here ([BT / 16, 16, 16]), the same nonzero
+            # terms in the same order; the levels past 16 stay whole dots.
+            inv = _doubling(_doubled_diagonal_16_blocks(inv, sys_a, BT, PRECISION), sys_a, row, col, BT, 4,
+                            PRECISION)
+        else:
+            inv = _doubling(inv, sys_a, row, col, BT, 1, PRECISION)
     return inv
+
+
+@triton.jit
+def _doubling(inv, sys_a, row, col, BT: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr):
+    """_invert_unit_lower's block doubling from blocks of 2^FIRST (inv: their inverse) to BT, in whole BT^3 dots."""
+    for s in tl.static_range(FIRST, 7):
+        if 2**s < BT:  # b = 2^s: blocks of b -> 2b
+            quarter = ((row // 2**s) % 2 == 1) & (col // 2**s == row // 2**s - 1)
+            m = tl.where(quarter, sys_a, 0.0)
+            inv -= tl.dot(inv, tl.dot(m, inv, input_precision=PRECISION), input_precision=PRECISION)
+    return inv
+
+
+@triton.jit
+def _doubled_diagonal_16_blocks(inv, sys_a, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """The block doubling of _invert_unit_lower from blocks of 2 (inv: I less the 2-blocks' entries) to blocks of 16,
+    on the BT / 16 diagonal 16 x 16 blocks of inv and sys_a batched [BT / 16, 16, 16]; returns the BT x BT tile."""
+    NB: tl.constexpr = BT // 16
+    nb = tl.arange(0, NB)
+    # [NB, 16, NB, 16]: element (i, r, j, c) is (16 i + r, 16 j + c); the diagonal blocks are those with j == i.
+    on_diag = nb[:, None, None, None] == nb[None, None, :, None]
+    blk_inv = tl.sum(tl.where(on_diag, tl.reshape(inv, [NB, 16, NB, 16]), 0.0), axis=2)
+    blk_a = tl.sum(tl.where(on_diag, tl.reshape(sys_a, [NB, 16, NB, 16]), 0.0), axis=2)
+    r = tl.arange(0, 16)
+    for s in tl.static_range(1, 4):   # b = 2, 4, 8: blocks of b -> 2b inside each 16-block
+        quarter = ((r[:, None] // 2**s) % 2 == 1) & (r[None, :] // 2**s == r[:, None] // 2**s - 1)
+        m = tl.where(quarter[None, :, :], blk_a, 0.0)
+        blk_inv -= tl.dot(blk_inv, tl.dot(m, blk_inv, input_precision=PRECISION), input_precision=PRECISION)
+    return tl.reshape(tl.where(on_diag, blk_inv[:, :, None, :], 0.0), [BT, BT])
 
 
 @triton.jit
@@ -429,9 +461,11 @@ def tree_wy_keys_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_gb, stride_gh, stride_gt, stride_bb, stride_bh, stride_bt, stride_ab, stride_ai, stride_aj,
     DK: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr, KC: tl.constexpr, PRECISION: tl.constexpr = "ieee",
+    INVERT: tl.constexpr = "blocks",
 ):
     """Tree b, head h = program_id(0): (I + A)^-1 and QK * decay over nodes 1 .. T-1 (rows and columns 0 .. NP-1
-    of inv and qkd [BH, NP, NP]; rows past T: identity and zeros)."""
+    of inv and qkd [BH, NP, NP]; rows past T: identity and zeros). INVERT: "blocks" or "blocks16" (the doubling's
+    levels up to 16 on the diagonal 16-blocks batched; see _invert_unit_lower)."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -458,7 +492,7 @@ def tree_wy_keys_kernel(
     decay = _exp_where(a != 0, cum_r[:, None] - cum_r[None, :])
     # The whole block's inverse is 2 (log2(NP) - 1) dots of NP^3 (one-launch blocks: of 16^3): in IEEE float32 that
     # is ~1000 FFMAs a thread a dot at NP 64, so tensor-core precisions take it to TF32 x 3 (float32's accuracy).
-    inv = _invert_unit_lower(tl.where(loc[:, None] > loc[None, :], kk * decay, 0.0), loc, NP, "blocks",
+    inv = _invert_unit_lower(tl.where(loc[:, None] > loc[None, :], kk * decay, 0.0), loc, NP, INVERT,
                              "ieee" if PRECISION == "ieee" else "tf32x3")
     square = bh * NP * NP + loc[:, None] * NP + loc[None, :]
     tl.store(inv_ptr + square, inv)

@@ -223,6 +223,36 @@ def assert_rounds_like_substitution(config: TileConfig) -> None:
 
 
 @in_interpreter
+@pytest.mark.parametrize("case", [c for c in CASES if 17 < max(map(len, CASES[c][0])) <= gdn_tree_kernel.TWO_PHASE_MAX_NODES])
+def test_interpreted_two_launch_kernel_with_batched_16_blocks_equals_the_reference_core(interpreted, case):
+    """invert="blocks16": the two-launch inverse's doubling up to blocks of 16 on the diagonal 16-blocks batched
+    ([NP / 16, 16, 16] dots), the levels past 16 whole: the reference core on the tree cases of 18 to 65 nodes
+    (up to 17 nodes the block is 16 rows: nothing to batch)."""
+    trees, dk, dv = CASES[case]
+    assert_matches_reference(core_inputs(trees, heads=2, dk=dk, dv=dv, seed=len(case)),
+                             TileConfig(block_c=32, block_v=16, phases=2, invert="blocks16"))
+
+
+@in_interpreter
+def test_interpreted_batched_16_blocks_give_the_whole_dots_inverse(interpreted):
+    """The diagonal 16-blocks' doubling batched sums the same nonzero terms as the whole 64 x 64 dots: at IEEE the
+    two forms' outputs agree to float32 rounding on a 65-node tree and a 64-deep chain of correlated keys."""
+    for args in (core_inputs([random_parents(65, 16, torch.Generator().manual_seed(3))], heads=2, dk=32, dv=16, seed=3),
+                 correlated_chain_inputs(65, dk=32, dv=16, cosine=0.9, seed=4)):
+        whole = gdn_tree_kernel.tree_wy_core(*args, config=TileConfig(block_c=32, block_v=16, phases=2))
+        batched = gdn_tree_kernel.tree_wy_core(*args, config=TileConfig(block_c=32, block_v=16, phases=2,
+                                                                        invert="blocks16"))
+        for x, y in zip(whole, batched):
+            assert ((x - y).abs().max() / y.abs().max()).item() <= 1e-5
+
+
+@in_interpreter
+def test_interpreted_two_launch_batched_16_blocks_round_like_substitution_against_float64(interpreted):
+    """invert="blocks16" keeps the two-launch inverse within the float32 rounding bound of the one-launch kernel."""
+    assert_rounds_like_substitution(TileConfig(block_c=32, block_v=16, phases=2, invert="blocks16"))
+
+
+@in_interpreter
 def test_interpreted_two_launch_inverse_rounds_like_substitution_against_float64(interpreted):
     """The two-launch form inverts all 64 nodes past the root as one block (doubling up to 64): within the
     float32 rounding bound of the one-launch kernel, on the random tree and the correlated chains above."""
@@ -399,6 +429,6 @@ def test_bad_inputs_are_refused_before_any_launch():
         wide = core_inputs([[-1, 0]], heads=2, dk=24, dv=16, seed=1)
         gdn_tree_kernel.tree_wy_core(*wide)
     for bad in (TileConfig(block_t=48, block_v=16), TileConfig(block_t=128, block_v=16),
-                TileConfig(block_v=16, invert="doubling")):
+                TileConfig(block_v=16, invert="doubling"), TileConfig(block_v=16, invert="blocks16")):  # phases 2 only
         with pytest.raises(ValueError, match="bad tiles"):
             gdn_tree_kernel.tree_wy_core(*args, config=bad)

@@ -772,11 +772,11 @@ def test_tree_wy_kernel_equals_the_reference_core_on_and_off_the_block_boundary(
 @needs_tree_kernel
 @pytest.mark.parametrize("tiles", [(16, 32, 8, "rows", 1), (32, 32, 8, "blocks", 1), (32, 64, 4, "blocks", 1),
                                    (16, 32, 8, "blocks", 3), (32, 32, 4, "blocks", 3), (16, 32, 4, "blocks", 2),
-                                   (16, 32, 8, "blocks", 2)])
+                                   (16, 32, 8, "blocks", 2), (16, 32, 4, "blocks16", 2)])
 def test_tree_wy_kernel_equals_the_reference_core_under_the_swept_tilings(tiles):
     """Tilings the sweep may pick besides the default: the row-by-row inversion, 32-node diagonal blocks, the
     three-launch form (its 255-node chain takes it too: up to THREE_PHASE_MAX_NODES), the two-launch form (65
-    nodes; the chain goes to one launch)."""
+    nodes; the chain goes to one launch), with its inverse's diagonal 16-blocks batched (blocks16)."""
     from target_svc.gdn_tree_kernel import TileConfig, tree_wy_core
     from target_svc.gdn_tree_wy import _wy_core_reference
 
@@ -802,9 +802,9 @@ def test_tree_wy_kernel_on_tensor_cores_stays_within_its_precisions_error(precis
 
     args = _tree_core_inputs_27b([_tree_parents(65, 16, 1), _tree_parents(40, 16, 2)], seed=5)
     want = _wy_core_reference(*args)
-    for phases in (1, 2, 3):
+    for phases, invert in ((1, "blocks"), (2, "blocks"), (3, "blocks"), (2, "blocks16")):
         config = TileConfig(block_t=16, block_c=32, block_v=64, num_warps=8, num_stages=1, phases=phases,
-                            precision=precision)
+                            precision=precision, invert=invert)
         for name, x, ref in zip(("core", "u", "cum"), tree_wy_core(*args, config=config), want):
             assert _rel_err(x, ref) <= tol, f"{config}: {name} {_rel_err(x, ref):.2e}"
 
