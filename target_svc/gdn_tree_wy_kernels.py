@@ -90,7 +90,8 @@ def _invert_unit_lower(sys_a, loc, BT: tl.constexpr, INVERT: tl.constexpr, PRECI
 
 @triton.jit
 def _doubling(inv, sys_a, row, col, BT: tl.constexpr, FIRST: tl.constexpr, PRECISION: tl.constexpr):
-    """_invert_unit_lower's block doubling from blocks of 2^FIRST (inv: their inverse) to BT, in whole BT^3 dots."""
+    """_invert_unit_lower's block doubling from blocks of 2^FIRST (inv: their inverse) to BT, in BT^3 dots (of a
+    batch of BT x BT blocks where inv and sys_a are [N, BT, BT]: row and col index one block)."""
     for s in tl.static_range(FIRST, 7):
         if 2**s < BT:  # b = 2^s: blocks of b -> 2b
             quarter = ((row // 2**s) % 2 == 1) & (col // 2**s == row // 2**s - 1)
@@ -110,10 +111,7 @@ def _doubled_diagonal_16_blocks(inv, sys_a, BT: tl.constexpr, PRECISION: tl.cons
     blk_inv = tl.sum(tl.where(on_diag, tl.reshape(inv, [NB, 16, NB, 16]), 0.0), axis=2)
     blk_a = tl.sum(tl.where(on_diag, tl.reshape(sys_a, [NB, 16, NB, 16]), 0.0), axis=2)
     r = tl.arange(0, 16)
-    for s in tl.static_range(1, 4):   # b = 2, 4, 8: blocks of b -> 2b inside each 16-block
-        quarter = ((r[:, None] // 2**s) % 2 == 1) & (r[None, :] // 2**s == r[:, None] // 2**s - 1)
-        m = tl.where(quarter[None, :, :], blk_a, 0.0)
-        blk_inv -= tl.dot(blk_inv, tl.dot(m, blk_inv, input_precision=PRECISION), input_precision=PRECISION)
+    blk_inv = _doubling(blk_inv, blk_a, r[:, None], r[None, :], 16, 1, PRECISION)   # each block's [16, 16] masks
     return tl.reshape(tl.where(on_diag, blk_inv[:, :, None, :], 0.0), [BT, BT])
 
 
