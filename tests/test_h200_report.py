@@ -69,6 +69,17 @@ def test_a_quantized_run_with_a_64_node_bucket_reports_both_tree_sizes():
     assert "int8_verify_64_nodes_over_ar_8b" not in h200_report.summarize_quantized(runs)
 
 
+def test_a_quantized_run_of_a_64_node_tree_alone_reports_it_as_the_64_node_verify():
+    """A session that timed 1 and 64 nodes only (no 65-node bucket): the verify64 ratio is the 64-node tree's, and
+    the report names the node count it took."""
+    rows = [{"batch": 1, "nodes": n, "forward_graph_ms": ms} for n, ms in ((1, 4.0), (64, 6.0))]
+    runs = [{"quantize": q, "target": rows, "floors": {"weight_read_floor_ms": 3.0, "gemv_floor_ms": 3.5}}
+            for q in ("none", "int8")]
+    out = h200_report.summarize_quantized(runs)
+    assert out["int8_verify64_over_ar_8b"] == pytest.approx(1.5, rel=1e-3)
+    assert out["int8_verify64_nodes_8b"] == 64
+
+
 def test_the_speed_bench_reads_one_or_several_batched_sizes():
     from bench.speed import batch_sizes
 
