@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,9 @@ def _add_common(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
                    help="run this service's threads on these CPUs only, e.g. 2-4 (default: wherever the scheduler "
                         "puts them); a thread woken on the CPU it last ran on finds its caches warm")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="stop (as on SIGTERM) once the process that started this service has exited, however it "
+                        "went; `up` and the benches set it, so that no service outlives a launcher killed outright")
     p.add_argument("--event-loop", choices=event_loop.EVENT_LOOPS, default=event_loop.default_event_loop(),
                    help="the service's event loop: auto (uvloop when installed, else asyncio), uvloop, asyncio "
                         "($DDTREE_EVENT_LOOP)")
@@ -97,6 +101,10 @@ def _run_service(main, args) -> None:
     except RuntimeError as exc:
         main.close()
         args.parser.exit(2, f"{args.parser.prog}: error: {exc}\n")
+    if args.exit_with_parent:
+        from ddtree_serve.plumbing.parent_watch import watch_parent
+
+        watch_parent()
     event_loop.run(main, args.event_loop)
 
 
@@ -240,6 +248,15 @@ def _check_up_args(args) -> None:
         args.parser.error("--port, --target-port, --drafter-port and --http-port must differ")
 
 
+# `kill`, `timeout`, `docker stop` and a closed terminal end `up` as Ctrl-C does (its services stopped, its logs and
+# state file removed); without a handler SIGTERM and SIGHUP would end the process before its cleanup ran.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(args) -> None:
     from launch.local_stack import LocalStack
 
@@ -274,6 +291,8 @@ def cmd_up(args) -> None:
     print(f"logs    {stack.log_dir}", flush=True)
     state = up_state_file()
     clean = False
+    for sig in _STOP_SIGNALS[1:]:
+        signal.signal(sig, _interrupt)
     try:
         stack.start()
         print("ready", flush=True)
@@ -314,6 +333,8 @@ def cmd_up(args) -> None:
         print(f"error: {exc}\n(logs kept in {stack.log_dir})", file=sys.stderr)
         raise SystemExit(1) from None
     finally:
+        for sig in _STOP_SIGNALS:   # a second signal must not cut the stop short and orphan a service
+            signal.signal(sig, signal.SIG_IGN)
         stack.stop()
         with contextlib.suppress(OSError, ValueError):
             if json.loads(state.read_text()).get("pid") == os.getpid():

@@ -146,6 +146,8 @@ class LocalStack:
         """The three command lines."""
         py = [sys.executable, "-m", "launch.cli"]
         threads = ["--threads", str(self.threads)] if self.threads else []
+        # Each service stops once this process is gone, even killed outright (ddtree_serve/plumbing/parent_watch.py).
+        watch = ["--exit-with-parent"]
 
         def cpus(name):
             if name not in self.cpus:
@@ -169,17 +171,18 @@ class LocalStack:
         return {
             "target": [*py, "target", "--model", self.model, "--host", "127.0.0.1", "--port", str(self.ports["target"]),
                        *sock("target"), *(a for d in allowed for a in ("--allow-drafter", d)),
-                       "--device", self.device, "--dtype", self.dtype, *threads, *cpus("target"), *m("target"),
+                       "--device", self.device, "--dtype", self.dtype, *threads, *cpus("target"), *m("target"), *watch,
                        *self.extra.get("target", [])],
             "drafter": [*py, "drafter", "--drafter", self.drafter, "--target-model", self.model, "--host", "127.0.0.1",
                         "--port", str(self.ports["drafter"]), *sock("drafter"),
                         "--device", self.drafter_device or self.device,
                         "--dtype", self.dtype,
-                        *threads, *cpus("drafter"), *m("drafter"), *self.extra.get("drafter", [])],
+                        *threads, *cpus("drafter"), *m("drafter"), *watch, *self.extra.get("drafter", [])],
             "gateway": [*py, "gateway", "--target", self.link_address("target"),
                         "--drafter", self.link_address("drafter"),
                         "--host", "127.0.0.1", "--port", str(self.ports["gateway"]), "--mode", self.mode,
                         "--budget", str(self.budget), "--transport", self.transport, *cpus("gateway"), *m("gateway"),
+                        *watch,
                         *(["--step-transport", "socket"] if self.step_sockets and self.unix_sockets else []),
                         *(["--http-port", str(self.ports["http"])] if self.http else []),
                         *self.extra.get("gateway", [])],

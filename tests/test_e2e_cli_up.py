@@ -58,3 +58,29 @@ def test_up_prints_a_generate_command_that_works_as_copied_and_cleans_up_on_ctrl
     assert up.returncode == 0, rest
     log_dir = next(line.split(None, 1)[1].strip() for line in printed if line.startswith("logs "))
     assert not Path(log_dir).exists() and not (tmp_path / "up.json").exists()
+
+
+def test_up_stops_every_service_and_cleans_up_on_sigterm(checkpoints, tmp_path):
+    """`kill`, `timeout` and `docker stop` send SIGTERM: `up` then stops as on Ctrl-C, no service left behind."""
+    target, drafter = checkpoints("llama")
+    env = dict(os.environ, DDTREE_SERVE_CACHE=str(tmp_path), PYTHONUNBUFFERED="1")
+    up = subprocess.Popen([sys.executable, "-m", "launch.cli", "up", "--model", str(target), "--drafter",
+                           str(drafter)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        printed = []
+        for line in up.stdout:
+            printed.append(line)
+            if line.strip().startswith("ddtree-serve generate"):
+                break
+        services = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(up.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert len(services) == 3, "".join(printed)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        rest = up.communicate(timeout=60)[0]
+    assert up.returncode == 0, rest
+    alive = [pid for pid in services if Path(f"/proc/{pid}").exists()
+             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not alive, f"services {alive} outlived `up`"
+    log_dir = next(line.split(None, 1)[1].strip() for line in printed if line.startswith("logs "))
+    assert not Path(log_dir).exists() and not (tmp_path / "up.json").exists()
