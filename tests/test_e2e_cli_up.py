@@ -34,17 +34,23 @@ def test_up_answers_a_prompt_prints_json_and_stops_all(checkpoints):
     assert str(target) not in ps
 
 
-def test_up_prints_a_generate_command_that_works_as_copied_and_cleans_up_on_ctrl_c(checkpoints, tmp_path):
+def _start_up(checkpoints, env: dict) -> tuple[subprocess.Popen, list[str]]:
+    """`up` on the tiny llama pair, read until it prints the generate command (it is ready) -> (process, lines)."""
     target, drafter = checkpoints("llama")
-    env = dict(os.environ, DDTREE_SERVE_CACHE=str(tmp_path), PYTHONUNBUFFERED="1")
     up = subprocess.Popen([sys.executable, "-m", "launch.cli", "up", "--model", str(target), "--drafter",
                            str(drafter)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    printed = []
+    for line in up.stdout:
+        printed.append(line)
+        if line.strip().startswith("ddtree-serve generate"):
+            break
+    return up, printed
+
+
+def test_up_prints_a_generate_command_that_works_as_copied_and_cleans_up_on_ctrl_c(checkpoints, tmp_path):
+    env = dict(os.environ, DDTREE_SERVE_CACHE=str(tmp_path), PYTHONUNBUFFERED="1")
+    up, printed = _start_up(checkpoints, env)
     try:
-        printed = []
-        for line in up.stdout:
-            printed.append(line)
-            if line.strip().startswith("ddtree-serve generate"):
-                break
         command = shlex.split(printed[-1])
         assert command[:3] == ["ddtree-serve", "generate", "--gateway"], "".join(printed)
         assert (tmp_path / "up.json").exists()        # so that a plain `generate` finds this `up`
@@ -62,16 +68,9 @@ def test_up_prints_a_generate_command_that_works_as_copied_and_cleans_up_on_ctrl
 
 def test_up_stops_every_service_and_cleans_up_on_sigterm(checkpoints, tmp_path):
     """`kill`, `timeout` and `docker stop` send SIGTERM: `up` then stops as on Ctrl-C, no service left behind."""
-    target, drafter = checkpoints("llama")
     env = dict(os.environ, DDTREE_SERVE_CACHE=str(tmp_path), PYTHONUNBUFFERED="1")
-    up = subprocess.Popen([sys.executable, "-m", "launch.cli", "up", "--model", str(target), "--drafter",
-                           str(drafter)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    up, printed = _start_up(checkpoints, env)
     try:
-        printed = []
-        for line in up.stdout:
-            printed.append(line)
-            if line.strip().startswith("ddtree-serve generate"):
-                break
         services = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(up.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         assert len(services) == 3, "".join(printed)
