@@ -12,7 +12,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import grpc
@@ -42,6 +42,32 @@ HTTP_FOR_STATUS = {
 }
 OPEN_PATHS = ("/health", "/metrics")  # no API key needed, as in vLLM: probes and scrapers
 MAX_SAMPLES = 16   # n per request: each sample is a sequence of its own (a cache slot, a share of each step)
+
+
+# Fields that OpenAI or vLLM take, that would change the answer, and that this server does not implement, each with
+# "does this value ask for it": such a request gets a 400 naming the field, never an answer that ignored it (unknown
+# fields that change nothing, such as user or metadata, are accepted and ignored).
+_UNHONOURED: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": bool,
+    "repetition_penalty": lambda v: v is not None and v != 1,
+    "min_p": bool,
+    "min_tokens": bool,
+    "top_logprobs": bool,
+    "prompt_logprobs": lambda v: v is not None,
+    "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type", "text") == "text"),
+    "guided_json": lambda v: v is not None,
+    "guided_regex": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None,
+    "guided_grammar": lambda v: v is not None,
+    "structured_outputs": lambda v: v is not None,
+    "use_beam_search": bool,
+    "bad_words": bool,
+    "allowed_token_ids": lambda v: v is not None,
+    "include_stop_str_in_output": bool,
+    "skip_special_tokens": lambda v: v is False,   # the detokenizer always skips them
+    "functions": bool,
+    "tool_choice": lambda v: v not in (None, "none"),
+}
 
 
 # ---- request schemas (fields OpenAI defines that we honour, plus the ddtree extensions) ---------------------------
@@ -212,6 +238,12 @@ class HttpFront:
         if body.presence_penalty or body.frequency_penalty:
             # A penalty changes the distribution; ignoring it silently would break "lossless" expectations.
             raise ApiError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+        for name, value in (body.model_extra or {}).items():
+            asks = _UNHONOURED.get(name)
+            if asks is not None and asks(value):
+                raise ApiError(400, f"{name} is not supported (this server would ignore it)", param=name)
+        if body.top_k == -1:   # vLLM's spelling of "no top-k"
+            body.top_k = 0
         if body.seed is not None and not 0 <= body.seed < 1 << 64:
             raise ApiError(400, f"seed must be in [0, 2**64), got {body.seed}", param="seed")
         for name in ("max_tokens", "budget", "top_k"):

@@ -229,6 +229,27 @@ def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fra
     assert fragment in body["message"] and body["type"]
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
+    ({"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
+])
+def test_a_field_that_would_change_the_answer_and_is_not_implemented_is_refused_by_name(oai, model_id, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=8, **kwargs)
+    assert info.value.body["param"] == field and "not supported" in info.value.body["message"]
+
+
+def test_neutral_values_of_those_fields_and_vllms_top_k_of_minus_one_change_nothing(oai, model_id):
+    sampled = {"model": model_id, "messages": CHAT, "max_tokens": 8, "temperature": 0.8, "seed": 3}
+    plain = oai.chat.completions.create(**sampled)
+    neutral = oai.chat.completions.create(**sampled, response_format={"type": "text"}, logit_bias={},
+                                          extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "top_k": -1})
+    assert neutral.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_a_wrong_api_key_is_refused_while_health_and_metrics_stay_open(stack, model_id):
     bad = openai.OpenAI(base_url=stack.http_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
