@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -228,8 +229,31 @@ def cmd_gateway(args) -> None:
 
 
 # ---- all three locally --------------------------------------------------------------------------------------
+def up_service_args(args) -> dict[str, list[str]]:
+    """Each service's extra flags from `up`'s: the engine limits both model services take, the target's memory
+    options, then --target-args, --drafter-args and --gateway-args as given."""
+    both = [*(["--max-seq-len", str(args.max_seq_len)] if args.max_seq_len else []),
+            *(["--max-batch", str(args.max_batch)] if args.max_batch else [])]
+    target = [*both, *(["--quantize", args.quantize] if args.quantize else []),
+              *([] if args.gpu_memory_utilization is None
+                else ["--gpu-memory-utilization", str(args.gpu_memory_utilization)])]
+    return {"target": target + shlex.split(args.target_args), "drafter": both + shlex.split(args.drafter_args),
+            "gateway": shlex.split(args.gateway_args)}
+
+
+# The least each service's parser takes: `up` checks its pass-through flags against the real parsers before starting.
+_REQUIRED = {"target": ["--model", "M"], "drafter": ["--drafter", "D", "--target-model", "M"],
+             "gateway": ["--target", "T:1", "--drafter", "D:1"]}
+
+
 def _check_up_args(args) -> None:
     """Everything `up` can check before it starts three processes; one-line errors, exit 2."""
+    try:
+        extra = up_service_args(args)
+    except ValueError as exc:   # unbalanced quotes in a --*-args string
+        args.parser.error(f"--target-args / --drafter-args / --gateway-args: {exc}")
+    for name, flags in extra.items():
+        build_parser().parse_args([name, *_REQUIRED[name], *flags])   # a bad flag: the service's one-line error
     for flag, path in (("--model", args.model), ("--drafter", args.drafter), ("--log-dir", None)):
         if path is not None and not Path(path).is_dir():
             args.parser.error(f"{flag} {path}: no such directory")
@@ -280,7 +304,8 @@ def cmd_up(args) -> None:
                            transport=args.transport, device=args.device, drafter_device=args.drafter_device or "",
                            dtype=args.dtype, metrics=args.metrics, threads=1 if small_cpu else None,
                            log_dir=args.log_dir or "", ports=ports, http=not args.no_http, api_key=args.api_key,
-                           step_sockets=args.step_transport == "socket", pin_cpus=args.pin_cpus)
+                           step_sockets=args.step_transport == "socket", pin_cpus=args.pin_cpus,
+                           extra=up_service_args(args))
     except ValueError as exc:   # --pin-cpus on too few CPUs
         args.parser.error(str(exc))
     print(f"target  {stack.address('target')}\ndrafter {stack.address('drafter')}\ngateway {stack.gateway}")
@@ -556,6 +581,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each service on CPUs of its own (gateway 2, target 3, drafter 3, from the last CPUs; each "
                         "service's --cpus): steps wake threads where their caches are warm")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype")
+    p.add_argument("--max-seq-len", type=_int_in(2), default=None,
+                   help="context limit per sequence, prompt + output, in both model services (default: theirs, 2048)")
+    p.add_argument("--max-batch", type=_int_in(1), default=None,
+                   help="sequences served at once, in both model services (default: theirs, 8)")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "int8-head"], default=None,
+                   help="the target's weights (see `target --quantize`; default: as loaded)")
+    p.add_argument("--gpu-memory-utilization", type=_float_in(0.0, 1.0, lo_open=True), default=None,
+                   help="share of the target's GPU it may use (see `target --gpu-memory-utilization`)")
+    for name in ("target", "drafter", "gateway"):
+        p.add_argument(f"--{name}-args", default="", metavar="ARGS",
+                       help=f"more flags for the {name} service, as one string (e.g. --{name}-args=\"--log-level "
+                            f"DEBUG\"); see `ddtree-serve {name} -h`")
     p.add_argument("--metrics", action="store_true", help="expose Prometheus endpoints on free ports")
     p.add_argument("--log-dir", help="service logs (default: a temporary folder, removed on a clean exit)")
     p.add_argument("--prompt", help="answer this prompt (as a chat message), print stats, stop")

@@ -26,6 +26,10 @@ BAD_ARGS = {
     "up with an empty prompt": ["up", "--prompt", ""],
     "up with a missing model directory": ["up", "--model", "/nonexistent/model", "--prompt", "hi"],
     "up with clashing ports": ["up", "--port", "50100", "--http-port", "50100"],
+    "up passing the target a flag it does not have": ["up", "--target-args=--no-such-flag"],
+    "up passing the gateway a bad value": ["up", "--gateway-args=--drain-s soon"],
+    "up with unbalanced quotes in pass-through flags": ["up", "--drafter-args=--log-level 'DEBUG"],
+    "up with a gpu memory share above 1": ["up", "--gpu-memory-utilization", "1.5"],
     "gateway port out of range": ["gateway", "--http-port", "70000"],
     "zero gpu memory cap": ["target", "--model", "m", "--gpu-memory-cap", "0"],
     "negative gpu memory cap": ["target", "--model", "m", "--gpu-memory-cap", "-48"],
@@ -49,6 +53,25 @@ def test_the_installed_command_reports_a_bad_argument_without_a_traceback():
     assert out.stderr.strip().splitlines() == [
         "ddtree-serve generate: error: argument --prompt-ids: '1,x' is not a comma-separated list of token ids, "
         "e.g. 1,2,3 (see ddtree-serve generate -h)"]
+
+
+def test_up_hands_each_service_its_engine_limits_memory_options_and_pass_through_flags(tmp_path):
+    args = cli.build_parser().parse_args([
+        "up", "--max-seq-len", "512", "--max-batch", "4", "--quantize", "int8", "--gpu-memory-utilization", "0.8",
+        "--target-args=--prefill-chunk 64", "--drafter-args=--lease-s 30", "--gateway-args=--drain-s 5"])
+    extra = cli.up_service_args(args)
+    assert extra["target"] == ["--max-seq-len", "512", "--max-batch", "4", "--quantize", "int8",
+                               "--gpu-memory-utilization", "0.8", "--prefill-chunk", "64"]
+    assert extra["drafter"] == ["--max-seq-len", "512", "--max-batch", "4", "--lease-s", "30"]
+    assert extra["gateway"] == ["--drain-s", "5"]
+    from launch.local_stack import LocalStack
+
+    stack = LocalStack(model="m", drafter="d", extra=extra, log_dir=str(tmp_path))
+    commands = stack.commands()
+    stack.stop()   # nothing started; removes the socket folder it made
+    assert all(commands[name][-len(flags):] == flags for name, flags in extra.items())   # what the services get
+    plain = cli.up_service_args(cli.build_parser().parse_args(["up"]))
+    assert plain == {"target": [], "drafter": [], "gateway": []}   # the services' own defaults
 
 
 @pytest.mark.parametrize("command", ["target", "drafter", "gateway", "up", "generate"])

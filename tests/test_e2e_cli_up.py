@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 def test_up_answers_a_prompt_prints_json_and_stops_all(checkpoints):
     target, drafter = checkpoints("llama")
     out = subprocess.run([sys.executable, "-m", "launch.cli", "up", "--model", str(target), "--drafter",
-                          str(drafter), "--prompt", "hello there", "--max-tokens", "12", "--json"],
+                          str(drafter), "--prompt", "hello there", "--max-tokens", "12", "--json",
+                          "--max-seq-len", "256", "--target-args=--prefill-chunk 32"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
