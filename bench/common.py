@@ -222,17 +222,21 @@ def start_stack(model: str, drafter: str, device: str, dtype: str, threads: int 
     """The three services as processes, with Prometheus endpoints; returns a started LocalStack.
     drafter_device puts the drafter elsewhere (e.g. cuda:1; the last --device on its command line wins);
     gateway_args and target_args are extra flags of those services (e.g. the bench-only calibration flags, the
-    target's --quantize); step_sockets: the step calls on bare Unix sockets instead of gRPC streams; pin_cpus: each
-    service on CPUs of its own (LocalStack.pin_cpus)."""
+    target's --quantize); the gateway runs without budget ceilings by batch size unless gateway_args set them, so
+    that a system named for its budget runs that budget at every batch size; step_sockets: the step calls on bare
+    Unix sockets instead of gRPC streams; pin_cpus: each service on CPUs of its own (LocalStack.pin_cpus)."""
     from launch.local_stack import LocalStack
 
     model_args = ["--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len)]
+    gateway_args = list(gateway_args or [])
+    if "--batch-budgets" not in gateway_args:
+        gateway_args = ["--batch-budgets", "none", *gateway_args]
     drafter_args = model_args + (["--device", drafter_device] if drafter_device else [])
     stack = LocalStack(model=model, drafter=drafter, mode="ddtree", budget=budget, device=device, dtype=dtype,
                        metrics=True, transport=transport, threads=threads, log_dir=log_dir, step_sockets=step_sockets,
                        pin_cpus=pin_cpus,
                        extra={"target": [*model_args, *(target_args or [])], "drafter": drafter_args,
-                              "gateway": list(gateway_args or [])})
+                              "gateway": gateway_args})
     t0 = time.perf_counter()
     stack.start(timeout_s=960)
     print(f"services up in {time.perf_counter() - t0:.1f} s (logs in {stack.log_dir})", flush=True)

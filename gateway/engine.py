@@ -15,7 +15,7 @@ from ddtree_serve.plumbing.background import BackgroundTask
 from ddtree_serve.plumbing.messages import draft_arrays
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
-from gateway.scheduler import PairQueue, plan_prefill_chunks, step_budgets
+from gateway.scheduler import PairQueue, batch_budget_ceiling, plan_prefill_chunks, step_budgets
 from gateway.sequence import Sequence, Status
 from gateway.step_timeline import GatewayStamps, PreviousVerify, step_segments
 from gateway.step_trees import build_step_trees
@@ -40,6 +40,10 @@ class EngineConfig:
     # Verify nodes per step over the whole batch (0: no cap): past it, DDTree budgets shrink for that step
     # (gateway.scheduler.step_budgets), so that a wide batch's verify stays memory-bound.
     max_verify_nodes: int = 0
+    # (from batch size, max budget) pairs: a step of that many sequences or more caps each DDTree budget there
+    # (ddtree_serve.decoding.config.GPU_BATCH_BUDGETS); () or None: no ceiling (the gateway resolves None by
+    # device).
+    batch_budgets: tuple[tuple[int, int], ...] | None = None
     # Bench-only calibrated acceptance (gateway/calibrated_drafts.py DraftCalibrator): rewrites each draft's top-K
     # lists so that acceptance follows a measured profile. None in any real deployment.
     calibrator: DraftCalibrator | None = None
@@ -250,13 +254,16 @@ class PairEngine(BackgroundTask):
         return max(0, min(self.block_size - 1, s.remaining - 1, room))
 
     def _step_budgets(self, seqs: list[Sequence], depths: dict[str, int]) -> dict[str, int]:
-        """Each sequence's DDTree budget this step (EngineConfig.max_verify_nodes), given its draft depth."""
+        """Each sequence's DDTree budget this step (EngineConfig.batch_budgets, then .max_verify_nodes), given its
+        draft depth."""
+        ceiling = batch_budget_ceiling(self.cfg.batch_budgets or (), len(seqs))
+        budgets = {s.seq_id: s.budget if ceiling is None else min(s.budget, ceiling) for s in seqs}
         if not self.cfg.max_verify_nodes:
-            return {s.seq_id: s.budget for s in seqs}
+            return budgets
         trees = [s for s in seqs if s.mode == "ddtree" and s.speculative and depths[s.seq_id] > 0]
         chains = [s for s in seqs if s.mode == "dflash" and s.speculative]
         other = sum(1 + depths[s.seq_id] for s in chains) + len(seqs) - len(trees) - len(chains)
-        return step_budgets({s.seq_id: s.budget for s in trees}, other, self.cfg.max_verify_nodes)
+        return step_budgets({s.seq_id: budgets[s.seq_id] for s in trees}, other, self.cfg.max_verify_nodes)
 
     async def _decode(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()

@@ -54,6 +54,31 @@ class PairQueue:
         return admitted
 
 
+def parse_batch_budgets(text: str) -> tuple[tuple[int, int], ...]:
+    """"4:16,16:4" -> ((4, 16), (16, 4)): from batch 4 on budgets of at most 16, from 16 on at most 4; "none" -> ().
+    ValueError for anything else (batches >= 1 ascending, budgets >= 1)."""
+    if text.strip().lower() == "none":
+        return ()
+    pairs = []
+    for part in text.split(","):
+        batch, sep, budget = part.partition(":")
+        if not sep or not batch.strip().isdigit() or not budget.strip().isdigit():
+            raise ValueError(f"{part.strip()!r} is not BATCH:BUDGET")
+        pairs.append((int(batch), int(budget)))
+    if any(b < 1 or budget < 1 for b, budget in pairs) or [b for b, _ in pairs] != sorted({b for b, _ in pairs}):
+        raise ValueError(f"{text!r}: batches >= 1 in ascending order, budgets >= 1")
+    return tuple(pairs)
+
+
+def batch_budget_ceiling(batch_budgets: tuple[tuple[int, int], ...], batch: int) -> int | None:
+    """The largest DDTree budget a step of `batch` sequences may use under batch_budgets (None: no ceiling)."""
+    ceiling = None
+    for from_batch, budget in batch_budgets:
+        if batch >= from_batch:
+            ceiling = budget
+    return ceiling
+
+
 def step_budgets(requested: dict[str, int], other_nodes: int, max_verify_nodes: int) -> dict[str, int]:
     """The DDTree budget of each sequence this step (seq id -> budget as requested): unchanged while the step's
     trees fit max_verify_nodes (0: no cap) — each tree is its root plus its budget, and the step's other sequences

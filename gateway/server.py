@@ -15,7 +15,7 @@ import grpc
 from transformers import AutoTokenizer
 
 from ddtree_serve.decoding import ddtree_native
-from ddtree_serve.decoding.config import default_budget
+from ddtree_serve.decoding.config import default_batch_budgets, default_budget
 from ddtree_serve.plumbing.messages import sampling_from_proto
 from ddtree_serve.plumbing.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
@@ -97,6 +97,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if self.cfg.budget <= 0:
             self.cfg.budget = default_budget(first.target_info.device)
             log.info("default DDTree budget %d for device %s", self.cfg.budget, first.target_info.device)
+        if self.cfg.engine.batch_budgets is None:
+            self.cfg.engine.batch_budgets = default_batch_budgets(first.target_info.device)
+            log.info("DDTree budget ceilings by batch size for device %s: %s", first.target_info.device,
+                     ", ".join(f"{b}+ -> {c}" for b, c in self.cfg.engine.batch_budgets) or "none")
         if self.metrics_factory is not None:
             self.metrics = self.metrics_factory(self.model_name)
         queues = []

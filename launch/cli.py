@@ -208,7 +208,7 @@ def cmd_gateway(args) -> None:
     _pin_cpus(args)
     _security(args, public=True)
     engine = EngineConfig(max_prefill_tokens=args.max_prefill_tokens, draft_timeout_s=args.draft_timeout_s,
-                          max_verify_nodes=args.max_verify_nodes)
+                          max_verify_nodes=args.max_verify_nodes, batch_budgets=args.batch_budgets)
     if args.calibrated_acceptance:
         from gateway.calibrated_drafts import calibrator_from_args
 
@@ -405,6 +405,16 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(parse(part.strip()) for part in text.split(",") if part.strip())
 
 
+def _batch_budgets(text: str) -> tuple[tuple[int, int], ...]:
+    """argparse type: --batch-budgets (gateway.scheduler.parse_batch_budgets)."""
+    from gateway.scheduler import parse_batch_budgets
+
+    try:
+        return parse_batch_budgets(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     """argparse type: a finite float in [lo, hi] ((lo, hi] with lo_open)."""
     def parse(text: str) -> float:
@@ -519,6 +529,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="verify nodes per step over the whole batch (0: no cap); past it every DDTree sequence's "
                         "budget shrinks for that step to an equal share (a power of four), so a wide batch's verify "
                         "stays memory-bound (e.g. 256: budget 64 up to batch 3, 16 at batch 8)")
+    p.add_argument("--batch-budgets", type=_batch_budgets, default=None, metavar="BATCH:BUDGET,...",
+                   help="from BATCH sequences in a step on, DDTree budgets of at most BUDGET (e.g. 4:16); none: no "
+                        "ceiling; default: 4:16 on a GPU target (measured: budget 16 beats 64 from batch 8 up), none "
+                        "on CPU")
     p.add_argument("--transport", default="inline", choices=TRANSPORTS,
                    help="how targets send context features to drafters: inline (in the RPC, anywhere), shm (shared "
                         "memory, same host), cuda-ipc (GPU memory, same GPU or peer-accessible GPUs), nccl (NCCL "

@@ -149,7 +149,7 @@ class Rig:
     """One PairEngine over fake backends, with a queue to add sequences to."""
 
     def __init__(self, tokenizer, right: bool = True, max_prefill_tokens: int = 2048,
-                 max_verify_nodes: int = 0) -> None:
+                 max_verify_nodes: int = 0, batch_budgets: tuple[tuple[int, int], ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.log: list[str] = []
         self.target, self.drafter = FakeTarget(self.log), FakeDrafter(self.log, right)
@@ -162,7 +162,8 @@ class Rig:
         self.pair = pair
         self.queue = PairQueue(AdmissionLimits(max_running=8, max_reserved_tokens=10_000))
         self.engine = PairEngine(pair, self.queue, EngineConfig(max_prefill_tokens=max_prefill_tokens,
-                                                                max_verify_nodes=max_verify_nodes))
+                                                                max_verify_nodes=max_verify_nodes,
+                                                                batch_budgets=batch_budgets))
 
     def add(self, prompt: list[int], max_tokens: int = 12, mode: str = "ddtree", budget: int = 8) -> Sequence:
         s = Sequence(request_id=f"r{len(self.queue.waiting)}", prompt_ids=prompt, max_tokens=max_tokens,
@@ -244,6 +245,20 @@ def test_a_batch_within_the_verify_node_cap_keeps_its_budgets(tokenizer) -> None
         rig.add([5 + i], max_tokens=10, budget=8)
     rig.step()
     assert [len(it.tokens) for it in rig.target.verified[0].items] == [9, 9, 9, 9]
+
+
+def test_a_batch_at_a_budget_ceiling_verifies_its_smaller_trees_and_a_lone_sequence_keeps_its_own(tokenizer) -> None:
+    rig = Rig(tokenizer, right=False, batch_budgets=((3, 2),))   # from 3 sequences on, budgets of at most 2
+    seqs = [rig.add([5 + i], max_tokens=10, budget=8) for i in range(3)]
+    rig.run_to_end()
+    first = rig.target.verified[0]
+    assert [len(it.tokens) for it in first.items] == [3, 3, 3]   # root + 2
+    assert rig.drafter.requests[0].top_k == 2
+    assert [s.output_ids for s in seqs] == [greedy(5 + i, 10) for i in range(3)]
+    alone = Rig(tokenizer, right=False, batch_budgets=((3, 2),))
+    alone.add([5], max_tokens=10, budget=8)
+    alone.step()
+    assert [len(it.tokens) for it in alone.target.verified[0].items] == [9]
 
 
 def test_draft_depth_never_drafts_past_max_tokens(tokenizer) -> None:

@@ -1,8 +1,11 @@
 """Admission and prefill planning in the gateway (no server): FCFS within the pair's limits, chunked prompts."""
 from __future__ import annotations
 
-from ddtree_serve.decoding.config import SamplingParams
-from gateway.scheduler import AdmissionLimits, PairQueue, plan_prefill_chunks, step_budgets
+import pytest
+
+from ddtree_serve.decoding.config import GPU_BATCH_BUDGETS, SamplingParams, default_batch_budgets
+from gateway.scheduler import (AdmissionLimits, PairQueue, batch_budget_ceiling, parse_batch_budgets,
+                               plan_prefill_chunks, step_budgets)
 from gateway.sequence import Sequence, Status
 
 
@@ -65,3 +68,23 @@ def test_past_the_cap_every_tree_gets_an_equal_share_rounded_down_to_a_power_of_
 
 def test_the_share_never_drops_below_one_node_per_tree() -> None:
     assert set(step_budgets({str(i): 64 for i in range(64)}, 10, 64).values()) == {1}
+
+
+def test_budget_ceilings_by_batch_size_parse_from_the_command_line_form() -> None:
+    assert parse_batch_budgets("4:16,16:4") == ((4, 16), (16, 4))
+    assert parse_batch_budgets("none") == ()
+    for bad in ("4", "4:x", "16:4,4:16", "0:16", "4:0", "4:16,4:8", ""):
+        with pytest.raises(ValueError):
+            parse_batch_budgets(bad)
+
+
+def test_the_ceiling_of_a_batch_is_the_last_one_it_has_reached() -> None:
+    table = ((4, 16), (16, 4))
+    assert [batch_budget_ceiling(table, b) for b in (1, 3, 4, 15, 16, 64)] == [None, None, 16, 16, 4, 4]
+    assert batch_budget_ceiling((), 64) is None
+
+
+def test_a_gpu_target_caps_wide_batches_by_default_and_a_cpu_one_does_not() -> None:
+    assert default_batch_budgets("cuda:0") == default_batch_budgets("cuda") == GPU_BATCH_BUDGETS
+    assert batch_budget_ceiling(GPU_BATCH_BUDGETS, 1) is None and batch_budget_ceiling(GPU_BATCH_BUDGETS, 8) == 16
+    assert default_batch_budgets("cpu") == ()

@@ -54,3 +54,17 @@ def default_budget(device: str) -> int:
     on that acceptance figure and the H200 validation run, not on a measured GPU speed table.
     """
     return 16 if str(device).split(":")[0] == "cpu" else 64
+
+
+# On a GPU target, from 4 sequences in a step on, DDTree budgets are at most 16. Measured through the services on an
+# H100 at the Qwen3-8B shape, calibrated acceptance (bench/results/h100-engine-2026-12-05-2135/): batch 1 budget 64
+# 998 tok/s against budget 16's 848; batch 8 budget 16 3780 against 64's 3376; batch 32 budget 16 5935 against 64's
+# 3810 (the hybrid layout on the H200 at batch 4: budget 32 2250 against 64's 1944). A verify of many rows turns
+# compute-bound, so a wide batch gains more from cheap trees than from deep acceptance.
+GPU_BATCH_BUDGETS: tuple[tuple[int, int], ...] = ((4, 16),)
+
+
+def default_batch_budgets(device: str) -> tuple[tuple[int, int], ...]:
+    """The (from batch size, max budget) ceilings for this device when the user sets none: GPU_BATCH_BUDGETS on a
+    GPU; none on CPU, whose default budget (16) is small already."""
+    return () if str(device).split(":")[0] == "cpu" else GPU_BATCH_BUDGETS
