@@ -42,6 +42,7 @@ HTTP_FOR_STATUS = {
 }
 OPEN_PATHS = ("/health", "/metrics")  # no API key needed, as in vLLM: probes and scrapers
 MAX_SAMPLES = 16   # n per request: each sample is a sequence of its own (a cache slot, a share of each step)
+MAX_PROMPTS = 64   # prompts of one /v1/completions request (each its own sequence, or n of them)
 
 
 # Fields that OpenAI or vLLM take, that would change the answer, and that this server does not implement, each with
@@ -286,15 +287,16 @@ class HttpFront:
                 "e2e_seconds": round(time.perf_counter() - seq.arrival, 4)}
 
     @staticmethod
-    def _usage(seqs: list) -> dict:
-        """Token counts of a request's samples: the prompt once, every sample's completion."""
-        prompt, completion = len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)
+    def _usage(seqs: list, n: int) -> dict:
+        """Token counts of a request's sequences (n samples of each prompt, in order): each prompt once, every
+        sample's completion."""
+        prompt, completion = sum(len(s.prompt_ids) for s in seqs[::n]), sum(len(s.output_ids) for s in seqs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def _run(self, req, chat: bool, body: _Common) -> Any:
-        """Answers one generation request (body.n samples of it): a JSON body, or server-sent events when
-        body.stream."""
-        gens = [self.servicer.stream(r) for r in _samples(req, body.n)]
+    async def _run(self, reqs: list[gateway_pb2.GenerateRequest], chat: bool, body: _Common) -> Any:
+        """Answers one HTTP request of one prompt or several (body.n samples of each; choice p * n + i is prompt
+        p's sample i, as vLLM numbers them): a JSON body, or server-sent events when body.stream."""
+        gens = [self.servicer.stream(r) for req in reqs for r in _samples(req, body.n)]
         # Every sample admitted at once; validation errors surface here, before any byte is sent.
         firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -306,7 +308,7 @@ class HttpFront:
         rid = ("chatcmpl-" if chat else "cmpl-") + firsts[0][0].request_id
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage),
+            return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage, body.n),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         tasks = [asyncio.ensure_future(_collect(g, f)) for g, f in zip(gens, firsts)]
         try:
@@ -328,10 +330,10 @@ class HttpFront:
             choices.append(choice)
             seqs.append(seq)
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                             "model": self.model_id, "choices": choices, "usage": self._usage(seqs),
+                             "model": self.model_id, "choices": choices, "usage": self._usage(seqs, body.n),
                              "ddtree": self._ddtree_stats(seqs[0])})
 
-    async def _sse(self, gens, firsts, rid: str, created: int, chat: bool, include_usage: bool
+    async def _sse(self, gens, firsts, rid: str, created: int, chat: bool, include_usage: bool, n: int
                    ) -> AsyncIterator[str]:
         """The event stream: one chunk per engine emission of each sample (its index), each sample's finish
         reason, optional usage, then [DONE]."""
@@ -386,7 +388,7 @@ class HttpFront:
                 if include_usage:
                     seqs = [finished[i] for i in range(len(gens))]
                     yield line({"id": rid, "object": obj, "created": created, "model": self.model_id,
-                                "choices": [], "usage": self._usage(seqs)})
+                                "choices": [], "usage": self._usage(seqs, n)})
             except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream, as vLLM does
                 err = api_error_for(exc)
                 log.warning("stream %s failed: %s", rid, err.message)
@@ -502,7 +504,7 @@ class HttpFront:
         for m in body.messages:
             req.chat.messages.add(role=m.role, content=_content_text(m.content))
         await self._finish_prompt(req, max_tokens)
-        return await self._run(req, chat=True, body=body)
+        return await self._run([req], chat=True, body=body)
 
     async def _tokenize(self, body: TokenizeRequest):
         self._check_ready()
@@ -539,19 +541,21 @@ class HttpFront:
         self._check_common(body)
         if body.echo or body.suffix or (body.best_of or 1) != 1:
             raise ApiError(400, "echo, suffix and best_of are not supported", param="echo")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "one prompt per request (a batch of prompts is not supported)",
-                               param="prompt")
-            prompt = prompt[0]
-        req = self._request(body, body.max_tokens, 16)  # OpenAI's completions default
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.token_ids.ids.extend(prompt)
-        await self._finish_prompt(req, body.max_tokens if body.max_tokens is not None else 16)
-        return await self._run(req, chat=False, body=body)
+        prompts = body.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]   # one text, or one list of token ids
+        if not 1 <= len(prompts) <= MAX_PROMPTS:
+            raise ApiError(400, f"a batch of {len(prompts)} prompts; 1 to {MAX_PROMPTS} per request", param="prompt")
+        reqs = []
+        for prompt in prompts:
+            req = self._request(body, body.max_tokens, 16)  # OpenAI's completions default
+            if isinstance(prompt, str):
+                req.text = prompt
+            else:
+                req.token_ids.ids.extend(prompt)
+            await self._finish_prompt(req, body.max_tokens if body.max_tokens is not None else 16)
+            reqs.append(req)
+        return await self._run(reqs, chat=False, body=body)
 
 
 def _samples(req: gateway_pb2.GenerateRequest, n: int) -> list[gateway_pb2.GenerateRequest]:

@@ -129,6 +129,26 @@ def test_n_seeded_samples_are_n_choices_each_the_single_request_of_its_seed(oai,
         oai.chat.completions.create(**{**args, "seed": 77 + i}).usage.completion_tokens for i in range(3))
 
 
+def test_a_batch_of_prompts_answers_each_as_alone_numbered_prompt_by_sample(oai, model_id):
+    """/v1/completions with a list of prompts (texts or token-id lists), n samples each: choice p * n + i is prompt
+    p's sample i, equal to that prompt sent alone with seed + i; usage counts each prompt once."""
+    prompts = ["The capital of France is", "One, two, three,"]
+    args = dict(model=model_id, max_tokens=6, temperature=1.0, seed=5)
+    batch = oai.completions.create(prompt=prompts, n=2, **args)
+    alone = [oai.completions.create(prompt=p, **{**args, "seed": 5 + i}) for p in prompts for i in range(2)]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[2].usage.prompt_tokens
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    ids = oai.completions.create(prompt=[[5, 6, 7], [8, 9]], max_tokens=4, temperature=0, model=model_id)
+    assert [c.text for c in ids.choices] == [oai.completions.create(prompt=p, max_tokens=4, temperature=0,
+                                                                     model=model_id).choices[0].text
+                                             for p in ([5, 6, 7], [8, 9])]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(prompt=["hi"] * 65, max_tokens=2, model=model_id)
+    assert "1 to 64 per request" in info.value.body["message"]
+
+
 def test_n_streamed_samples_interleave_by_index_and_each_ends_with_its_finish_reason(oai, model_id):
     stream = oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=12, temperature=0, n=2,
                                     stream=True, stream_options={"include_usage": True},
