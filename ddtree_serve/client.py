@@ -32,6 +32,7 @@ class Chunk:
     finish_reason: str = ""
     stats: dict | None = None
     request_id: str = ""
+    logprobs: list[dict] = field(default_factory=list)   # per token, when asked: {"logprob", "top": [(id, lp)]}
 
 
 @dataclass
@@ -43,23 +44,28 @@ class Result:
     finish_reason: str
     stats: dict = field(default_factory=dict)
     request_id: str = ""
+    logprobs: list[dict] = field(default_factory=list)   # per token, when asked (Chunk.logprobs)
 
     def as_dict(self) -> dict:
         """The result as plain JSON-able data."""
-        return {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason, "stats": self.stats}
+        out = {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
+               "finish_reason": self.finish_reason, "stats": self.stats}
+        return {**out, "logprobs": self.logprobs} if self.logprobs else out
 
 
 def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                   messages: list[dict] | None = None, chat: bool = True, max_tokens: int = 128,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                   mode: str | None = None, budget: int = 0, stop: list[str] | None = None,
-                  ignore_eos: bool = False) -> gateway_pb2.GenerateRequest:
-    """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False)."""
+                  ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0
+                  ) -> gateway_pb2.GenerateRequest:
+    """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
+    logprobs: each token's log-prob in the answer, with top_logprobs alternatives."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
         max_tokens=max_tokens, mode=MODES[mode], budget=budget, stop=stop or [], ignore_eos=ignore_eos,
+        logprobs=logprobs, top_logprobs=top_logprobs,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed or 0,
                                            has_seed=seed is not None))
     if prompt_ids is not None:
@@ -87,16 +93,19 @@ def stats_dict(s: gateway_pb2.GenerationStats) -> dict:
 def _chunk(msg: gateway_pb2.GenerateResponse) -> Chunk:
     return Chunk(token_ids=list(msg.token_ids), text=msg.text, finished=msg.finished,
                  finish_reason=msg.finish_reason, stats=stats_dict(msg.stats) if msg.finished else None,
-                 request_id=msg.request_id)
+                 request_id=msg.request_id,
+                 logprobs=[{"logprob": lp.logprob, "top": list(zip(lp.top_ids, lp.top_logprobs))}
+                           for lp in msg.logprobs])
 
 
 def _collect(chunks) -> Result:
-    ids, text, last = [], [], None
+    ids, text, logprobs, last = [], [], [], None
     for c in chunks:
         ids.extend(c.token_ids)
         text.append(c.text)
+        logprobs.extend(c.logprobs)
         last = c
-    return Result(ids, "".join(text), last.finish_reason, last.stats or {}, last.request_id)
+    return Result(ids, "".join(text), last.finish_reason, last.stats or {}, last.request_id, logprobs)
 
 
 def _request(prompt, request, kw) -> gateway_pb2.GenerateRequest:

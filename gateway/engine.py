@@ -138,7 +138,8 @@ class PairEngine(BackgroundTask):
         request = target_pb2.PrefillRequest(items=[
             target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids[s.prefilled:s.prefilled + n],
                                    sampling=sampling_to_proto(s), push_features=s.speculative, start=s.prefilled,
-                                   more=s.prefilled + n < len(s.prompt_ids), draft_top_k=self._draft_top_k(s))
+                                   more=s.prefilled + n < len(s.prompt_ids), draft_top_k=self._draft_top_k(s),
+                                   logprobs=s.logprobs >= 0, top_logprobs=max(s.logprobs, 0))
             for s, n in chunks])
         try:
             response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
@@ -158,7 +159,7 @@ class PairEngine(BackgroundTask):
             s.bonus = r.next_token
             s.first_token_at = s.last_token_at = now
             kept = s.append([r.next_token])
-            s.emit(kept)
+            s.emit(kept, r.logprobs)
             if self.metrics is not None:
                 self.metrics.observe_prompt(len(s.prompt_ids))
                 self.metrics.observe_first_token(now - s.arrival)
@@ -305,7 +306,7 @@ class PairEngine(BackgroundTask):
             s.stats.drafted_steps += tree_size > 0
             s.context_len, s.bonus = r.context_len, r.next_token
             kept = s.append(accepted + [r.next_token])
-            s.emit(kept)
+            s.emit(kept, r.logprobs)
             if self.metrics is not None:
                 self.metrics.observe_tokens(t3 - s.last_token_at, len(kept))
             s.last_token_at = t3

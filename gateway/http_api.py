@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ddtree_serve.decoding.logprobs import MAX_TOP_LOGPROBS
 from ddtree_serve.proto import common_pb2, gateway_pb2
 from ddtree_serve.plumbing.rpc import status_for
 from gateway.limits import MAX_CHARS_PER_TOKEN
@@ -53,7 +54,6 @@ _UNHONOURED: dict[str, Callable[[Any], bool]] = {
     "repetition_penalty": lambda v: v is not None and v != 1,
     "min_p": bool,
     "min_tokens": bool,
-    "top_logprobs": bool,
     "prompt_logprobs": lambda v: v is not None,
     "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type", "text") == "text"),
     "guided_json": lambda v: v is not None,
@@ -107,6 +107,7 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: Any = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Common):
@@ -234,8 +235,12 @@ class HttpFront:
         self._check_model(body.model)
         if not 1 <= body.n <= MAX_SAMPLES:
             raise ApiError(400, f"n must be in [1, {MAX_SAMPLES}], got {body.n}", param="n")
-        if body.logprobs:
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
+        wanted = _logprobs_wanted(body)
+        if wanted is not None and not 0 <= wanted <= MAX_TOP_LOGPROBS:
+            name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise ApiError(400, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {wanted}", param=name)
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.presence_penalty or body.frequency_penalty:
             # A penalty changes the distribution; ignoring it silently would break "lossless" expectations.
             raise ApiError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
@@ -262,9 +267,11 @@ class HttpFront:
                                              top_k=body.top_k or 0, seed=body.seed or 0,
                                              has_seed=body.seed is not None)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        wanted = _logprobs_wanted(body)
         req = gateway_pb2.GenerateRequest(sampling=sampling, stop=stop, ignore_eos=body.ignore_eos,
                                           stop_token_ids=body.stop_token_ids or [], budget=body.budget or 0,
-                                          mode=MODE_ENUMS.get(body.mode, gateway_pb2.DECODE_MODE_DEFAULT))
+                                          mode=MODE_ENUMS.get(body.mode, gateway_pb2.DECODE_MODE_DEFAULT),
+                                          logprobs=wanted is not None, top_logprobs=wanted or 0)
         req.max_tokens = max_tokens if max_tokens is not None else (default_max or 0)
         return req
 
@@ -276,6 +283,30 @@ class HttpFront:
             # like vLLM: no max_tokens means "up to the context limit"
             req.max_tokens = max(1, self.servicer.max_seq_len - len(ids))
         return len(ids)
+
+    def _logprobs_json(self, chat: bool, token_ids: list[int], logprobs: list, offset: int = 0) -> tuple[dict, int]:
+        """Tokens' log-probs (TokenLogprob messages) in OpenAI's shape -> (the choice's "logprobs", the text offset
+        after them): chat's {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens,
+        token_logprobs, top_logprobs, text_offset}; each token's text is its own decoding."""
+        decode = self.servicer.tokenizer.decode
+        pairs = list(zip(token_ids, logprobs))
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        if chat:
+            return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in
+                                                                          zip(lp.top_ids, lp.top_logprobs)]}
+                                for t, lp in pairs]}, offset
+        tokens, offsets = [], []
+        for t, _ in pairs:
+            tokens.append(decode([t]))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in pairs],
+                "top_logprobs": [{decode([i]): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for _, lp in pairs],
+                "text_offset": offsets}, offset
 
     @staticmethod
     def _ddtree_stats(seq) -> dict:
@@ -319,8 +350,10 @@ class HttpFront:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         choices, seqs = [], []
-        for i, (seq, finish_reason, content) in enumerate(results):
-            choice = {"index": i, "finish_reason": finish_reason, "logprobs": None}
+        wanted = _logprobs_wanted(body) is not None
+        for i, (seq, finish_reason, content, ids, logprobs) in enumerate(results):
+            choice = {"index": i, "finish_reason": finish_reason,
+                      "logprobs": self._logprobs_json(chat, ids, logprobs)[0] if wanted else None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": content}
             else:
@@ -339,12 +372,13 @@ class HttpFront:
         reason, optional usage, then [DONE]."""
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False,
+                  logprobs: dict | None = None) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
             else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+                choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
             payload = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
@@ -374,11 +408,16 @@ class HttpFront:
                     for i in range(len(gens)):
                         yield line(chunk(i, None, None, role=True))
                 finished: dict[int, Any] = {}
+                offsets = [0] * len(gens)   # each sample's text so far, for completions' text_offset
                 while len(finished) < len(gens):
                     index, seq, event, exc = await events.get()
                     if exc is not None:
                         raise exc
-                    if event.text:
+                    if event.logprobs:   # a chunk for every token with a log-prob, text or not
+                        logprobs, offsets[index] = self._logprobs_json(chat, event.token_ids, event.logprobs,
+                                                                       offsets[index])
+                        yield line(chunk(index, event.text, None, logprobs=logprobs))
+                    elif event.text:
                         yield line(chunk(index, event.text, None))
                     if event.finished:
                         finished[index] = seq
@@ -570,12 +609,27 @@ def _samples(req: gateway_pb2.GenerateRequest, n: int) -> list[gateway_pb2.Gener
     return out
 
 
-async def _collect(gen, first) -> tuple[Any, str, str]:
-    """(the sequence, its finish reason, its whole text) of one sample's stream."""
+async def _collect(gen, first) -> tuple[Any, str, str, list[int], list]:
+    """(the sequence, its finish reason, its whole text, its token ids, their log-probs if reported) of one
+    sample's stream."""
     seq, event = first
-    text = [event.text]
+    text, ids, logprobs = [event.text], list(event.token_ids), list(event.logprobs or [])
     async with contextlib.aclosing(gen):
         while not event.finished:
             seq, event = await gen.__anext__()
             text.append(event.text)
-    return seq, event.finish_reason, "".join(text)
+            ids.extend(event.token_ids)
+            logprobs.extend(event.logprobs or [])
+    return seq, event.finish_reason, "".join(text), ids, logprobs
+
+
+def _logprobs_wanted(body: _Common) -> int | None:
+    """The alternatives per token a body asks log-probs with, None for none: chat's logprobs (bool) and
+    top_logprobs, completions' logprobs (a count)."""
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if body.logprobs is None or body.logprobs is False:
+        return None
+    if isinstance(body.logprobs, bool) or not isinstance(body.logprobs, int):
+        raise ApiError(400, f"logprobs must be an integer count, got {body.logprobs!r}", param="logprobs")
+    return body.logprobs

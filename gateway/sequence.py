@@ -30,6 +30,7 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str = ""
     error: tuple[grpc.StatusCode, str] | None = None
+    logprobs: list | None = None   # common_pb2.TokenLogprob per token_ids entry, when the request asked for them
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Sequence:
     budget: int
     stop_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
+    logprobs: int = -1             # >= 0: each token's log-prob and this many alternatives (the target reports them)
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -107,11 +109,13 @@ class Sequence:
         self.output_ids.extend(kept)
         return kept
 
-    def emit(self, tokens: list[int]) -> None:
-        """Streams the text of newly kept tokens (and the end, if reached)."""
+    def emit(self, tokens: list[int], logprobs=None) -> None:
+        """Streams the text of newly kept tokens (and the end, if reached); logprobs: the target's for the tokens
+        it reported, of which those of the kept ones go out."""
         text = self.detokenizer.take_text(final=bool(self.finish_reason))
+        kept_logprobs = list(logprobs)[:len(tokens)] if self.logprobs >= 0 and logprobs is not None else None
         self.events.put_nowait(StreamEvent(token_ids=tokens, text=text, finished=bool(self.finish_reason),
-                                           finish_reason=self.finish_reason))
+                                           finish_reason=self.finish_reason, logprobs=kept_logprobs))
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Ends the request with an error status."""

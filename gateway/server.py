@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from ddtree_serve.decoding import ddtree_native
 from ddtree_serve.decoding.config import default_batch_budgets, default_budget
-from ddtree_serve.plumbing.messages import sampling_from_proto
+from ddtree_serve.plumbing.messages import logprobs_wanted, sampling_from_proto
 from ddtree_serve.plumbing.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
@@ -254,7 +254,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return Sequence(request_id=request_id, prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                         sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,
                         stop_token_ids=frozenset(stops),
-                        detokenizer=IncrementalDetokenizer(self.tokenizer, list(request.stop)))
+                        detokenizer=IncrementalDetokenizer(self.tokenizer, list(request.stop)),
+                        logprobs=logprobs_wanted(request.logprobs, request.top_logprobs))
 
     # ---- public RPCs --------------------------------------------------------------------------------------
     def _stats(self, seq: Sequence) -> gateway_pb2.GenerationStats:
@@ -300,7 +301,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async for seq, event in self._events(request, context):
                 yield gateway_pb2.GenerateResponse(
                     request_id=seq.request_id, token_ids=event.token_ids, text=event.text, finished=event.finished,
-                    finish_reason=event.finish_reason, stats=self._stats(seq) if event.finished else None)
+                    finish_reason=event.finish_reason, stats=self._stats(seq) if event.finished else None,
+                    logprobs=event.logprobs or [])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - map to a status like the unary methods
@@ -312,14 +314,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @grpc_errors
     async def Generate(self, request, context):
-        ids, text, last = [], [], None
+        ids, text, logprobs, last = [], [], [], None
         async for seq, event in self._events(request, context):
             ids.extend(event.token_ids)
             text.append(event.text)
+            logprobs.extend(event.logprobs or [])
             last = (seq, event)
         seq, event = last
         return gateway_pb2.GenerateResponse(request_id=seq.request_id, token_ids=ids, text="".join(text),
-                                            finished=True, finish_reason=event.finish_reason, stats=self._stats(seq))
+                                            finished=True, finish_reason=event.finish_reason, stats=self._stats(seq),
+                                            logprobs=logprobs)
 
     @grpc_errors
     async def Tokenize(self, request, context):

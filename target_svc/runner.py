@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.logprobs import TokenLogprob, token_logprobs
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
 from ddtree_serve.plumbing.host_copy import PendingHostCopy, start_host_copy, to_host
 from ddtree_serve.transport.base import EarlyRows
@@ -76,6 +77,7 @@ class PrefillItem:
     want_features: bool = False
     start: int = 0        # > 0: continues a sequence whose first `start` prompt tokens are prefilled
     more: bool = False    # more chunks follow: no first token is sampled yet
+    logprobs: int = -1    # >= 0: report each emitted token's log-prob and this many alternatives (first chunk's)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class PrefillOutput:
     next_token: int
     context_len: int
     features: Tensor | None  # [chunk length, F], rows context_len - chunk length ..
+    logprobs: list[TokenLogprob] | None = None   # next_token's, when the sequence asked
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class VerifyOutput:
     # CUDA: recorded once the features are written, before the step's commit is queued (a push waits on this, not
     # on the commit); None: they are ready now
     features_ready: torch.cuda.Event | None = None
+    logprobs: list[TokenLogprob] | None = None   # accepted_tokens' then next_token's, when the sequence asked
 
 
 @dataclass
@@ -132,6 +136,7 @@ class _Sequence:
     sampling: SamplingParams
     generator: torch.Generator
     pending_token: int
+    logprobs: int = -1   # PrefillItem.logprobs
 
 
 def _int_list(values: Tensor | Sequence[int]) -> list[int]:
@@ -279,7 +284,7 @@ class TargetRunner:
                 if it.start == 0:
                     slot = self.model.cache.add_sequence(it.seq_id)
                     self.seqs[it.seq_id] = _Sequence(slot, it.sampling, make_generator(it.sampling.seed, self.device),
-                                                     pending_token=-1)
+                                                     pending_token=-1, logprobs=it.logprobs)
             return self._prefill(items)
         except BaseException:
             # A half-run forward leaves caches and linear-attention states of these sequences unusable.
@@ -333,11 +338,15 @@ class TargetRunner:
             self.model.cache.ctx_len[tr.seq.slot] = ctx
             tr.seq.pending_token = next_token
             tokens = tr.tokens
+            accepted = [tokens[i] for i in nodes[1:]]
+            lps = None
+            if tr.seq.logprobs >= 0:   # the accepted nodes' rows chose the accepted tokens and then the next one
+                lps = token_logprobs(walked.logits[b, nodes], torch.tensor(accepted + [next_token]), tr.seq.logprobs)
             outputs.append(VerifyOutput(
-                seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=[tokens[i] for i in nodes[1:]],
+                seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=accepted,
                 next_token=next_token, context_len=ctx,
                 features=None if rows is None or it.seq_id in pushed else rows[b, :n],
-                features_ready=walked.rows_ready,
+                features_ready=walked.rows_ready, logprobs=lps,
             ))
         return outputs
 
@@ -376,7 +385,11 @@ class TargetRunner:
             seq.pending_token = first.get(b, -1)
             parts = feature_parts[b]
             feats = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
-            outputs.append(PrefillOutput(it.seq_id, seq.pending_token, context_len, feats))
+            lps = None
+            if b in first and seq.logprobs >= 0:
+                row = last_logits[b].reshape(-1, last_logits[b].shape[-1])[-1:]
+                lps = token_logprobs(row, torch.tensor([first[b]]), seq.logprobs)
+            outputs.append(PrefillOutput(it.seq_id, seq.pending_token, context_len, feats, lps))
         return outputs
 
     @property

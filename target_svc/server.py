@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from ddtree_serve.plumbing import auth
-from ddtree_serve.plumbing.messages import sampling_from_proto
+from ddtree_serve.plumbing.messages import logprobs_proto, logprobs_wanted, sampling_from_proto
 from ddtree_serve.plumbing.metrics import TargetMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
@@ -297,7 +297,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             raise ValueError("empty prefill batch")
         self.leases.claim(auth.session_of(context), (it.seq_id for it in request.items))
         items = [PrefillItem(seq_id=it.seq_id, prompt_ids=list(it.prompt_ids), sampling=sampling_from_proto(it.sampling),
-                             want_features=it.push_features, start=it.start, more=it.more) for it in request.items]
+                             want_features=it.push_features, start=it.start, more=it.more,
+                             logprobs=logprobs_wanted(it.logprobs, it.top_logprobs)) for it in request.items]
         if any(it.want_features for it in items) and self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
         t1 = time.perf_counter_ns()
@@ -313,8 +314,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             self.metrics.observe_forward("prefill", len(items), (t2 - t1) / 1e9,
                                          num_tokens=sum(len(it.prompt_ids) for it in items))
         self.observe_cache()
-        results = [target_pb2.PrefillResult(seq_id=o.seq_id, next_token=o.next_token, context_len=o.context_len)
-                   for o in outputs]
+        results = [target_pb2.PrefillResult(seq_id=o.seq_id, next_token=o.next_token, context_len=o.context_len,
+                                            logprobs=logprobs_proto(o.logprobs)) for o in outputs]
         return target_pb2.PrefillResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes))
 
@@ -351,7 +352,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             self.metrics.observe_verify_pushes(len(early.pushed) if early is not None else 0, len(plain))
         results = [target_pb2.VerifyResult(seq_id=o.seq_id, accepted_nodes=o.accepted_nodes,
                                            accepted_tokens=o.accepted_tokens, next_token=o.next_token,
-                                           context_len=o.context_len) for o in outputs]
+                                           context_len=o.context_len, logprobs=logprobs_proto(o.logprobs))
+                   for o in outputs]
         return target_pb2.VerifyResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes,
             received_unix_ns=received, forward_done_unix_ns=forward_done, replied_unix_ns=time.time_ns()))

@@ -89,6 +89,56 @@ def test_completion_of_raw_text_and_of_token_ids_equal_the_grpc_api(oai, grpc_cl
                                                           ignore_eos=True).text
 
 
+def test_completion_logprobs_are_the_targets_own_at_every_generated_token(oai, grpc_client, stack, model_id):
+    """logprobs=3 on a speculative (ddtree) greedy completion: each generated token's log-prob is the target's
+    log-softmax at that position (transformers' forward over the same ids, float32), the top 3 are its largest,
+    and the greedy token heads them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 6, 7, 8]
+    out = oai.completions.create(model=model_id, prompt=prompt, max_tokens=24, temperature=0, logprobs=3,
+                                 extra_body={"ignore_eos": True, "budget": 64})
+    by_grpc = grpc_client.generate(prompt_ids=prompt, max_tokens=24, ignore_eos=True, budget=64, logprobs=True,
+                                   top_logprobs=3)
+    ids = by_grpc.token_ids
+    assert out.model_extra["ddtree"]["accepted_tokens"] > 0   # drafted tokens' log-probs are among those checked
+    lp = out.choices[0].logprobs
+    assert [x["logprob"] for x in by_grpc.logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)   # one source
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens == len(ids)
+    model = AutoModelForCausalLM.from_pretrained(stack.model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids[:-1]])).logits[0, len(prompt) - 1:]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    assert lp.token_logprobs == pytest.approx(ref[torch.arange(len(ids)), ids].tolist(), abs=1e-4)
+    for row, top, chosen in zip(ref, lp.top_logprobs, lp.token_logprobs):
+        best = row.topk(3).values.tolist()
+        # keyed by token text, as OpenAI's completions shape has it: tokens of one text share a key
+        assert top and all(min(abs(v - b) for b in best) < 1e-4 for v in top.values())
+        assert chosen == pytest.approx(best[0], abs=1e-4)   # greedy: the chosen token is the likeliest
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs_streamed_equal_the_whole_answers(oai, model_id):
+    """logprobs with top_logprobs=2 on a chat: one entry per completion token, each with its two likeliest
+    alternatives (likeliest first, the greedy token first of all); the streamed entries are the same ones."""
+    args = dict(model=model_id, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    whole = oai.chat.completions.create(**args)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and entry.logprob <= 0
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    streamed = [e for chunk in oai.chat.completions.create(**args, stream=True)
+                for choice in chunk.choices if choice.logprobs for e in choice.logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    plain = oai.chat.completions.create(**{**args, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == whole.choices[0].message.content   # asking changes no token
+
+
 def test_extension_fields_pick_the_mode_and_report_it(oai, model_id):
     reply = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=16, temperature=0,
                                         extra_body={"mode": "ar"})

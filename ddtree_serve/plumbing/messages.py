@@ -5,12 +5,27 @@ import numpy as np
 import torch
 
 from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ddtree_serve.proto import common_pb2, drafter_pb2
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     """Proto -> validated SamplingParams (0 means 'off' for top_p / top_k); ValueError when out of range."""
     return SamplingParams.from_wire(p.temperature, p.top_p, p.top_k, p.seed if p.has_seed else None)
+
+
+def logprobs_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    """Emitted tokens' log-probs as TokenLogprob messages (none: an empty list)."""
+    return [common_pb2.TokenLogprob(logprob=lp.logprob, top_ids=[i for i, _ in lp.top],
+                                    top_logprobs=[v for _, v in lp.top]) for lp in logprobs or ()]
+
+
+def logprobs_wanted(logprobs: bool, top_logprobs: int) -> int:
+    """A request's logprobs fields as the runners take them: -1 none, else the alternatives per token; ValueError
+    for a top_logprobs out of [0, MAX_TOP_LOGPROBS]."""
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    return top_logprobs if logprobs else -1
 
 
 def cache_usage_proto(usage: tuple[int, int, int, int]) -> common_pb2.CacheUsage:
