@@ -90,8 +90,8 @@ fla_check() {   # the hybrid sections measure the product's gpu extra: fla-core 
 for s in $SECTIONS; do
   echo "== $s $(date -u +%T)"
   case $s in
-    tests)   # graphs == eager for the dense target and the drafter, the Triton weight-only kernels
-      timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "graph_steps or padded_batch or chain_prefill or kernel_warmup or runs_eagerly or triton or memory_cap or to_host or runners_equal_transformers or drafter_compiled_glue or kv_write or move_rows or tree_layout or attending_in_place" \
+    tests)   # graphs == eager for the dense target and the drafter, the Triton weight-only kernels, logprobs
+      timeout ${TESTS_S:-420} python3 -m pytest -q --durations=30 tests/test_gpu.py -k "graph_steps or padded_batch or chain_prefill or kernel_warmup or runs_eagerly or triton or memory_cap or to_host or runners_equal_transformers or drafter_compiled_glue or kv_write or move_rows or tree_layout or attending_in_place or logprobs" \
         > "$R/gpu-tests.log" 2>&1
       grep -E "passed|failed|^FAILED|^E |s call" "$R/gpu-tests.log" | head -30 ;;
     newtests)

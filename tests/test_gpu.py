@@ -307,6 +307,33 @@ def test_cuda_services_equal_transformers_greedy(checkpoints, transport):
         assert result["stats"].steps > 0
 
 
+def test_cuda_logprobs_through_the_captured_verify_equal_transformers_log_softmax(checkpoints):
+    """Log-probs read off the captured verify graph's logits (and the prefill's): each generated token's equals
+    transformers' float32 log-softmax over the same ids on the GPU, within a stated 1e-3 (cuBLAS sums in another
+    order than the graph's kernels); the top-2 alternatives are the row's two largest."""
+    from ddtree_serve.client import Client
+
+    target, drafter = checkpoints("qwen3")
+    prompt = prompts_for(target, [9], seed=11)[0]
+    stack = start_stack(target, drafter, device="cuda")
+    try:
+        with Client(stack.gateway) as client:
+            result = client.generate(prompt_ids=prompt, max_tokens=24, ignore_eos=True, mode="ddtree", budget=16,
+                                     logprobs=True, top_logprobs=2)
+    finally:
+        stack.stop()
+    ids = result.token_ids
+    assert len(result.logprobs) == len(ids) == 24 and result.stats["steps"] > 0
+    model = copy.deepcopy(reference_model(str(target))).to("cuda")
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids[:-1]], device="cuda")).logits[0, len(prompt) - 1:]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    got = [lp["logprob"] for lp in result.logprobs]
+    assert got == pytest.approx(ref[torch.arange(len(ids)), ids].tolist(), abs=1e-3)
+    for row, lp in zip(ref, result.logprobs):
+        assert [v for _, v in lp["top"]] == pytest.approx(row.topk(2).values.tolist(), abs=1e-3)
+
+
 def test_cuda_ipc_buffer_opened_in_another_process_reads_what_was_staged(tmp_path):
     """The drafter side of cuda-ipc, in a second process: it sees the rows the target staged on the GPU."""
     import subprocess
