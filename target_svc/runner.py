@@ -1,6 +1,7 @@
 """TargetRunner: prefill / verify / release over the slot cache (pure torch, no gRPC)."""
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -338,17 +339,30 @@ class TargetRunner:
             self.model.cache.ctx_len[tr.seq.slot] = ctx
             tr.seq.pending_token = next_token
             tokens = tr.tokens
-            accepted = [tokens[i] for i in nodes[1:]]
-            lps = None
-            if tr.seq.logprobs >= 0:   # the accepted nodes' rows chose the accepted tokens and then the next one
-                lps = token_logprobs(walked.logits[b, nodes], torch.tensor(accepted + [next_token]), tr.seq.logprobs)
             outputs.append(VerifyOutput(
-                seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=accepted,
+                seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=[tokens[i] for i in nodes[1:]],
                 next_token=next_token, context_len=ctx,
                 features=None if rows is None or it.seq_id in pushed else rows[b, :n],
-                features_ready=walked.rows_ready, logprobs=lps,
+                features_ready=walked.rows_ready,
             ))
+        self._attach_logprobs(walked.logits, trees, outputs)
         return outputs
+
+    @staticmethod
+    def _attach_logprobs(logits: Tensor, trees: list, outputs: list[VerifyOutput]) -> None:
+        """The log-probs of the sequences that asked, all in one computation and one host copy: each accepted
+        node's logits row chose the next accepted token, the last one's the next bonus token."""
+        asking = [b for b, tr in enumerate(trees) if tr.seq.logprobs >= 0]
+        if not asking:
+            return
+        rows = torch.cat([logits[b, outputs[b].accepted_nodes] for b in asking])
+        chosen = torch.tensor([t for b in asking for t in outputs[b].accepted_tokens + [outputs[b].next_token]])
+        top = max(trees[b].seq.logprobs for b in asking)
+        got = iter(token_logprobs(rows, chosen, top))
+        for b in asking:
+            keep = trees[b].seq.logprobs
+            outputs[b].logprobs = [TokenLogprob(lp.logprob, lp.top[:keep])
+                                   for lp in itertools.islice(got, len(outputs[b].accepted_nodes))]
 
     def release(self, seq_id: str) -> None:
         """Frees the sequence's slot; KeyError if unknown."""

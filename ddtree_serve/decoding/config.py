@@ -53,7 +53,12 @@ def default_budget(device: str) -> int:
     higher acceptance is what counts: tau 4.55 at 64 vs 3.97 at 16 (bench/results/acceptance.md). The GPU choice rests
     on that acceptance figure and the H200 validation run, not on a measured GPU speed table.
     """
-    return 16 if str(device).split(":")[0] == "cpu" else 64
+    return 16 if _on_cpu(device) else 64
+
+
+def _on_cpu(device: str) -> bool:
+    """True for "cpu" (a device string like "cuda:1" or "cpu")."""
+    return str(device).split(":")[0] == "cpu"
 
 
 # On a GPU target, from 4 sequences in a step on, DDTree budgets are at most 16. Measured through the services on an
@@ -67,4 +72,4 @@ GPU_BATCH_BUDGETS: tuple[tuple[int, int], ...] = ((4, 16),)
 def default_batch_budgets(device: str) -> tuple[tuple[int, int], ...]:
     """The (from batch size, max budget) ceilings for this device when the user sets none: GPU_BATCH_BUDGETS on a
     GPU; none on CPU, whose default budget (16) is small already."""
-    return () if str(device).split(":")[0] == "cpu" else GPU_BATCH_BUDGETS
+    return () if _on_cpu(device) else GPU_BATCH_BUDGETS
