@@ -19,7 +19,8 @@
 #              --block-ms 16,32,64 --warps 2,4 --stages 2 --context-loop 0,1 --balanced 0,1 --max-registers 0,96")
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8; STEP8_ARGS e.g. --nodes 1,16,65,129, STEP8_S)
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
-#   speed8b    calibrated speed through the services at batch 1 and 8, 32 prompts x 256 tokens, transformers on one
+#   speed8b    calibrated speed through the services at batch 1 and 8, SPEED8_PROMPTS=32 prompts x 256 tokens (64: the
+#              whole held-out file), transformers on one
 #              prompt (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_BATCH e.g. 8,32 for issue 9's batch-32 table too,
 #              SPEED8_ARGS adds flags, SPEED8_TARGET_ARGS the target's, e.g. "--max-tree-nodes 129
 #              --graph-node-sizes 64" with SPEED8_BUDGETS=16,63,64,128: every budget in a graph bucket of its
@@ -156,7 +157,7 @@ for s in $SECTIONS; do
     speed8b)
       record_services "$R/speed-8b.log"
       timeout ${SPEED8_S:-420} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
-        --dtype bfloat16 --num-prompts 32 --max-tokens 256 --hf-prompts 1 --no-hf-batch --batch ${SPEED8_BATCH:-8} \
+        --dtype bfloat16 --num-prompts ${SPEED8_PROMPTS:-32} --max-tokens 256 --hf-prompts 1 --no-hf-batch --batch ${SPEED8_BATCH:-8} \
         --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
         --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} ${SPEED8_ARGS:-} \
         --target-args="${SPEED8_TARGET_ARGS:-}" --out-dir "$R" \

@@ -8,7 +8,14 @@ from collections.abc import Callable
 
 import torch
 
+from ddtree_serve import switches
+
 log = logging.getLogger(__name__)
+
+# "on": compile with dynamo's automatic dynamic shapes (each dim a constant until a call changes it, so the feature
+# widths, which never change, stay constants: aligned, vectorised loads), instead of every dim symbolic (a width
+# Triton cannot prove a multiple of 16 loads an element at a time). Off by default until timed on a GPU.
+STATIC_WIDTHS_ENV = "DDTREE_GLUE_STATIC_WIDTHS"
 
 
 def compile_all(fns: tuple[Callable, ...], compiled: bool) -> tuple[Callable, ...]:
@@ -37,7 +44,8 @@ class CompiledOrPlain:
 
     def __init__(self, fn: Callable) -> None:
         self.plain = fn
-        self.fn = torch.compile(fn, dynamic=True, fullgraph=True)
+        dynamic = None if switches.switched_on(STATIC_WIDTHS_ENV) else True
+        self.fn = torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
     def __call__(self, *args):
         try:
