@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ddtree_serve.fused_rows import fuse_rows
 from ddtree_serve.kernels.tree_attention import TreeKeys, tree_attention
-from ddtree_serve.plumbing.compiled import compile_all
+from ddtree_serve.plumbing.compiled import compile_all, static_widths
 from ddtree_serve.rope import rotate_half
 from drafter_svc.dflash_config import CONFIG_NAME, DFlashConfig, rope_inv_freq
 
@@ -91,6 +91,7 @@ def log_normalizer(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1)
 
 
+@static_widths
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's SiLU(gate) * up."""
     return F.silu(gate) * up

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ddtree_serve.fused_rows import fuse_rows
-from ddtree_serve.plumbing.compiled import compile_all
+from ddtree_serve.plumbing.compiled import compile_all, static_widths
 from ddtree_serve.rope import rotate_half
 from target_svc.quantization import QuantizedLinear, QuantizedWeight
 
@@ -49,6 +49,7 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor | None, k_weight: Tensor
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+@static_widths
 def silu_mul(gate_up: Tensor) -> Tensor:
     """SiLU(gate) * up over the fused [gate | up] projection."""
     gate, up = gate_up.chunk(2, dim=-1)

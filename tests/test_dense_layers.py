@@ -70,3 +70,17 @@ def test_compiled_kernels_are_made_once_per_process_and_shared_by_every_model():
             assert getattr(first, name) is getattr(second, name), name
             assert getattr(first, name).plain is getattr(kind.make(compiled=False), name), name
     assert DenseKernels.make(compiled=True).rms_norm is not HybridKernels.make(compiled=True).rms_norm
+
+
+def test_only_the_elementwise_products_compile_with_constant_widths():
+    """SiLU * up (target and drafter) compiles with its widths as constants (aligned, vectorised loads); the norms
+    and RoPE keep every dim symbolic, which their reductions ran faster with."""
+    from drafter_svc import dflash_model
+    from target_svc import dense_layers
+
+    def constant_widths(fn) -> bool:
+        return getattr(fn, "__compile_static_widths__", False)
+
+    assert constant_widths(dense_layers.silu_mul) and constant_widths(dflash_model.silu_mul)
+    assert not any(constant_widths(f) for f in (dense_layers.rms_norm, dense_layers.add_rms_norm,
+                                                 dense_layers.qk_norm_rope, dflash_model.rms_norm))

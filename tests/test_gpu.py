@@ -140,9 +140,11 @@ def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphed_chain_prefill_equals_the_eager_forwards(checkpoints, kind, dtype, monkeypatch):
+@pytest.mark.parametrize("max_nodes", [65, 257])
+def test_cuda_graphed_chain_prefill_equals_the_eager_forwards(checkpoints, kind, dtype, max_nodes, monkeypatch):
     """Prompts prefilled as fully accepted chains through the captured verify graphs (the default on CUDA for up to
-    PREFILL_VERIFY_CHUNKS chunks) against forward_block prefill: features and linear-attention states within 2e-4
+    PREFILL_VERIFY_CHUNKS chunks of 65; each chunk the smallest node bucket holding the rest, so with a 257-node
+    bucket one forward) against forward_block prefill: features and linear-attention states within 2e-4
     (float32) or 2 % (bfloat16: other GEMM tilings) of their largest magnitude; in float32 the same first tokens
     and, decoding on, transformers' greedy tokens."""
 
@@ -154,7 +156,7 @@ def test_cuda_graphed_chain_prefill_equals_the_eager_forwards(checkpoints, kind,
 
     def run(chains: bool):
         runner = TargetRunner(TargetConfig(model_dir=str(target), device="cuda", dtype=dtype, max_batch=4,
-                                           max_seq_len=256, max_tree_nodes=65,
+                                           max_seq_len=256, max_tree_nodes=max_nodes,
                                            prefill_verify_chunks=None if chains else 0))
         assert runner.graphs is not None
         runner.set_feature_layers([0, 1])

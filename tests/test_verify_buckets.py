@@ -11,7 +11,7 @@ import torch
 
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.plumbing.cuda_graphs import (SharedOutput, key_buckets, pick_bucket, power_of_two_buckets,
-                                               tree_node_buckets)
+                                               prefill_chunk, tree_node_buckets)
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
 from target_svc.verify import (SHALLOW_COMMIT_WIDTH, VerifyBatch, VerifyShape, commit_path, commit_widths, unpack,
                                verify_commit, verify_forward, verify_walk)
@@ -228,3 +228,15 @@ def test_a_commit_over_paths_narrowed_to_the_deepest_tree_equals_the_full_width_
     for a, b in zip(narrow.model.cache.linear, full.model.cache.linear):
         assert torch.equal(a.conv, b.conv)
         torch.testing.assert_close(a.rec, b.rec, atol=1e-6, rtol=0)
+
+
+def test_a_prefill_chunk_is_the_smallest_node_bucket_holding_the_rest_of_the_prompt():
+    """A prompt prefilled through the verify graphs takes one forward where a bucket holds it all (70 tokens: the
+    257-node bucket, not 65 + 5), and chunks of the largest bucket past that."""
+    buckets = tree_node_buckets(257)
+    assert prefill_chunk(70, buckets) == 257
+    assert prefill_chunk(65, buckets) == 65
+    assert prefill_chunk(3, buckets) == 5
+    assert prefill_chunk(300, buckets) == 257
+    assert prefill_chunk(70, tree_node_buckets(65)) == 65
+    assert prefill_chunk(66, tree_node_buckets(257, (129,))) == 129

@@ -8,14 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ddtree_serve import switches
-
 log = logging.getLogger(__name__)
-
-# "on": compile with dynamo's automatic dynamic shapes (each dim a constant until a call changes it, so the feature
-# widths, which never change, stay constants: aligned, vectorised loads), instead of every dim symbolic (a width
-# Triton cannot prove a multiple of 16 loads an element at a time). Off by default until timed on a GPU.
-STATIC_WIDTHS_ENV = "DDTREE_GLUE_STATIC_WIDTHS"
 
 
 def compile_all(fns: tuple[Callable, ...], compiled: bool) -> tuple[Callable, ...]:
@@ -31,6 +24,17 @@ def compile_all(fns: tuple[Callable, ...], compiled: bool) -> tuple[Callable, ..
     return tuple(_compiled(f) for f in fns)
 
 
+def static_widths(fn: Callable) -> Callable:
+    """Marks fn to compile with dynamo's automatic dynamic shapes instead of every dim symbolic: a dim turns symbolic
+    only once a call changes it, so the feature widths (which never change) stay constants."""
+    # Why only some: with a symbolic width Triton cannot prove the halves of a fused [gate | up] row 16-byte
+    # aligned and loads an element at a time; on an H100 at the 8B shape SiLU * up over 65 rows took 4.2 us a layer
+    # symbolic and 2.6 us constant, but the add + RMSNorm reduction 4.5 us symbolic and 6.1 us constant
+    # (bench/results/h100-2026-12-06-1341/): the elementwise products gain, the reductions do not.
+    fn.__compile_static_widths__ = True
+    return fn
+
+
 @functools.cache
 def _compiled(fn: Callable) -> "CompiledOrPlain":
     # One wrapper per function and process: dynamo keeps its compiled code on the function's code object, so a
@@ -44,7 +48,7 @@ class CompiledOrPlain:
 
     def __init__(self, fn: Callable) -> None:
         self.plain = fn
-        dynamic = None if switches.switched_on(STATIC_WIDTHS_ENV) else True
+        dynamic = None if getattr(fn, "__compile_static_widths__", False) else True
         self.fn = torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
     def __call__(self, *args):

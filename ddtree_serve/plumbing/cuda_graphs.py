@@ -66,6 +66,12 @@ def tree_node_buckets(max_nodes: int, extra: tuple[int, ...] = ()) -> tuple[int,
     return tuple(sorted(set(out) | {n for n in extra if n <= max_nodes}))
 
 
+def prefill_chunk(rest: int, node_buckets: tuple[int, ...]) -> int:
+    """Positions in the next chunk of a prompt prefilled through the captured verify graphs: the smallest node bucket
+    that holds all `rest` of them (one forward for the rest), else the largest bucket."""
+    return next((n for n in node_buckets if n >= rest), node_buckets[-1])
+
+
 def power_of_two_buckets(limit: int, start: int = 1) -> tuple[int, ...]:
     """start, 2*start, 4*start, ... below limit, then limit itself (so every size up to limit has a bucket)."""
     if limit < 1:
