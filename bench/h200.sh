@@ -20,7 +20,8 @@
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8; STEP8_ARGS e.g. --nodes 1,16,65,129, STEP8_S)
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
 #   speed8b    calibrated speed through the services at batch 1 and 8, SPEED8_PROMPTS=32 prompts x 256 tokens (64: the
-#              whole held-out file), transformers on one
+#              whole held-out file, whose taus sit on the profile's; the first 32 draw the chain's 3.5 % above it, so
+#              the ddtree/dflash ratio wants 64: ~390 s at batch 1, budget 64, on an H100), transformers on one
 #              prompt (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_BATCH e.g. 8,32 for issue 9's batch-32 table too,
 #              SPEED8_ARGS adds flags, SPEED8_TARGET_ARGS the target's, e.g. "--max-tree-nodes 129
 #              --graph-node-sizes 64" with SPEED8_BUDGETS=16,63,64,128: every budget in a graph bucket of its
@@ -122,9 +123,9 @@ for s in $SECTIONS; do
       timeout ${ATTN_SWEEP_S:-360} python3 -m bench.tree_attention_kernel --sweep ${ATTN_ARGS:-} --out-dir "$R" \
         > "$R/tree-attention-kernel.log" 2>&1
       grep "^|" "$R/tree-attention-kernel.log" | head -80 ;;
-    fusedmerge)   # the merge fused into the split kernel's last slice (DDTREE_ATTENTION_FUSED_MERGE=on; off by
-                  # default until this runs): GPU tests, the kernel with and without it, step costs with it (after
-                  # the 8b section of the same call, whose step costs are the A/B's other half)
+    fusedmerge)   # the merge fused into the split kernel's last slice (DDTREE_ATTENTION_FUSED_MERGE=on; off: on an
+                  # H100 it gained nothing, bench/results/h100-2026-12-06-1341/): GPU tests, the kernel with and
+                  # without it, step costs with it (after the 8b section of the same call: the A/B's other half)
       DDTREE_ATTENTION_FUSED_MERGE=on timeout ${TESTS_S:-240} python3 -m pytest -q tests/test_gpu.py \
         -k "triton_tree_attention or graph_steps or attending_in_place" > "$R/gpu-tests-fused.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-fused.log" | head -12
