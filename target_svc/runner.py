@@ -12,7 +12,7 @@ from torch import Tensor
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.logprobs import TokenLogprob, token_logprobs
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
-from ddtree_serve.plumbing.cuda_graphs import prefill_chunk
+from ddtree_serve.plumbing.cuda_graphs import pick_bucket, prefill_chunk
 from ddtree_serve.plumbing.host_copy import PendingHostCopy, start_host_copy, to_host
 from ddtree_serve.transport.base import EarlyRows
 from target_svc.loader import LoadedTarget, load_target
@@ -411,15 +411,15 @@ class TargetRunner:
     def _prefill_chain_nodes(self) -> int:
         return min(self.cfg.max_tree_nodes, PREFILL_CHAIN_NODES)
 
-    def _prefill_chunk(self, rest: int) -> int:
-        """Prompt positions in the next prefill chain: on a dense target with graphs, the smallest node bucket that
-        holds the rest of the longest prompt (one captured forward), else the largest; otherwise
-        _prefill_chain_nodes."""
+    def _prefill_chunk(self, rest: int, batch: int) -> int:
+        """Prompt positions in the next prefill chain of `batch` prompts: on a dense target with graphs, the node
+        bucket that takes the rest of the longest prompt at the least estimated cost (cuda_graphs.prefill_chunk);
+        otherwise _prefill_chain_nodes."""
         # At the 8B shape on an H100 captured forwards of 65 / 129 / 257 nodes took 7.4 / 8.6 / 11.2 ms: one large
         # forward beats two small ones. A hybrid's 257-node verify (its tree WY core past 65 nodes) is not timed.
         if self.graphs is None or self.model.linear_index:
             return self._prefill_chain_nodes
-        return prefill_chunk(rest, self.graphs.node_buckets)
+        return prefill_chunk(rest, self.graphs.node_buckets, pick_bucket(self.graphs.batch_buckets, batch))
 
     def _prefill_forwards(self, items: list[PrefillItem], lens: list[int], seqs: list[_Sequence]):
         """Prompts through forward_block in chunks of prefill_chunk positions -> (last logits, feature parts)."""
@@ -465,8 +465,8 @@ class TargetRunner:
         accepted, expected = [], []
         c0 = 0
         while c0 < max(lens):
-            chunk = self._prefill_chunk(max(lens) - c0)
             active = [b for b in range(len(items)) if lens[b] > c0]
+            chunk = self._prefill_chunk(max(lens) - c0, len(active))
             sizes = [min(chunk, lens[b] - c0) for b in active]
             ctx = [items[b].start + c0 for b in active]
             chains = [(torch.tensor(items[b].prompt_ids[c0 : c0 + n], dtype=torch.long), torch.arange(n) - 1)

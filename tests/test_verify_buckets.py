@@ -230,9 +230,9 @@ def test_a_commit_over_paths_narrowed_to_the_deepest_tree_equals_the_full_width_
         torch.testing.assert_close(a.rec, b.rec, atol=1e-6, rtol=0)
 
 
-def test_a_prefill_chunk_is_the_smallest_node_bucket_holding_the_rest_of_the_prompt():
-    """A prompt prefilled through the verify graphs takes one forward where a bucket holds it all (70 tokens: the
-    257-node bucket, not 65 + 5), and chunks of the largest bucket past that."""
+def test_a_prefill_chunk_is_the_node_bucket_that_takes_the_rest_of_the_prompts_at_the_least_cost():
+    """One prompt of 70 tokens takes one 257-node forward (its fixed cost once), not 65 + 5; a 65-token one the
+    65-node bucket; eight prompts of 70 tokens two 65-node forwards, eight padded 257-node rows costing more."""
     buckets = tree_node_buckets(257)
     assert prefill_chunk(70, buckets) == 257
     assert prefill_chunk(65, buckets) == 65
@@ -240,3 +240,5 @@ def test_a_prefill_chunk_is_the_smallest_node_bucket_holding_the_rest_of_the_pro
     assert prefill_chunk(300, buckets) == 257
     assert prefill_chunk(70, tree_node_buckets(65)) == 65
     assert prefill_chunk(66, tree_node_buckets(257, (129,))) == 129
+    assert prefill_chunk(70, buckets, batch=8) == 65
+    assert prefill_chunk(250, buckets, batch=4) == 257
