@@ -63,6 +63,8 @@
 # PYSPY_S=N (with speed8b / speedhyb): py-spy samples each service's threads for N s once the services are up
 #   (carry the py-spy wheel in .whl; writes $R/pyspy-<service>.txt, folded stacks: bench.pyspy_summary reads them)
 # Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
+# Issue 9's batch-1 gates in one call (~8 min on an H100): STEP8_ARGS="--batches 1 --nodes 1,17,64,65"
+#   SPEED8_BATCH=1 SPEED8_PROMPTS=64 SPEED8_BUDGETS=64 SPEED8_S=470 bash bench/h200.sh OUT 8b speed8b report
 set -uo pipefail
 OUT=${1:?output directory}
 shift
