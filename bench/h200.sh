@@ -33,7 +33,8 @@
 #              of 1, 17 (a chain: root + 16 drafts) and 65 nodes (HYB_NODES; a 64-node tree runs in the 65-node
 #              bucket; HYB_STEP_ARGS="--graph-node-sizes 64" measures one of its own)
 #   speedhyb   calibrated speed through the services on the hybrid shape (needs /tmp/w27), batch 1 and 4,
-#              SPEEDHYB_PROMPTS=32 prompts x 256 tokens (8 prompts left each tau ~3 % of sampling error, 2026-12-06),
+#              SPEEDHYB_PROMPTS=32 prompts x 256 tokens (8 prompts left each tau ~3 % of sampling error, 2026-12-06;
+#              the first 32 draw the chain's tau 3.5 % above the profile's, the whole file of 64 on it),
 #              transformers on one prompt, SPEEDHYB_BUDGETS=32,64, each in a graph bucket of its own size
 #              (SPEEDHYB_TARGET_ARGS, default --graph-node-sizes=33; budget 64's 65 nodes are a default bucket),
 #              step sockets with the gateway polling as in speed8b; SPEEDHYB_ARGS adds flags, SPEEDHYB_S its time
