@@ -415,8 +415,8 @@ class TargetRunner:
         """Prompt positions in the next prefill chain of `batch` prompts: on a dense target with graphs, the node
         bucket that takes the rest of the longest prompt at the least estimated cost (cuda_graphs.prefill_chunk);
         otherwise _prefill_chain_nodes."""
-        # At the 8B shape on an H100 captured forwards of 65 / 129 / 257 nodes took 7.4 / 8.6 / 11.2 ms: one large
-        # forward beats two small ones. A hybrid's 257-node verify (its tree WY core past 65 nodes) is not timed.
+        # Dense only: the cost model is fitted to the 8B's forwards; a hybrid's 257-node verify (its tree WY core
+        # past 65 nodes) is not timed.
         if self.graphs is None or self.model.linear_index:
             return self._prefill_chain_nodes
         return prefill_chunk(rest, self.graphs.node_buckets, pick_bucket(self.graphs.batch_buckets, batch))
@@ -457,8 +457,8 @@ class TargetRunner:
         return last_logits, feature_parts
 
     def _prefill_as_chains(self, items: list[PrefillItem], lens: list[int], seqs: list[_Sequence]):
-        """Prompts as chains of min(max_tree_nodes, PREFILL_CHAIN_NODES) tokens through the verify functions (their
-        captured graphs where a bucket fits), every node accepted -> (last logits, feature parts)."""
+        """Prompts as chains (each chunk's length from _prefill_chunk) through the verify functions (their captured
+        graphs where a bucket fits), every node accepted -> (last logits, feature parts)."""
         want_features = any(it.want_features for it in items)
         last_logits: list[Tensor | None] = [None] * len(items)
         feature_parts: list[list[Tensor]] = [[] for _ in items]
