@@ -39,6 +39,8 @@
 #              (SPEEDHYB_TARGET_ARGS, default --graph-node-sizes=33; budget 64's 65 nodes are a default bucket),
 #              step sockets with the gateway polling as in speed8b; SPEEDHYB_ARGS adds flags, SPEEDHYB_S its time
 #              limit (~7 min on an H200)
+#   glueab     step costs with kernel profiles at the 27B layout (GLUE_LAYERS=8 layers), the compiled glue at its
+#              default widths against DDTREE_GLUE_STATIC_WIDTHS variants (GLUE_VARIANTS="base pointwise all")
 #   hybridenv  the hybrid step costs with HYB_ENV set (e.g. HYB_ENV=DDTREE_TREE_WY_PRECISION=bf16x3), after hybrid
 #   attnab     step costs with SDPA attention (DDTREE_TREE_ATTENTION=off) on /tmp/w8 and /tmp/w27 where present:
 #              the tree-attention kernel's A/B against the 8b / hybrid sections of the same call
@@ -185,6 +187,20 @@ for s in $SECTIONS; do
       grep "^|" "$R/step-cost-27b.log" | head -12
       timeout ${GDN_BENCH_S:-120} python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
       grep "^|" "$R/gdn-kernels.log" | head -12 ;;
+    glueab)   # compiled glue at constant widths (DDTREE_GLUE_STATIC_WIDTHS) against the defaults, step costs with
+              # kernel profiles at the 27B layout cut to GLUE_LAYERS=8 layers (builds /tmp/w27g): variants base,
+              # pointwise (the hybrid's elementwise glue), all (every glue function)
+      W=/tmp/w27g; reuse=""
+      for v in ${GLUE_VARIANTS:-base pointwise all}; do
+        case $v in base) names="" ;; pointwise) names=sigmoid_gate,gdn_gates,conv_silu,step_inputs,tree_inputs,commit_states ;;
+                   all) names=all ;; *) echo "unknown variant $v"; continue ;; esac
+        mkdir -p "$R/glue-$v"
+        DDTREE_GLUE_STATIC_WIDTHS=$names timeout ${GLUE_S:-200} python3 -m bench.step_cost --shape qwen3.6-27b \
+          --layers ${GLUE_LAYERS:-8} --batches 1 --steps 10 --profile --nodes ${GLUE_NODES:-1,17,65} --work-dir $W $reuse \
+          --out-dir "$R/glue-$v" > "$R/step-cost-glue-$v.log" 2>&1
+        reuse=--reuse-checkpoints
+        echo "-- $v"; grep "^| 1 |" "$R/step-cost-glue-$v.log" | head -4
+      done ;;
     hybridenv)   # the hybrid step costs again with HYB_ENV set (e.g. DDTREE_TREE_WY_PRECISION=bf16x3): an A/B against
                  # the hybrid section of the same call (needs /tmp/w27)
       mkdir -p "$R/env"

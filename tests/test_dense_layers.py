@@ -84,3 +84,17 @@ def test_only_the_elementwise_products_compile_with_constant_widths():
     assert constant_widths(dense_layers.silu_mul) and constant_widths(dflash_model.silu_mul)
     assert not any(constant_widths(f) for f in (dense_layers.rms_norm, dense_layers.add_rms_norm,
                                                  dense_layers.qk_norm_rope, dflash_model.rms_norm))
+
+
+def test_the_static_widths_switch_names_more_functions_to_compile_at_constant_widths(monkeypatch):
+    """DDTREE_GLUE_STATIC_WIDTHS (a bench A/B switch) adds functions by name, or all of them; marked ones stay."""
+    from ddtree_serve.plumbing.compiled import STATIC_WIDTHS_ENV, compiles_static
+    from target_svc import dense_layers, hybrid_layers
+
+    monkeypatch.delenv(STATIC_WIDTHS_ENV, raising=False)
+    assert compiles_static(dense_layers.silu_mul) and not compiles_static(hybrid_layers.sigmoid_gate)
+    monkeypatch.setenv(STATIC_WIDTHS_ENV, " sigmoid_gate , gdn_gates")
+    assert compiles_static(hybrid_layers.sigmoid_gate) and compiles_static(hybrid_layers.gdn_gates)
+    assert not compiles_static(dense_layers.rms_norm) and compiles_static(dense_layers.silu_mul)
+    monkeypatch.setenv(STATIC_WIDTHS_ENV, "all")
+    assert compiles_static(dense_layers.rms_norm)

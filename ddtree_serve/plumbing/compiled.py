@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
+
+# Names glue functions to compile at constant widths besides those marked with static_widths (comma-separated
+# function names, or "all"): an A/B switch for step-cost benches, read when a function is first compiled.
+STATIC_WIDTHS_ENV = "DDTREE_GLUE_STATIC_WIDTHS"
 
 
 def compile_all(fns: tuple[Callable, ...], compiled: bool) -> tuple[Callable, ...]:
@@ -35,6 +40,14 @@ def static_widths(fn: Callable) -> Callable:
     return fn
 
 
+def compiles_static(fn: Callable) -> bool:
+    """Whether fn compiles at constant widths: marked with static_widths, or named by DDTREE_GLUE_STATIC_WIDTHS."""
+    if getattr(fn, "__compile_static_widths__", False):
+        return True
+    names = {n.strip() for n in os.environ.get(STATIC_WIDTHS_ENV, "").split(",") if n.strip()}
+    return "all" in names or fn.__name__ in names
+
+
 @functools.cache
 def _compiled(fn: Callable) -> "CompiledOrPlain":
     # One wrapper per function and process: dynamo keeps its compiled code on the function's code object, so a
@@ -48,7 +61,7 @@ class CompiledOrPlain:
 
     def __init__(self, fn: Callable) -> None:
         self.plain = fn
-        dynamic = None if getattr(fn, "__compile_static_widths__", False) else True
+        dynamic = None if compiles_static(fn) else True
         self.fn = torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
     def __call__(self, *args):
