@@ -90,8 +90,12 @@ def sweep_grid(block_ts: tuple[int, ...] = (16, 32)):
     # The two-launch form (the key side once per head, then all nodes past the root as one block; trees of up to
     # 65 nodes, larger ones run the one launch): its block is the tree's, so block_t does not vary.
     # blocks16: its inverse's doubling up to 16 on the diagonal 16-blocks batched.
+    # key_warps: the key kernel's own warps (one program per tree and head: fewer than the SMs at batch 1).
     for bv, warps, invert in itertools.product((32, 64), (4, 8), ("blocks", "blocks16")):
         yield TileConfig(block_c=32, block_v=bv, num_warps=warps, num_stages=1, phases=2, invert=invert)
+    for invert, key_warps in itertools.product(("blocks", "blocks16"), (2, 8)):
+        yield TileConfig(block_c=32, block_v=32, num_warps=4, num_stages=1, phases=2, invert=invert,
+                         key_warps=key_warps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             label = "kernel, default tiles" if cfg is None else (
                 f"kernel BT {cfg.block_t} {cfg.invert} BC {cfg.block_c} BV {cfg.block_v} warps {cfg.num_warps} "
                 f"stages {cfg.num_stages}" + (f" {cfg.phases} launches" if cfg.phases > 1 else "")
+                + (f" key warps {cfg.key_warps}" if cfg.key_warps else "")
                 + (" (one launch: too many nodes)" if cfg.phases == 2 and max(map(len, trees))
                    > gdn_tree_kernel.TWO_PHASE_MAX_NODES else "")
                 + ("" if cfg.precision == "ieee" else f" {cfg.precision}"))

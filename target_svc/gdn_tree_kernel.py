@@ -69,6 +69,9 @@ class TileConfig:
     # The dots' precision (the diagonal inverse's aside): "ieee" float32 FMAs, "tf32x3" three TF32 tensor-core
     # products a dot (about float32's accuracy), "tf32" one (~1e-3 relative; for the sweep)
     precision: str = "ieee"
+    # The two-launch form's key kernel's warps (0: num_warps): it runs one program per (tree, head), fewer than the
+    # SMs at small batches, with the 64-row inverse's dependent dots on its critical path
+    key_warps: int = 0
 
 
 def available(device: torch.device | str) -> bool:
@@ -193,7 +196,7 @@ def tree_wy_core(qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: Tensor, an
                       precision=dots)
     if (dv % cfg.block_v or cfg.block_t not in _BLOCK_T or cfg.block_c < 16
             or cfg.invert not in ("blocks", "rows", "blocks16") or (cfg.invert == "blocks16" and cfg.phases != 2)
-            or cfg.phases not in (1, 2, 3)
+            or cfg.phases not in (1, 2, 3) or cfg.key_warps not in (0, 1, 2, 4, 8, 16)
             or cfg.precision not in PRECISIONS):
         raise ValueError(f"bad tiles for Dv {dv}: {cfg}")
     qh, kh, vh, s0 = _unit_last(qh), _unit_last(kh), _unit_last(vh), _unit_last(s0)
@@ -242,7 +245,8 @@ def _two_launches(kernels, qh: Tensor, kh: Tensor, vh: Tensor, g: Tensor, beta: 
     kernels.tree_wy_keys_kernel[(bsz * heads,)](
         qh, kh, g, beta, anc_u8, inv, qkd, t, heads, *strides, *gates,
         DK=dk, NP=rows, BC=cfg.block_c, KC=min(32, dk), PRECISION=cfg.precision,
-        INVERT="blocks16" if cfg.invert == "blocks16" else "blocks", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INVERT="blocks16" if cfg.invert == "blocks16" else "blocks", num_warps=cfg.key_warps or cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     kernels.tree_wy_values_kernel[(dv // cfg.block_v, bsz * heads)](
         qh, kh, vh, g, beta, anc_u8, s0, s0 if s0_index is None else s0_index, core, u, cum, inv, qkd,

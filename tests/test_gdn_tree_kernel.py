@@ -429,6 +429,7 @@ def test_bad_inputs_are_refused_before_any_launch():
         wide = core_inputs([[-1, 0]], heads=2, dk=24, dv=16, seed=1)
         gdn_tree_kernel.tree_wy_core(*wide)
     for bad in (TileConfig(block_t=48, block_v=16), TileConfig(block_t=128, block_v=16),
-                TileConfig(block_v=16, invert="doubling"), TileConfig(block_v=16, invert="blocks16")):  # phases 2 only
+                TileConfig(block_v=16, invert="doubling"), TileConfig(block_v=16, invert="blocks16"),  # phases 2 only
+                TileConfig(block_v=16, phases=2, key_warps=3)):  # a warp count Triton does not launch
         with pytest.raises(ValueError, match="bad tiles"):
             gdn_tree_kernel.tree_wy_core(*args, config=bad)

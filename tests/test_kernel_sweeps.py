@@ -33,3 +33,4 @@ def test_the_tree_wy_sweep_holds_every_form_and_only_tilings_the_kernel_takes():
         assert cfg.block_t in _BLOCK_T and cfg.block_c >= 16 and 128 % cfg.block_v == 0
         assert cfg.invert in ("blocks", "rows", "blocks16") and (cfg.invert != "rows" or cfg.block_t == 16)
         assert cfg.invert != "blocks16" or cfg.phases == 2   # the two-launch form's 64-row inverse only
+        assert cfg.key_warps == 0 or cfg.phases == 2   # the two-launch form's key kernel only
