@@ -190,15 +190,14 @@ for s in $SECTIONS; do
     glueab)   # compiled glue at constant widths (DDTREE_GLUE_STATIC_WIDTHS) against the defaults, step costs with
               # kernel profiles at the 27B layout cut to GLUE_LAYERS=8 layers (builds /tmp/w27g): variants base,
               # pointwise (the hybrid's elementwise glue), all (every glue function)
-      W=/tmp/w27g; reuse=""
+      W=/tmp/w27g
       for v in ${GLUE_VARIANTS:-base pointwise all}; do
         case $v in base) names="" ;; pointwise) names=sigmoid_gate,gdn_gates,conv_silu,step_inputs,tree_inputs,commit_states ;;
                    all) names=all ;; *) echo "unknown variant $v"; continue ;; esac
         mkdir -p "$R/glue-$v"
         DDTREE_GLUE_STATIC_WIDTHS=$names timeout ${GLUE_S:-200} python3 -m bench.step_cost --shape qwen3.6-27b \
-          --layers ${GLUE_LAYERS:-8} --batches 1 --steps 10 --profile --nodes ${GLUE_NODES:-1,17,65} --work-dir $W $reuse \
+          --layers ${GLUE_LAYERS:-8} --batches 1 --steps 10 --profile --nodes ${GLUE_NODES:-1,17,65} --work-dir $W --reuse-checkpoints \
           --out-dir "$R/glue-$v" > "$R/step-cost-glue-$v.log" 2>&1
-        reuse=--reuse-checkpoints
         echo "-- $v"; grep "^| 1 |" "$R/step-cost-glue-$v.log" | head -4
       done ;;
     hybridenv)   # the hybrid step costs again with HYB_ENV set (e.g. DDTREE_TREE_WY_PRECISION=bf16x3): an A/B against

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ddtree_serve.plumbing.compiled import static_widths
 from target_svc import gdn_kernels
 
 # HF's l2norm (aligned with FLA) uses this epsilon for q and k.
@@ -130,6 +131,7 @@ def _glue(module: nn.Module):
     return getattr(module, "glue", None)
 
 
+@static_widths
 def gdn_gates(b: Tensor, a: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
     """(beta, g) from the b and a projections: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), fp32."""
     # contiguous(): b and a may be column slices of one fused projection, and the CPU's vectorised sigmoid and
@@ -153,6 +155,7 @@ def _project(module: nn.Module, x: Tensor) -> _Projected:
     return _Projected(qkv_in=qkv_in, z=z, beta=beta, g=g)
 
 
+@static_widths
 def conv_silu(taps: list[Tensor], weight: Tensor, bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """Depthwise causal conv + SiLU from the k window entries (oldest first), each [..., conv_dim]; weight [conv_dim, k]."""
     weight = weight.float()
@@ -233,6 +236,7 @@ def _delta_update(
     return state, out
 
 
+@static_widths
 def gated_rms_norm(core: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Qwen3.5's gated RMSNorm per value head: core [..., Hv, Dv] fp32, gate z [..., Hv * Dv] -> [..., Hv * Dv]."""
     # HF's Qwen3_5RMSNormGated on the kernel output handed over in the model dtype: normalised in fp32, cast
@@ -602,6 +606,7 @@ def gdn_step_forward_lean(
     return out, GdnTreeTrace(node_conv=node_conv, key=k, value=v, g=p.g, beta=p.beta, final_state=final_state)
 
 
+@static_widths
 def step_inputs(qkv_in: Tensor, conv_state: Tensor, valid: Tensor, g: Tensor, beta: Tensor, weight: Tensor,
                 bias: Tensor | None, q_shape: tuple[int, int], v_shape: tuple[int, int]) -> tuple[Tensor, ...]:
     """A decode step's glue between the projections and the recurrence (one compiled kernel or two on CUDA).
@@ -621,6 +626,7 @@ def step_inputs(qkv_in: Tensor, conv_state: Tensor, valid: Tensor, g: Tensor, be
     return q, k, v, k * vf[:, :, None, None], g * vf[..., None], beta * vf[..., None], node_conv
 
 
+@static_widths
 def tree_inputs(qkv_in: Tensor, conv_state: Tensor, conv_index: Tensor | None, window_idx: Tensor, valid: Tensor,
                 g: Tensor, beta: Tensor, weight: Tensor, bias: Tensor | None, q_shape: tuple[int, int],
                 v_shape: tuple[int, int]) -> tuple[Tensor, ...]:

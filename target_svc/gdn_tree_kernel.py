@@ -102,8 +102,11 @@ def choose_config(batch_heads: int, head_v_dim: int, num_sms: int = 132, phases:
     if phases == 2:
         # Two launches (H100, bf16x3, 27B heads, 2026-12-06): value blocks of 32 and 4 warps won for one tree of 65
         # nodes (0.0514 ms; 64 and 4 warps 0.0570, 8 warps 0.0703 and 0.0758) and of 16 (0.0174), and were level
-        # with 64 for eight trees (0.2332 against 0.2280; bench/results/h200-hybrid-2026-12-06/h100/).
-        return TileConfig(block_c=32, block_v=min(32, head_v_dim), num_warps=4, num_stages=1, phases=2)
+        # with 64 for eight trees (0.2332 against 0.2280; bench/results/h200-hybrid-2026-12-06/h100/). The inverse's
+        # doubling up to 16 on the diagonal 16-blocks batched ("blocks16") took one 65-node tree from 0.0514 to
+        # 0.0455 ms, agreement unchanged (H100, 2026-12-06 15:21, bench/results/h100-2026-12-06-1515/).
+        return TileConfig(block_c=32, block_v=min(32, head_v_dim), num_warps=4, num_stages=1, phases=2,
+                          invert="blocks16")
     block_v = min(64, head_v_dim)
     programs = batch_heads * (head_v_dim // block_v)
     return TileConfig(block_t=16, block_c=32, block_v=block_v, num_warps=8 if programs < 2 * num_sms else 4,

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ddtree_serve.decoding.tree_mask import TreeStructure, tree_structure
+from ddtree_serve.plumbing.compiled import static_widths
 from target_svc import gdn_kernels, gdn_tree_kernel
 from target_svc.gated_deltanet import (
     LinearAttnStateShape,
@@ -202,6 +203,7 @@ def gdn_commit_path_wy(
                                      state_index)
 
 
+@static_widths
 def commit_states(conv_inputs: Tensor, window_idx: Tensor, key: Tensor, u: Tensor, cum_g: Tensor, conv_state: Tensor,
                   rec_state: Tensor, last: Tensor, nodes: Tensor, on_path: Tensor, keep: Tensor,
                   state_index: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ddtree_serve.rope import rotate_half
-from ddtree_serve.plumbing.compiled import compile_all
+from ddtree_serve.plumbing.compiled import compile_all, static_widths
 from target_svc.dense_layers import fuse_linears, silu_mul
 from target_svc.gated_deltanet import (
     LinearAttnStateShape,
@@ -68,6 +68,7 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: 
     return apply_rope(rms_norm(q, q_weight, eps), cos, sin), apply_rope(rms_norm(k, k_weight, eps), cos, sin)
 
 
+@static_widths
 def sigmoid_gate(out: Tensor, gate: Tensor) -> Tensor:
     """The gated attention's output gate: out [B, T, H * D] * sigmoid(gate [B, T, H, D]) in the model dtype."""
     return out * torch.sigmoid(gate.reshape(out.shape))

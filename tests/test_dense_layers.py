@@ -86,15 +86,28 @@ def test_only_the_elementwise_products_compile_with_constant_widths():
                                                  dense_layers.qk_norm_rope, dflash_model.rms_norm))
 
 
+def test_the_hybrids_gated_deltanet_glue_compiles_with_constant_widths_and_its_residual_norms_do_not():
+    """The GDN glue, the output gate and the per-head gated RMSNorm ran faster at constant widths (H100, the 27B
+    layout); the residual add + RMSNorm, the q/k norms with RoPE and the prefill's conv + l2norm stay symbolic."""
+    from target_svc import gated_deltanet, gdn_tree_wy, hybrid_layers
+
+    kernels = hybrid_layers.HybridKernels.make(compiled=False)
+    static = {name for name in kernels.__dataclass_fields__
+              if getattr(getattr(kernels, name), "__compile_static_widths__", False)}
+    assert static == {"sigmoid_gate", "silu_mul", "gdn_gates", "conv_silu", "step_inputs", "tree_inputs",
+                      "gated_rms_norm", "commit_states"}
+    assert kernels.commit_states is gdn_tree_wy.commit_states and kernels.conv_heads is gated_deltanet.conv_heads
+
+
 def test_the_static_widths_switch_names_more_functions_to_compile_at_constant_widths(monkeypatch):
     """DDTREE_GLUE_STATIC_WIDTHS (a bench A/B switch) adds functions by name, or all of them; marked ones stay."""
     from ddtree_serve.plumbing.compiled import STATIC_WIDTHS_ENV, compiles_static
     from target_svc import dense_layers, hybrid_layers
 
     monkeypatch.delenv(STATIC_WIDTHS_ENV, raising=False)
-    assert compiles_static(dense_layers.silu_mul) and not compiles_static(hybrid_layers.sigmoid_gate)
-    monkeypatch.setenv(STATIC_WIDTHS_ENV, " sigmoid_gate , gdn_gates")
-    assert compiles_static(hybrid_layers.sigmoid_gate) and compiles_static(hybrid_layers.gdn_gates)
+    assert compiles_static(dense_layers.silu_mul) and not compiles_static(hybrid_layers.add_rms_norm)
+    monkeypatch.setenv(STATIC_WIDTHS_ENV, " add_rms_norm , qk_norm_rope")
+    assert compiles_static(hybrid_layers.add_rms_norm) and compiles_static(hybrid_layers.qk_norm_rope)
     assert not compiles_static(dense_layers.rms_norm) and compiles_static(dense_layers.silu_mul)
     monkeypatch.setenv(STATIC_WIDTHS_ENV, "all")
     assert compiles_static(dense_layers.rms_norm)
