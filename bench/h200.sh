@@ -66,8 +66,11 @@
 # PYSPY_S=N (with speed8b / speedhyb): py-spy samples each service's threads for N s once the services are up
 #   (carry the py-spy wheel in .whl; writes $R/pyspy-<service>.txt, folded stacks: bench.pyspy_summary reads them)
 # Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
-# Issue 9's batch-1 gates in one call (~8 min on an H100): STEP8_ARGS="--batches 1 --nodes 1,17,64,65"
-#   SPEED8_BATCH=1 SPEED8_PROMPTS=64 SPEED8_BUDGETS=64 SPEED8_S=470 bash bench/h200.sh OUT 8b speed8b report
+# Issue 9's batch-1 gates in one call (~9 min on an H100; budget 63 in a 64-node bucket of its own beside budget 64:
+#   on the 64-prompt file its taus draw 10.685 against 10.726, machine-independent, and its verify saves ~0.13 ms
+#   a step on an H100, bench/results/calibrated-tau-tiny-qwen3-cpu-64-prompts-b63-b64.md):
+#   STEP8_ARGS="--batches 1 --nodes 1,17,64,65 --graph-node-sizes 64" SPEED8_BATCH=1 SPEED8_PROMPTS=64
+#   SPEED8_BUDGETS=63,64 SPEED8_TARGET_ARGS="--graph-node-sizes 64" SPEED8_S=500 bash bench/h200.sh OUT 8b speed8b report
 set -uo pipefail
 OUT=${1:?output directory}
 shift
