@@ -75,11 +75,18 @@ def collect_references(setup: CalibrationSetup, gateway: str, indexed: list[tupl
     """The reference `ar` run of every prompt (EOS honoured), written where the gateway looks for it."""
     reqs = [common.ids_request(ids, max_tokens, "ar") for _, ids in indexed]
     results, wall = common.run_requests(gateway, reqs, batch)
-    ReferenceStore({tuple(ids): r.token_ids for (_, ids), r in zip(indexed, results)}).save(setup.references_path)
-    setup.info["reference_tokens"] = sum(len(r.token_ids) for r in results)
-    print(f"{LABEL}: {len(results)} reference ar continuations ({setup.info['reference_tokens']} tokens, "
+    return save_references(setup, indexed, [r.token_ids for r in results], wall)
+
+
+def save_references(setup: CalibrationSetup, indexed: list[tuple[int, list[int]]], continuations: list[list[int]],
+                    wall: float) -> list[list[int]]:
+    """Writes the `ar` continuations of the prompts (in indexed's order) where the gateway looks for them."""
+    ReferenceStore({tuple(ids): tokens for (_, ids), tokens in zip(indexed, continuations)}).save(
+        setup.references_path)
+    setup.info["reference_tokens"] = sum(len(t) for t in continuations)
+    print(f"{LABEL}: {len(continuations)} reference ar continuations ({setup.info['reference_tokens']} tokens, "
           f"{wall:.1f} s) written to {setup.references_path}", flush=True)
-    return [r.token_ids for r in results]
+    return continuations
 
 
 def markdown(info: dict) -> str:

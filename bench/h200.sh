@@ -21,7 +21,8 @@
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
 #   speed8b    calibrated speed through the services at batch 1 and 8, SPEED8_PROMPTS=32 prompts x 256 tokens (64: the
 #              whole held-out file, whose taus sit on the profile's; the first 32 draw the chain's 3.5 % above it, so
-#              the ddtree/dflash ratio wants 64: ~390 s at batch 1, budget 64, on an H100), transformers on one
+#              the ddtree/dflash ratio wants 64: ~390 s at batch 1, budget 64, on an H100 before
+#              its ar run doubled as the calibration reference run (which took 120 s), so ~270 s now), transformers on one
 #              prompt (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_BATCH e.g. 8,32 for issue 9's batch-32 table too,
 #              SPEED8_ARGS adds flags, SPEED8_TARGET_ARGS the target's, e.g. "--max-tree-nodes 129
 #              --graph-node-sizes 64" with SPEED8_BUDGETS=16,63,64,128: every budget in a graph bucket of its
@@ -66,7 +67,7 @@
 # PYSPY_S=N (with speed8b / speedhyb): py-spy samples each service's threads for N s once the services are up
 #   (carry the py-spy wheel in .whl; writes $R/pyspy-<service>.txt, folded stacks: bench.pyspy_summary reads them)
 # Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
-# Issue 9's batch-1 gates in one call (~9 min on an H100; budget 63 in a 64-node bucket of its own beside budget 64:
+# Issue 9's batch-1 gates in one call (~7-8 min on an H100; budget 63 in a 64-node bucket of its own beside budget 64:
 #   on the 64-prompt file its taus draw 10.685 against 10.726, machine-independent, and its verify saves ~0.13 ms
 #   a step on an H100, bench/results/calibrated-tau-tiny-qwen3-cpu-64-prompts-b63-b64.md):
 #   STEP8_ARGS="--batches 1 --nodes 1,17,64,65 --graph-node-sizes 64" SPEED8_BATCH=1 SPEED8_PROMPTS=64

@@ -276,10 +276,24 @@ def main(argv=None) -> None:
         common.wait_for_graphs(stack)   # nothing timed, the reference run included, while graphs capture
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
         indexed = list(enumerate(prompt_ids))
-        if calib:  # the references must exist before any speculative request, warm-ups included
+        # The references must exist before any speculative request, warm-ups included. Where they are collected at
+        # batch 1 and ar runs at batch 1, that timed ar run is the reference run (all its prompts first, not
+        # interleaved with the others): the same requests, run once instead of twice.
+        reference_ar = None
+        if calib and max(batches) == 1 and ("ar", 0) in plan:
+            reference_ar = ServiceSystem(stack, "ar", 0, 1, max_tokens)
+            reference_ar.warmup(indexed[:1], args.warmup_tokens)
+            for item in indexed:
+                reference_ar.run([item])
+            calibrated.save_references(calib, indexed, [reference_ar.results[i].token_ids for i, _ in indexed],
+                                       reference_ar.wall)
+            calib.info["reference_is_timed_ar"] = True
+        elif calib:
             calibrated.collect_references(calib, stack.gateway, indexed, max_tokens, max(batches))
         for b in [1] + [b for b in batches if b > 1]:
-            systems: list = [ServiceSystem(stack, mode, budget, b, max_tokens) for mode, budget in plan]
+            systems: list = [reference_ar if reference_ar is not None and b == 1 and mode == "ar"
+                             else ServiceSystem(stack, mode, budget, b, max_tokens) for mode, budget in plan]
+            interleaved = [sys_ for sys_ in systems if sys_ is not reference_ar]
             if calib:
                 for sys_ in systems:
                     sys_.name += " [calibrated]" if sys_.mode != "ar" else ""
@@ -292,14 +306,14 @@ def main(argv=None) -> None:
                 elif not args.no_hf_batch:
                     systems.append(HFSystem(hf, "transformers generate (greedy, left-padded)", b, max_tokens))
             # Warm-up, excluded from every figure: each system once on a short generation.
-            for sys_ in systems:
+            for sys_ in interleaved:
                 sys_.warmup(indexed[:b], args.warmup_tokens)
             # Interleaved: every chunk of b prompts goes through every system before the next chunk, the order
             # rotating per chunk, so that drifting background load spreads over all systems alike.
             chunks = [indexed[i:i + b] for i in range(0, len(indexed), b)]
             for c, chunk in enumerate(chunks):
-                k = c % len(systems)
-                for sys_ in systems[k:] + systems[:k]:
+                k = c % len(interleaved)
+                for sys_ in interleaved[k:] + interleaved[:k]:
                     if isinstance(sys_, HFSystem) and args.hf_prompts is not None and c * b >= args.hf_prompts:
                         continue
                     sys_.run(chunk)
@@ -438,6 +452,9 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
     }
+    ar_first = ("" if not (calibration or {}).get("reference_is_timed_ar") else
+                " (services ar at batch 1 excepted: its run, every prompt in order before the others, was also the "
+                "calibration's reference run)")
     hf_subset = (f"; transformers on the first {args.hf_prompts} prompts only, its tok/s over those"
                  if args.hf_prompts is not None and args.hf_prompts < len(prompts) else "")
     drafter_note = ("the bundled trained drafter" if drafter_info.get("bundled_drafter")
@@ -451,7 +468,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
 - Software: torch {hw['torch']}, transformers {hw['transformers']}, grpcio {hw['grpcio']}, Python {hw['python']}
 - Target: `{model_info['dir']}` ({model_info.get('architectures')}, {model_info.get('num_hidden_layers')} layers)
 - Drafter: `{drafter_info['dir']}` ({drafter_note}; {drafter_info.get('num_hidden_layers')} layers, block {drafter_info.get('block_size')}, weights sha256 {drafter_info.get('weights_sha256')}…)
-- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = one prompt at a time, batch N (N = {', '.join(map(str, batches))}) = chunks of N requests in flight (transformers: left-padded batches of N){hf_subset}; systems interleaved chunk by chunk in a rotating order; warm-up excluded
+- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = one prompt at a time, batch N (N = {', '.join(map(str, batches))}) = chunks of N requests in flight (transformers: left-padded batches of N){hf_subset}; systems interleaved chunk by chunk in a rotating order{ar_first}; warm-up excluded
 
 tok/s = generated tokens (first token included) / wall time of the whole set, measured by the client.
 Ratios are within this run only.
