@@ -72,6 +72,12 @@
 #   a step on an H100, bench/results/calibrated-tau-tiny-qwen3-cpu-64-prompts-b63-b64.md):
 #   STEP8_ARGS="--batches 1 --nodes 1,17,64,65 --graph-node-sizes 64" SPEED8_BATCH=1 SPEED8_PROMPTS=64
 #   SPEED8_BUDGETS=63,64 SPEED8_TARGET_ARGS="--graph-node-sizes 64" SPEED8_S=500 bash bench/h200.sh OUT 8b speed8b report
+# The hybrid's gates (issue 10; batch 1 alone, so the timed ar run is the calibration's reference run), then the
+#   quantized step costs (issue 15), each a call on the same warm machine (~8 and ~4 min):
+#   HYB_NODES=1,17,65 SPEEDHYB_PROMPTS=64 SPEEDHYB_BUDGETS=64 SPEEDHYB_ARGS="--batch 1" SPEEDHYB_S=450 \
+#     bash bench/h200.sh OUT hybrid speedhyb
+#   QUANTS="none int8 int4" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
+#   then, on the CPU, `python -m bench.h200_report` over the three calls' files (its --help names them).
 set -uo pipefail
 OUT=${1:?output directory}
 shift
