@@ -41,7 +41,7 @@
 #              step sockets with the gateway polling as in speed8b; SPEEDHYB_ARGS adds flags, SPEEDHYB_S its time
 #              limit (~7 min on an H200)
 #   glueab     step costs with kernel profiles at the 27B layout (GLUE_LAYERS=8 layers), the compiled glue at its
-#              default widths against DDTREE_GLUE_STATIC_WIDTHS variants (GLUE_VARIANTS="base pointwise all")
+#              default widths against DDTREE_GLUE_STATIC_WIDTHS variants (GLUE_VARIANTS="base all")
 #   hybridenv  the hybrid step costs with HYB_ENV set (e.g. HYB_ENV=DDTREE_TREE_WY_PRECISION=bf16x3), after hybrid
 #   attnab     step costs with SDPA attention (DDTREE_TREE_ATTENTION=off) on /tmp/w8 and /tmp/w27 where present:
 #              the tree-attention kernel's A/B against the 8b / hybrid sections of the same call
@@ -198,10 +198,11 @@ for s in $SECTIONS; do
       timeout ${GDN_BENCH_S:-120} python3 -m bench.gdn_kernels --out-dir "$R" > "$R/gdn-kernels.log" 2>&1
       grep "^|" "$R/gdn-kernels.log" | head -12 ;;
     glueab)   # compiled glue at constant widths (DDTREE_GLUE_STATIC_WIDTHS) against the defaults, step costs with
-              # kernel profiles at the 27B layout cut to GLUE_LAYERS=8 layers (builds /tmp/w27g): variants base,
-              # pointwise (the hybrid's elementwise glue), all (every glue function)
+              # kernel profiles at the 27B layout cut to GLUE_LAYERS=8 layers (builds /tmp/w27g): variants base
+              # (the defaults; the GDN glue has been static since 2026-12-06), pointwise (that glue named: what the
+              # 2026-12-06 A/B ran before it became the default), all (every glue function, the drafter's included)
       W=/tmp/w27g
-      for v in ${GLUE_VARIANTS:-base pointwise all}; do
+      for v in ${GLUE_VARIANTS:-base all}; do
         case $v in base) names="" ;; pointwise) names=sigmoid_gate,gdn_gates,conv_silu,step_inputs,tree_inputs,commit_states ;;
                    all) names=all ;; *) echo "unknown variant $v"; continue ;; esac
         mkdir -p "$R/glue-$v"
