@@ -15,8 +15,8 @@ def test_a_calibrated_batch_1_run_times_its_reference_ar_run_as_the_ar_system(ch
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["Count to three.", "Name a colour."]))   # the tiny model's context is 512
     speed.main(["--model", str(target), "--drafter", str(drafter), "--device", "cpu", "--threads", "1",
-                "--prompts", str(prompts), "--num-prompts", "2", "--max-tokens", "12", "--batch", "1", "--budget", "16", "--modes", "ar,ddtree",
-                "--no-hf", "--calibrated", PROFILE, "--calibrate-chain-tau", "7.79", "--warmup-tokens", "2",
+                "--prompts", str(prompts), "--num-prompts", "2", "--max-tokens", "12", "--batch", "1",
+                "--budget", "16", "--modes", "ar,ddtree", "--no-hf", "--calibrated", PROFILE, "--calibrate-chain-tau", "7.79", "--warmup-tokens", "2",
                 "--out-dir", str(tmp_path)])
     data = json.loads(next(tmp_path.glob("speed-calibrated-*.json")).read_text())
     systems = [r["system"] for r in data["runs"]]

@@ -413,7 +413,7 @@ def test_supported_shapes_and_tiles():
     assert choose_config(2, 16, 132).block_v == 16 and choose_config(1, 64, 1).block_v == 64
     assert choose_config(48, 128, 132).num_warps == 8 and choose_config(8 * 48, 128, 132).num_warps == 4
     assert choose_config(48, 128, 132).block_t == 16 and choose_config(48, 128, 132).invert == "blocks"
-    # Two launches: value blocks of 32 (or the whole head below), 4 warps, the inverse batched up to 16, whatever the batch.
+    # Two launches: value blocks of 32 (or the whole head below), 4 warps, the inverse batched up to 16, any batch.
     two = choose_config(48, 128, 132, phases=2)
     assert (two.phases, two.block_v, two.num_warps, two.invert) == (2, 32, 4, "blocks16")
     assert choose_config(8 * 48, 128, 132, 2) == two

@@ -35,7 +35,8 @@ def static_widths(fn: Callable) -> Callable:
     # Why only some: with a symbolic width Triton cannot prove the halves of a fused [gate | up] row 16-byte
     # aligned and loads an element at a time; on an H100 at the 8B shape SiLU * up over 65 rows took 4.2 us a layer
     # symbolic and 2.6 us constant, but the add + RMSNorm reduction 4.5 us symbolic and 6.1 us constant
-    # (bench/results/h100-2026-12-06-1341/): the elementwise products gain, the reductions do not.
+    # (bench/results/h100-2026-12-06-1341/). Marked where timed as a gain: the elementwise products and the hybrid's
+    # Gated DeltaNet glue, whose per-head gated RMSNorm (a 128-wide reduction) gained too (h100-2026-12-06-1515/).
     fn.__compile_static_widths__ = True
     return fn
 
