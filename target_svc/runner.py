@@ -12,7 +12,8 @@ from torch import Tensor
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.logprobs import TokenLogprob, token_logprobs
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
-from ddtree_serve.plumbing.cuda_graphs import pick_bucket, prefill_chunk
+from ddtree_serve.plumbing.cuda_graphs import (HYBRID_PREFILL_FORWARD_FIXED_ROWS, PREFILL_FORWARD_FIXED_ROWS, pick_bucket,
+                                              prefill_chunk)
 from ddtree_serve.plumbing.host_copy import PendingHostCopy, start_host_copy, to_host
 from ddtree_serve.transport.base import EarlyRows
 from target_svc.loader import LoadedTarget, load_target
@@ -412,14 +413,13 @@ class TargetRunner:
         return min(self.cfg.max_tree_nodes, PREFILL_CHAIN_NODES)
 
     def _prefill_chunk(self, rest: int, batch: int) -> int:
-        """Prompt positions in the next prefill chain of `batch` prompts: on a dense target with graphs, the node
-        bucket that takes the rest of the longest prompt at the least estimated cost (cuda_graphs.prefill_chunk);
-        otherwise _prefill_chain_nodes."""
-        # Dense only: the cost model is fitted to the 8B's forwards; a hybrid's 257-node verify (its tree WY core
-        # past 65 nodes) is not timed.
-        if self.graphs is None or self.model.linear_index:
+        """Prompt positions in the next prefill chain of `batch` prompts: with graphs, the node bucket that takes
+        the rest of the longest prompt at the least estimated cost (cuda_graphs.prefill_chunk, with the fixed cost
+        measured for this kind of target); otherwise _prefill_chain_nodes."""
+        if self.graphs is None:
             return self._prefill_chain_nodes
-        return prefill_chunk(rest, self.graphs.node_buckets, pick_bucket(self.graphs.batch_buckets, batch))
+        fixed = HYBRID_PREFILL_FORWARD_FIXED_ROWS if self.model.linear_index else PREFILL_FORWARD_FIXED_ROWS
+        return prefill_chunk(rest, self.graphs.node_buckets, pick_bucket(self.graphs.batch_buckets, batch), fixed)
 
     def _prefill_forwards(self, items: list[PrefillItem], lens: list[int], seqs: list[_Sequence]):
         """Prompts through forward_block in chunks of prefill_chunk positions -> (last logits, feature parts)."""

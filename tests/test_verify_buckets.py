@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ddtree_serve.decoding.config import SamplingParams
-from ddtree_serve.plumbing.cuda_graphs import (SharedOutput, key_buckets, pick_bucket, power_of_two_buckets,
+from ddtree_serve.plumbing.cuda_graphs import (HYBRID_PREFILL_FORWARD_FIXED_ROWS, PREFILL_FORWARD_FIXED_ROWS,
+                                               SharedOutput, key_buckets, pick_bucket, power_of_two_buckets,
                                                prefill_chunk, tree_node_buckets)
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner
 from target_svc.verify import (SHALLOW_COMMIT_WIDTH, VerifyBatch, VerifyShape, commit_path, commit_widths, unpack,
@@ -242,3 +243,11 @@ def test_a_prefill_chunk_is_the_node_bucket_that_takes_the_rest_of_the_prompts_a
     assert prefill_chunk(66, tree_node_buckets(257, (129,))) == 129
     assert prefill_chunk(70, buckets, batch=8) == 65
     assert prefill_chunk(250, buckets, batch=4) == 257
+
+
+def test_a_hybrid_target_weighs_its_prefill_forwards_with_its_own_lower_fixed_cost():
+    """Two prompts of 66 tokens: at the dense 8B's fixed cost (310 rows) one 257-node forward beats two 65-node
+    ones (824 rows against 880); at the hybrid's (200 rows) the two win (660 against 714)."""
+    buckets = tree_node_buckets(257)
+    assert prefill_chunk(66, buckets, batch=2, fixed_rows=PREFILL_FORWARD_FIXED_ROWS) == 257
+    assert prefill_chunk(66, buckets, batch=2, fixed_rows=HYBRID_PREFILL_FORWARD_FIXED_ROWS) == 65
