@@ -176,6 +176,8 @@ CHUNKINGS = {
     "forwards of 7": {"prefill_chunk": 7},
     # chains of 8 tokens through the verify functions, each fully accepted (the graphed prefill on CUDA)
     "verified chains of 8": {"prefill_verify_chunks": 4, "max_tree_nodes": 8},
+    # each prompt one chain of up to 29 nodes: a hybrid's long chain committed whole (its 257-node bucket on CUDA)
+    "verified chains of 32": {"prefill_verify_chunks": 1, "max_tree_nodes": 32},
 }
 
 

@@ -70,8 +70,7 @@ def tree_node_buckets(max_nodes: int, extra: tuple[int, ...] = ()) -> tuple[int,
 # forwards of 65 and 257 nodes took 7.44 and 11.24 ms: 0.0198 ms a row past a fixed 6.15 ms, 310 rows' worth.
 PREFILL_FORWARD_FIXED_ROWS = 310
 # The hybrid's (Qwen3.6-27B layout cut to 8 layers, H100, 2026-12-06): 4.094 and 7.081 ms, 0.0156 ms a row past a
-# fixed 3.08 ms, ~200 rows' worth (bench/results/h100-2026-12-06-1700/). Its 129-node forward took 7.275 ms, more
-# than the 257-node one: the 257-node bucket is the one to prefill through.
+# fixed 3.08 ms, ~200 rows' worth; 4.161 and 7.205 ms on a second machine (bench/results/h100-2026-12-06-1700/).
 HYBRID_PREFILL_FORWARD_FIXED_ROWS = 200
 
 
