@@ -12,8 +12,8 @@ from torch import Tensor
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.logprobs import TokenLogprob, token_logprobs
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
-from ddtree_serve.plumbing.cuda_graphs import (HYBRID_PREFILL_FORWARD_FIXED_ROWS, PREFILL_FORWARD_FIXED_ROWS, pick_bucket,
-                                              prefill_chunk)
+from ddtree_serve.plumbing.cuda_graphs import (HYBRID_PREFILL_FORWARD_FIXED_ROWS, PREFILL_FORWARD_FIXED_ROWS,
+                                              pick_bucket, prefill_chunk)
 from ddtree_serve.plumbing.host_copy import PendingHostCopy, start_host_copy, to_host
 from ddtree_serve.transport.base import EarlyRows
 from target_svc.loader import LoadedTarget, load_target

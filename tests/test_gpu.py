@@ -145,8 +145,8 @@ def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):
 def test_cuda_graphed_chain_prefill_equals_the_eager_forwards(checkpoints, kind, dtype, max_nodes, one_a_call,
                                                                monkeypatch):
     """Prompts prefilled as fully accepted chains through the captured verify graphs (the default on CUDA for up to
-    PREFILL_VERIFY_CHUNKS chunks of 65; each chunk the node bucket of least estimated cost, so a dense target's
-    lone prompt of 70 or 130 tokens takes one 257-node forward, a hybrid's too) against forward_block prefill: features and
+    PREFILL_VERIFY_CHUNKS chunks of 65; each chunk the node bucket of least estimated cost, so a lone prompt of 70
+    or 130 tokens takes one 257-node forward, dense or hybrid) against forward_block prefill: features and
     linear-attention states within 2e-4 (float32) or 2 % (bfloat16: other GEMM tilings) of their largest
     magnitude; in float32 the same first tokens and, decoding on, transformers' greedy tokens."""
 
