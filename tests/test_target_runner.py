@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
 
 from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.plumbing.cuda_graphs import tree_node_buckets
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 
@@ -250,6 +252,19 @@ def test_prompts_longer_than_the_verified_chains_allow_are_prefilled_by_forwards
     default = _runner(checkpoints["qwen3"])
     monkeypatch.setattr(default, "_prefill_as_chains", lambda *a: pytest.fail("chains without graphs"))
     default.prefill([PrefillItem("c", _prompt(5, seed=5), SamplingParams())])
+
+
+def test_with_graphs_a_hybrid_chunks_its_prompt_chains_by_its_own_fixed_cost(checkpoints):
+    """With graphs of node buckets up to 257: a lone 70-token prompt goes as one 257-node chain, dense or hybrid;
+    two 66-token prompts as one 257-node chain on a dense target, as two 65-node ones on a hybrid (its forwards'
+    fixed cost is lower)."""
+    buckets = SimpleNamespace(node_buckets=tree_node_buckets(257), batch_buckets=(1, 2, 4))
+    chunks = {}
+    for arch in ("qwen3", "qwen3_5"):
+        runner = _runner(checkpoints[arch], max_tree_nodes=257)
+        runner.graphs = buckets   # the buckets are all _prefill_chunk reads of the graphs
+        chunks[arch] = (runner._prefill_chunk(70, 1), runner._prefill_chunk(66, 2))
+    assert chunks == {"qwen3": (257, 257), "qwen3_5": (257, 65)}
 
 
 def test_a_chunk_that_does_not_continue_its_sequence_is_refused(checkpoints):
