@@ -19,6 +19,7 @@
 #              --block-ms 16,32,64 --warps 2,4 --stages 2 --context-loop 0,1 --balanced 0,1 --max-registers 0,96")
 #   8b         step costs at the Qwen3-8B shape (builds /tmp/w8; STEP8_ARGS e.g. --nodes 1,16,65,129, STEP8_S)
 #   w8         the Qwen3-8B target and drafter in /tmp/w8 only (bench.flagship_fit --build-only), for speed8b alone
+#   w27        the hybrid target (27B layout, 16 layers) and its drafter in /tmp/w27 only, for speedhyb alone
 #   speed8b    calibrated speed through the services at batch 1 and 8, SPEED8_PROMPTS=32 prompts x 256 tokens (64: the
 #              whole held-out file, whose taus sit on the profile's; the first 32 draw the chain's 3.5 % above it, so
 #              the ddtree/dflash ratio wants 64: ~390 s at batch 1, budget 64, on an H100 before
@@ -170,6 +171,10 @@ for s in $SECTIONS; do
     w8)   # the Qwen3-8B target and its drafter only (what speed8b needs), without the step costs
       timeout 120 python3 -m bench.flagship_fit --shape qwen3-8b --work-dir /tmp/w8 --build-only > "$R/w8-build.log" 2>&1
       tail -2 "$R/w8-build.log" ;;
+    w27)  # the hybrid target (the 27B layout at 16 layers) and its drafter only (what speedhyb needs)
+      timeout 150 python3 -m bench.flagship_fit --shape qwen3.6-27b --layers 16 --work-dir /tmp/w27 --build-only \
+        > "$R/w27-build.log" 2>&1
+      tail -2 "$R/w27-build.log" ;;
     speed8b)
       record_services "$R/speed-8b.log"
       timeout ${SPEED8_S:-420} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
