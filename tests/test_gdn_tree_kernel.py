@@ -117,6 +117,8 @@ CASES = {
     "65 nodes, any depth": ([random_parents(65, 64, GEN), chain(65)], 32, 32),
     "16-node trees": ([random_parents(16, 15, GEN), random_parents(11, 3, GEN)], 32, 16),
     "a 256-node chain, a 200-node tree": ([chain(256), random_parents(200, 16, GEN)], 16, 16),
+    # a hybrid's prompt prefill in the 257-node bucket: a 130-token chain padded to 257 rows, and a whole one
+    "257-node prefill chains, one padded": ([chain(130), chain(257)], 16, 16),
 }
 
 
