@@ -68,17 +68,20 @@
 # PYSPY_S=N (with speed8b / speedhyb): py-spy samples each service's threads for N s once the services are up
 #   (carry the py-spy wheel in .whl; writes $R/pyspy-<service>.txt, folded stacks: bench.pyspy_summary reads them)
 # Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
-# Issue 9's batch-1 gates in one call (~7-8 min on an H100; budget 63 in a 64-node bucket of its own beside budget 64:
-#   on the 64-prompt file its taus draw 10.685 against 10.726, machine-independent, and its verify saves ~0.13 ms
-#   a step on an H100, bench/results/calibrated-tau-tiny-qwen3-cpu-64-prompts-b63-b64.md):
-#   STEP8_ARGS="--batches 1 --nodes 1,17,64,65 --graph-node-sizes 64" SPEED8_BATCH=1 SPEED8_PROMPTS=64
-#   SPEED8_BUDGETS=63,64 SPEED8_TARGET_ARGS="--graph-node-sizes 64" SPEED8_S=500 bash bench/h200.sh OUT 8b speed8b report
-# The hybrid's gates (issue 10; batch 1 alone, so the timed ar run is the calibration's reference run), then the
-#   quantized step costs (issue 15), each a call on the same warm machine (~8 and ~4 min):
-#   HYB_NODES=1,17,65 SPEEDHYB_PROMPTS=64 SPEEDHYB_BUDGETS=64 SPEEDHYB_ARGS="--batch 1" SPEEDHYB_S=450 \
-#     bash bench/h200.sh OUT hybrid speedhyb
+# Issue 9's batch-1 gates in two calls on one warm machine (a call may run 600 s: the step costs, ~3 min with the
+#   build, and the speed run, ~7 min on an H100, do not fit one; budget 63 in a 64-node bucket of its own beside
+#   budget 64: on the 64-prompt file its taus draw 10.685 against 10.726, machine-independent, and its verify saves
+#   ~0.13 ms a step on an H100, bench/results/calibrated-tau-tiny-qwen3-cpu-64-prompts-b63-b64.md):
+#   STEP8_ARGS="--batches 1 --nodes 1,17,64,65 --graph-node-sizes 64" STEP8_S=250 bash bench/h200.sh OUT 8b
+#   SPEED8_BATCH=1 SPEED8_PROMPTS=64 SPEED8_BUDGETS=63,64 SPEED8_TARGET_ARGS="--graph-node-sizes 64" SPEED8_S=560 \
+#     bash bench/h200.sh OUT speed8b          (prefix the section list with w8 on a machine without /tmp/w8)
+# The hybrid's ddtree/dflash (issue 10; batch 1 alone, so the timed ar run is the calibration's reference run; its
+#   step costs are the hybrid section's, a call of their own), then the quantized step costs (issue 15, ~2.5 min
+#   on an H200 with /tmp/w8 to build):
+#   SPEEDHYB_PROMPTS=64 SPEEDHYB_BUDGETS=64 SPEEDHYB_TARGET_ARGS= SPEEDHYB_ARGS="--batch 1" SPEEDHYB_S=470 \
+#     bash bench/h200.sh OUT w27 speedhyb
 #   QUANTS="none int8 int4" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
-#   then, on the CPU, `python -m bench.h200_report` over the three calls' files (its --help names them).
+#   then, on the CPU, `python -m bench.h200_report` over the calls' files (its --help names them).
 set -uo pipefail
 OUT=${1:?output directory}
 shift
