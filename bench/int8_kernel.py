@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dot-splits", default="1,2,4", help="dot sweep: K splits")
     p.add_argument("--dot-warps", default="4", help="dot sweep: warps per program")
     p.add_argument("--dot-stages", default="3", help="dot sweep: num_stages")
+    p.add_argument("--dot-swap", default="0", help="dot sweep: 0 x W^T, 1 the swapped W x^T (the weight as the left "
+                   "operand, which Hopper's wgmma can take from registers), or both")
+    p.add_argument("--dot-shapes", default="",
+                   help="dot sweep: only the shapes whose name holds one of these comma-separated words")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -226,12 +230,15 @@ def dot_sweep(args, device: torch.device) -> None:
     ms = _ints(args.ms or "17,65")
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     grid = list(itertools.product(_ints(args.dot_block_m), _ints(args.dot_block_n), _ints(args.dot_block_k),
-                                  _ints(args.dot_splits), _ints(args.dot_warps), _ints(args.dot_stages)))
+                                  _ints(args.dot_splits), _ints(args.dot_swap), _ints(args.dot_warps),
+                                  _ints(args.dot_stages)))
+    words = [w for w in args.dot_shapes.split(",") if w]
+    shapes = [s for s in SHAPES if not words or any(w in s[0] for w in words)]
     print("shape | N | K | M | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, swap AB, warps, stages) | ms/call | x bf16 "
           "| err",
           flush=True)
     best = []
-    for name, n, k in SHAPES:
+    for name, n, k in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
         dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
                  for _ in range(copies_for(n * k * 2))]
@@ -242,8 +249,8 @@ def dot_sweep(args, device: torch.device) -> None:
             bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in dense], args.calls, args.replays)
             default = int8_matmul.choose_config(m, n, k, 8, 0, num_sms)
             cases = [("default", default)] + [
-                ("", TileConfig(bm, bn, bk, split, False, warps, stages))
-                for bm, bn, bk, split, warps, stages in grid
+                ("", TileConfig(bm, bn, bk, split, bool(swap), warps, stages))
+                for bm, bn, bk, split, swap, warps, stages in grid
                 if (bm == 16 or bm < 2 * m) and split * 2 * bk <= k]
             results = _time_tilings(
                 cases, lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
