@@ -52,7 +52,9 @@
 #              of 64 nodes (budget 63, a bucket of its own: one 64-row dot tile) and 65 (one 128-row tile), INT8_NODES;
 #              int8fused: int8 with DDTREE_INT8_FUSED_REDUCE=on, int8-headfused: the LM head in int8 too (QUANTS
 #              picks among none int8 int8fused int8-head int8-headfused int4)
-#   dotsweep   the int8 dot kernel's tilings at 17 and 65 rows (bench.int8_kernel --dot-sweep; DOT_ARGS)
+#   dotsweep   the int8 dot kernel's tilings at 17 and 65 rows (bench.int8_kernel --dot-sweep; DOT_ARGS, e.g. "--ms 64
+#              --dot-shapes qkv,o_proj,gate_up,down --dot-block-m 64 --dot-swap 0,1 --dot-warps 4,8": the 8B's fused
+#              projections at a 64-node verify, the swapped dot beside the plain one)
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
