@@ -234,6 +234,8 @@ def dot_sweep(args, device: torch.device) -> None:
                                   _ints(args.dot_stages)))
     words = [w for w in args.dot_shapes.split(",") if w]
     shapes = [s for s in SHAPES if not words or any(w in s[0] for w in words)]
+    if not shapes:
+        raise SystemExit(f"--dot-shapes {args.dot_shapes!r} names none of: {', '.join(s[0] for s in SHAPES)}")
     print("shape | N | K | M | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, swap AB, warps, stages) | ms/call | x bf16 "
           "| err",
           flush=True)
