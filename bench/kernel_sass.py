@@ -48,6 +48,7 @@ class SassLoop:
 
     instructions: int
     mix: dict[str, int]
+    mma: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,6 +132,20 @@ def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
 
 
+def mma_form(instruction: str) -> str | None:
+    """A tensor-core instruction's shape and types, and where a warpgroup MMA reads A from ('HGMMA.64x64x16.F32.BF16
+    A:regs'; shared memory: 'A:smem'); None for any other instruction."""
+    text = re.sub(r"^@!?U?P\w+\s+", "", instruction)
+    name = text.split()[0]
+    if name.split(".")[0] not in ("HMMA", "HGMMA"):
+        return None
+    form = ".".join(p for p in name.split(".") if p not in ("SP",))
+    if name.startswith("HGMMA"):
+        operands = [o.strip() for o in text[len(name):].split(",")]
+        form += " A:regs" if len(operands) > 1 and operands[1].startswith("R") else " A:smem"
+    return form
+
+
 def sass_loops(instructions: list[tuple[int, str]]) -> list[SassLoop]:
     """Every backward branch's body [target, branch], in address order: the instructions of one iteration."""
     loops = []
@@ -139,7 +154,8 @@ def sass_loops(instructions: list[tuple[int, str]]) -> list[SassLoop]:
         if m and int(m.group(1), 16) < addr:
             lo = int(m.group(1), 16)
             body = [t for a, t in instructions if lo <= a <= addr]
-            loops.append(SassLoop(len(body), dict(collections.Counter(map(opcode, body)).most_common())))
+            mma = collections.Counter(f for f in map(mma_form, body) if f)
+            loops.append(SassLoop(len(body), dict(collections.Counter(map(opcode, body)).most_common()), dict(mma)))
     return loops
 
 
@@ -226,18 +242,25 @@ def kv_write_launches(nodes: int) -> list[tuple[str, Launch]]:
 
 def int8_launches() -> list[tuple[str, Launch]]:
     """The weight-only int8 kernels at the 8B's gate/up projection (4096 -> 2 x 12288) at the tilings
-    kernel_config picks for a decode token and a 65-node verify, the GEMV kernel (with its split-K reduction)
-    for a decode token, and the down projection's split decode launch with its reduction fused."""
-    from target_svc.int8_matmul import SPLIT_COUNTERS, choose_gemv_config, matmul
+    kernel_config picks for a decode token and 64- and 65-node verifies, the 64-row dot swapped, the GEMV kernel
+    (with its split-K reduction) for a decode token, and the down projection's split decode launch with its
+    reduction fused."""
+    from target_svc.int8_matmul import SPLIT_COUNTERS, choose_config, choose_gemv_config, matmul
 
     n, k = 2 * 12288, 4096
     qweight = torch.zeros(n, k, dtype=torch.int8)
     scales = torch.ones(n, dtype=torch.bfloat16)
     out = []
-    for rows in (1, 65):
+    for rows in (1, 64, 65):
         with recorded_launches() as launches:
             matmul(torch.zeros(rows, k, dtype=torch.bfloat16), qweight, scales)
         out += [(f"{rows} rows x {k} -> {n}", launch) for launch in launches]
+    # The swapped dot (W x^T) at a 64-node verify: the widened weight tile becomes the MMA's register operand
+    # instead of going back to shared memory (the sweep's next axis, docs/MEMORY.md).
+    swapped = dataclasses.replace(choose_config(64, n, k), swap_ab=True)
+    with recorded_launches() as launches:
+        matmul(torch.zeros(64, k, dtype=torch.bfloat16), qweight, scales, config=swapped)
+    out += [(f"64 rows x {k} -> {n}, swapped", launch) for launch in launches]
     gemv = dataclasses.replace(choose_gemv_config(1, n, k), split_k=2)
     with recorded_launches() as launches:
         matmul(torch.zeros(1, k, dtype=torch.bfloat16), qweight, scales, config=gemv)
@@ -291,7 +314,8 @@ def report_rows(case: str, arch: int) -> list[dict]:
                      "warps": launch.kwargs.get("num_warps", 4), "registers": rep.registers,
                      "stack_bytes": rep.stack_bytes, "shared_bytes": rep.shared_bytes,
                      "instructions": rep.instructions, "loop_instructions": loops,
-                     "main_loop_mix": dict(list(main.mix.items())[:12]) if main else {}})
+                     "main_loop_mix": dict(list(main.mix.items())[:12]) if main else {},
+                     "main_loop_mma": main.mma if main else {}})
     return rows
 
 
@@ -309,16 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for case in args.cases.split(",") for r in report_rows(case, args.arch)]
     table = common.md_table(
         ["case", "launch", "kernel", "warps", "registers", "stack B", "shared B", "instructions",
-         "per loop iteration (a warp)", "main loop: top opcodes"],
+         "per loop iteration (a warp)", "main loop: top opcodes", "main loop: MMAs"],
         [[r["case"], r["launch"], r["kernel"], r["warps"], r["registers"], r["stack_bytes"], r["shared_bytes"],
           r["instructions"], " / ".join(map(str, r["loop_instructions"])) or "-",
-          ", ".join(f"{k} {v}" for k, v in list(r["main_loop_mix"].items())[:8])] for r in rows])
+          ", ".join(f"{k} {v}" for k, v in list(r["main_loop_mix"].items())[:8]),
+          ", ".join(f"{k} x{v}" for k, v in r["main_loop_mma"].items()) or "-"] for r in rows])
     md = (f"# Triton kernels compiled for sm_{args.arch} (static: no GPU)\n\n"
           f"Command: `{common.command_line('bench.kernel_sass')}`  \nDate: {common.now_utc()}  \n"
           f"Triton {triton.__version__}, torch {torch.__version__}, compiled on {common.cpu_model()}\n\n"
           "Each launch as the real launcher makes it (CPU tensors of the real shapes, the launch recorded and "
           "compiled as Triton's runtime would). Instructions per loop iteration are a warp's, one SASS loop each "
-          "(the tree-attention split kernel with the context loop has two: committed keys, then the block's).\n\n"
+          "(the tree-attention split kernel with the context loop has two: committed keys, then the block's). "
+          "MMAs: the main loop's tensor-core instructions (HMMA: sm_80 warp MMA; HGMMA: sm_90 warpgroup MMA, its "
+          "A operand from registers or shared memory).\n\n"
           + table + "\n")
     print(md)
     common.write_outputs(args.out_dir, f"kernel-sass-sm{args.arch}", {"arch": args.arch, "rows": rows,

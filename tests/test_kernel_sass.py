@@ -29,6 +29,28 @@ def test_the_sass_parser_finds_each_backward_branch_as_a_loop_with_its_opcodes()
     assert loops[0].mix == {"S2R": 1, "FFMA": 1, "FMUL": 1, "BRA": 1}
 
 
+def test_a_tensor_core_instruction_names_its_shape_and_where_a_warpgroup_mma_reads_a():
+    assert kernel_sass.mma_form("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR12], R24") == "HGMMA.64x128x16.F32.BF16 A:smem"
+    assert kernel_sass.mma_form("HGMMA.64x64x16.F32.BF16 R56, R112, gdesc[UR16], R56") == (
+        "HGMMA.64x64x16.F32.BF16 A:regs")
+    assert kernel_sass.mma_form("@P1 HMMA.16816.F32.BF16 R4, R8, R12, R4") == "HMMA.16816.F32.BF16"
+    assert kernel_sass.mma_form("FFMA R2, R0, R0, R1") is None
+
+
+@needs_triton
+def test_the_swapped_int8_dot_feeds_the_widened_weight_to_the_warpgroup_mma_from_registers():
+    """At a 64-node verify both int8 dots run Hopper's warpgroup MMA; the plain one (x W^T) reads both operands
+    from shared memory, so the widened weight goes back there first; the swapped one (W x^T) reads it from
+    registers."""
+    launches = dict(x for x in kernel_sass.int8_launches() if x[1].fn.__name__ == "weight_only_matmul_kernel")
+    plain, swapped = (max(kernel_sass.sass_report(kernel_sass.compile_launch(launches[label])).loops,
+                          key=lambda lp: lp.instructions)
+                      for label in ("64 rows x 4096 -> 24576", "64 rows x 4096 -> 24576, swapped"))
+    assert plain.mma and all(f.startswith("HGMMA") and f.endswith("A:smem") for f in plain.mma)
+    assert swapped.mma and all(f.startswith("HGMMA") and f.endswith("A:regs") for f in swapped.mma)
+    assert plain.mix.get("STS", 0) > 0 and swapped.mix.get("STS", 0) == 0
+
+
 def test_a_recorded_launch_keeps_its_kernel_grid_and_constants():
     pytest.importorskip("triton")
     launches = kernel_sass.layout_launches(17)
