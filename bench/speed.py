@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "GPU's long generations its eager generate() would take most of the run")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="the target's cache slots (default: max(8, the largest --batch)); a batch-1 run at --max-batch 1 "
+                        "captures a quarter of the verify graphs, so a short device call spends its time timing")
     p.add_argument("--target-args", default="",
                    help="extra flags of the target service, one string (e.g. "
                         "--target-args=\"--graph-node-sizes 64,129\": each budget's verify in a graph bucket of "
@@ -235,6 +238,8 @@ def main(argv=None) -> None:
     budgets = [int(b) for b in str(args.budget).split(",") if b.strip()]
     plan = [(m, 0) for m in modes if m != "ddtree"] + ([("ddtree", b) for b in budgets] if "ddtree" in modes else [])
     prompts, source = common.load_prompts(args.prompts, n_prompts or None, args.offset)
+    if args.max_batch is not None and args.max_batch < max(batches):
+        raise SystemExit(f"--max-batch {args.max_batch} is below --batch {max(batches)}")
     if max(batches) > len(prompts):
         print(f"batch {max(batches)} > {len(prompts)} prompts: at most {len(prompts)} instead", flush=True)
         batches = sorted({min(b, len(prompts)) for b in batches})
@@ -260,7 +265,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     hf = None if args.no_hf else HFModel(model, args.device, args.dtype)
     stack = common.start_stack(model, drafter, args.device, args.dtype, args.threads, budget=budgets[0],
-                               max_batch=max(8, *batches), max_seq_len=args.max_seq_len,
+                               max_batch=args.max_batch or max(8, *batches), max_seq_len=args.max_seq_len,
                                drafter_device=args.drafter_device,
                                gateway_args=(calib.gateway_args if calib else [])
                                + ([] if args.step_spin_us is None else ["--step-spin-us", str(args.step_spin_us)]),
