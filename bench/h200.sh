@@ -75,12 +75,12 @@
 #   budget 64: on the 64-prompt file its taus draw 10.685 against 10.726, machine-independent, and its verify saves
 #   ~0.13 ms a step on an H100, bench/results/calibrated-tau-tiny-qwen3-cpu-64-prompts-b63-b64.md):
 #   STEP8_ARGS="--batches 1 --nodes 1,17,64,65 --graph-node-sizes 64" STEP8_S=250 bash bench/h200.sh OUT 8b
-#   SPEED8_BATCH=1 SPEED8_PROMPTS=64 SPEED8_BUDGETS=63,64 SPEED8_TARGET_ARGS="--graph-node-sizes 64" SPEED8_S=560 \
+#   SPEED8_BATCH=1 SPEED8_ARGS="--max-batch 1" SPEED8_PROMPTS=64 SPEED8_BUDGETS=63,64 SPEED8_TARGET_ARGS="--graph-node-sizes 64" SPEED8_S=470 \
 #     bash bench/h200.sh OUT speed8b          (prefix the section list with w8 on a machine without /tmp/w8)
 # The hybrid's ddtree/dflash (issue 10; batch 1 alone, so the timed ar run is the calibration's reference run; its
 #   step costs are the hybrid section's, a call of their own), then the quantized step costs (issue 15, ~2.5 min
 #   on an H200 with /tmp/w8 to build):
-#   SPEEDHYB_PROMPTS=64 SPEEDHYB_BUDGETS=64 SPEEDHYB_TARGET_ARGS= SPEEDHYB_ARGS="--batch 1" SPEEDHYB_S=470 \
+#   SPEEDHYB_PROMPTS=64 SPEEDHYB_BUDGETS=64 SPEEDHYB_TARGET_ARGS= SPEEDHYB_ARGS="--batch 1 --max-batch 1" SPEEDHYB_S=330 \
 #     bash bench/h200.sh OUT w27 speedhyb
 #   QUANTS="none int8 int4" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
 #   then, on the CPU, `python -m bench.h200_report` over the calls' files (its --help names them).
