@@ -50,8 +50,8 @@
 #              unary call against a message on an open stream (bench.grpc_stream_hop)
 #   int8       bf16 / int8 / int4 step costs at the 8B shape (builds /tmp/w8 unless there), kernel microbench; trees
 #              of 64 nodes (budget 63, a bucket of its own: one 64-row dot tile) and 65 (one 128-row tile), INT8_NODES;
-#              int8fused: int8 with DDTREE_INT8_FUSED_REDUCE=on, int8-headfused: the LM head in int8 too (QUANTS
-#              picks among none int8 int8fused int8-head int8-headfused int4)
+#              int8fused: int8 with DDTREE_INT8_FUSED_REDUCE=on, int8-headfused: the LM head in int8 too, w8a8: int8
+#              inputs too (QUANTS picks among none int8 int8fused int8-head int8-headfused int4 w8a8)
 #   dotsweep   the int8 dot kernel's tilings at 17 and 65 rows (bench.int8_kernel --dot-sweep; DOT_ARGS, e.g. "--ms 64
 #              --dot-shapes qkv,o_proj,gate_up,down --dot-block-m 64 --dot-swap 0,1 --dot-warps 4,8": the 8B's fused
 #              projections at a 64-node verify, the swapped dot beside the plain one)
@@ -82,7 +82,8 @@
 #   on an H200 with /tmp/w8 to build):
 #   SPEEDHYB_PROMPTS=64 SPEEDHYB_BUDGETS=64 SPEEDHYB_TARGET_ARGS= SPEEDHYB_ARGS="--batch 1 --max-batch 1" SPEEDHYB_S=330 \
 #     bash bench/h200.sh OUT w27 speedhyb
-#   QUANTS="none int8 int4" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
+#   QUANTS="none int8 w8a8 int4" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
+#   (w8a8's quality on the GPU: the quality section with QUANTS_QUALITY=int8,w8a8 and the SmolLM2 GGUF carried)
 #   then, on the CPU, `python -m bench.h200_report` over the calls' files (its --help names them).
 set -uo pipefail
 OUT=${1:?output directory}

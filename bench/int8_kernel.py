@@ -33,8 +33,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/int8_kernel.py` too
 
 from bench import common  # noqa: E402
-from target_svc import int8_matmul  # noqa: E402
-from target_svc.quantization import QuantizedWeight, quantize_weight  # noqa: E402
+from target_svc import int8_matmul, w8a8_matmul  # noqa: E402
+from target_svc.quantization import QuantizedWeight, quantize_weight, w8a8_reference  # noqa: E402
 
 # (name, N = out_features, K = in_features)
 SHAPES = [
@@ -145,6 +145,18 @@ def measure_shape(n: int, k: int, ms: list[int], bits_list: list[int], args, dev
                                                      for w in ws], args.calls, args.replays)
             except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
                 row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if 8 in quant:   # w8a8 on the same int8 weights: the row quantizer and the int8 x int8 product together
+            ws = quant[8]
+            try:
+                row["w8a8_config"] = w8a8_matmul.choose_config(
+                    m, n, k, torch.cuda.get_device_properties(device).multi_processor_count).__dict__
+                got = w8a8_matmul.matmul(x, ws[0].qweight, ws[0].scales)
+                row["w8a8_exact"] = bool(torch.equal(got, w8a8_reference(x, ws[0]).to(torch.bfloat16)))
+                row["w8a8_ms"] = graph_ms([lambda w=w: w8a8_matmul.matmul(x, w.qweight, w.scales) for w in ws],
+                                          args.calls, args.replays)
+                row["w8a8_ratio"] = row["w8a8_ms"] / row["bf16_ms"]
+            except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
+                row["w8a8_error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -295,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     headers = ["shape", "N", "K", "M", "bf16 ms"]
     for bits in bits_list:
         headers += [f"int{bits} ms", f"int{bits}/bf16", f"int{bits} err", f"int{bits} dequant + bf16 ms"]
+    if 8 in bits_list:
+        headers += ["w8a8 ms", "w8a8/bf16", "w8a8 == reference"]
     table = []
     for r in rows:
         line = [r["shape"], r["N"], r["K"], r["M"], _fmt(r["bf16_ms"], ".4f")]
@@ -303,15 +317,21 @@ def main(argv: list[str] | None = None) -> None:
             line += [_fmt(r.get(f"{key}_ms"), ".4f"), _fmt(r.get(f"{key}_ratio"), ".2f"),
                      _fmt(r.get(f"{key}_err"), ".1e") if f"{key}_error" not in r else "FAILED",
                      _fmt(r.get(f"{key}_dequant_ms"), ".4f")]
+        if 8 in bits_list:
+            line += [_fmt(r.get("w8a8_ms"), ".4f"), _fmt(r.get("w8a8_ratio"), ".2f"),
+                     "FAILED" if "w8a8_error" in r else ("yes" if r.get("w8a8_exact") else "NO")]
         table.append(line)
     failures = [f"- {r['shape']} M={r['M']} int{b}: {r[f'int{b}_error']}" for r in rows for b in bits_list
-                if f"int{b}_error" in r]
+                if f"int{b}_error" in r] + [f"- {r['shape']} M={r['M']} w8a8: {r['w8a8_error']}" for r in rows
+                                             if "w8a8_error" in r]
     md = [f"# Weight-only matmul kernels: {hw.get('gpu', hw['cpu_model'])}", "",
           f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
           f"Each time: ms per call, median of {args.replays} replays of a CUDA graph of {args.calls} calls over "
           "weight copies that total >= 256 MiB (no L2 reuse between calls). err: max |kernel - F.linear(x, q * s)| "
           "/ max |F.linear(x, q * s)|, bf16 output. dequant + bf16: the weight widened to bf16, then F.linear (what "
-          "many rows could take instead of the kernel).", "", common.md_table(headers, table)]
+          "many rows could take instead of the kernel). w8a8: the same int8 weights with each input row quantized "
+          "to int8 (the row-quantizing launch included), compared bit for bit with its PyTorch reference.", "",
+          common.md_table(headers, table)]
     if failures:
         md += ["", "Failures:", *failures]
     common.write_outputs(args.out_dir, f"int8-kernel-{common.hardware_tag(hw)}", data, "\n".join(md) + "\n")

@@ -78,11 +78,14 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 def matmul_backend(target) -> str | None:
-    """The loaded quantized projections' matmul backend (None when unquantized); int4 has no int8pack kernel."""
+    """The loaded quantized projections' matmul backend (None when unquantized); int4 has no int8pack kernel, and
+    w8a8 runs its Triton kernels or else its PyTorch reference."""
     from target_svc.quantization import QuantizedLinear
 
     for m in target.layers.modules():
         if isinstance(m, QuantizedLinear):
+            if m.act_bits:
+                return "triton" if m.backend == "triton" else "reference"
             return "dequant" if m.bits == 4 and m.backend == "int8pack" else m.backend
     return None
 

@@ -10,9 +10,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from target_svc.quantization import (BITS, QuantizedWeight, attach_split_counters, check_quantize_mode,
-                                     int8_matmul_backend, quantize_weight, quantized_placeholder, quantizes_head,
-                                     replace_linears)
+from target_svc.quantization import (BITS, QuantizedWeight, activation_bits, attach_split_counters,
+                                     check_quantize_mode, int8_matmul_backend, quantize_weight, quantized_placeholder,
+                                     quantizes_head, replace_linears)
 
 # Text model types whose decoder layers our forward (target_svc/model.py) implements.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text")
@@ -191,7 +191,8 @@ def load_target(
     """Loads the text decoder of a local checkpoint directly onto (device, dtype); never touches the network.
 
     quantize="int8" / "int4": the decoder layers' linear projections are quantized as they load
-    (target_svc/quantization.py); "int8-head": the LM head too. num_layers: only the first num_layers decoder
+    (target_svc/quantization.py); "int8-head": the LM head too; "w8a8": int8 projections whose inputs are quantized
+    per row as they run. num_layers: only the first num_layers decoder
     layers (a tool's cut of the model: kernel_warmup.py runs the real widths without the real depth).
     """
     check_quantize_mode(quantize)
@@ -219,7 +220,7 @@ def load_target(
     bits = BITS.get(quantize, 0)
     if bits:
         backend = int8_matmul_backend(device)
-        names = replace_linears(hf_model.model.layers, "model.layers.", dtype, backend, bits)
+        names = replace_linears(hf_model.model.layers, "model.layers.", dtype, backend, bits, activation_bits(quantize))
         if quantizes_head(quantize):
             hf_model.lm_head = quantized_placeholder(hf_model.lm_head, dtype, backend, bits)
             names.add("lm_head")

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 for the target's decoder layers: symmetric scales, computed at load time.
+"""Quantized decoder projections: weight-only int8 / int4, and w8a8 (int8 inputs too); symmetric scales.
 
 Only the linear projections inside the decoder layers are quantized (attention q/k/v/o, Gated DeltaNet in/out
 projections, MLP gate/up/down): they hold ~90 % of a model's bytes. Embeddings, the LM head, norms, the GDN
@@ -14,6 +14,11 @@ per output row. int4: q = round(W / s) in [-7, 7] with one s = max|W| / 7 per ou
 INT4_GROUP input columns, two values packed per byte. Either runs through a matmul backend: "triton" (our
 kernels, target_svc/int8_matmul.py, on CUDA), "int8pack" (torch's int8 weight-only kernel, int8 only; the CPU
 has one) or "dequant" (q * s as a dense weight, then F.linear): the same function up to rounding.
+
+w8a8: the same int8 weights, and each row of a projection's input quantized to int8 as it runs (one scale per row,
+its max|x| / 127, computed then): y = (xq q^T) * s_x * s, the integer product summed exactly, so a row's output
+depends on that row alone (a decode step's row and a verify's equal bit for bit). On CUDA through
+target_svc/w8a8_matmul.py's kernels, elsewhere through w8a8_reference: the same numbers.
 """
 from __future__ import annotations
 
@@ -25,12 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from target_svc import int8_matmul
+from target_svc import int8_matmul, w8a8_matmul
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_MODES = ("none", "int8", "int4", "int8-head")
-BITS = {"int8": 8, "int4": 4, "int8-head": 8}
+QUANTIZE_MODES = ("none", "int8", "int4", "int8-head", "w8a8")
+BITS = {"int8": 8, "int4": 4, "int8-head": 8, "w8a8": 8}
+# Modes that quantize the projections' inputs as well (per row, at run time), and to how many bits.
+ACTIVATION_BITS = {"w8a8": 8}
 INT8_MAX = 127
 INT4_MAX = 7
 INT4_GROUP = 128  # input columns per int4 scale (fewer where in_features is not a multiple: int4_group_size)
@@ -47,6 +54,11 @@ def check_quantize_mode(mode: str) -> str:
     return mode
 
 
+def activation_bits(mode: str) -> int:
+    """Bits of the projections' quantized inputs under mode (0: the activations stay in the model dtype)."""
+    return ACTIVATION_BITS.get(mode, 0)
+
+
 def quantizes_head(mode: str) -> bool:
     """Whether mode quantizes the LM head as well as the decoder layers (int8-head)."""
     return mode == "int8-head"
@@ -60,12 +72,14 @@ class QuantizedWeight:
     bits=4: qweight uint8 [out, in // 2], two values per byte (column 2j in the low nibble, 2j + 1 in the high
     one), each stored as q + 8; scales [out, in // group] (one per output row and group of input columns).
     counters: the Triton matmul's split-K tile counters for this weight (int8_matmul.split_counters), or None.
+    act_bits=8 (w8a8, with bits=8): the inputs are quantized per row too (quantize_rows) before the product.
     """
 
     qweight: Tensor
     scales: Tensor
     bits: int = 8
     counters: Tensor | None = None
+    act_bits: int = 0
 
     @property
     def in_features(self) -> int:
@@ -93,14 +107,16 @@ class QuantizedWeight:
     def rows(self, start: int, stop: int) -> "QuantizedWeight":
         """Output rows start..stop-1 as views (scales are per row, so a row slice is a weight of its own); no
         split-K counters (a slice's split launches take the reduction kernel)."""
-        return QuantizedWeight(self.qweight[start:stop], self.scales[start:stop], self.bits)
+        return QuantizedWeight(self.qweight[start:stop], self.scales[start:stop], self.bits, act_bits=self.act_bits)
 
     @staticmethod
     def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
         """Row-wise concatenation; per-row scales make it equal to quantizing the concatenated weight."""
         qweight = torch.cat([p.qweight for p in parts])
+        if len({p.act_bits for p in parts}) > 1:
+            raise ValueError("cannot fuse weights whose inputs are quantized differently")
         return QuantizedWeight(qweight, torch.cat([p.scales for p in parts]), parts[0].bits,
-                               int8_matmul.split_counters(qweight.device))
+                               int8_matmul.split_counters(qweight.device), parts[0].act_bits)
 
 
 def quantize_per_channel(weight: Tensor, dtype: torch.dtype | None = None) -> QuantizedWeight:
@@ -152,11 +168,34 @@ def quantize_int4_groupwise(weight: Tensor, dtype: torch.dtype | None = None) ->
     return QuantizedWeight(pack_int4(q.reshape(out_features, in_features)), scales, bits=4)
 
 
-def quantize_weight(weight: Tensor, bits: int, dtype: torch.dtype | None = None) -> QuantizedWeight:
-    """quantize_per_channel (bits=8) or quantize_int4_groupwise (bits=4)."""
+def quantize_weight(weight: Tensor, bits: int, dtype: torch.dtype | None = None, act_bits: int = 0) -> QuantizedWeight:
+    """quantize_per_channel (bits=8) or quantize_int4_groupwise (bits=4); act_bits=8: a w8a8 weight."""
     if bits == 4:
+        if act_bits:
+            raise ValueError("int4 weights take unquantized inputs")
         return quantize_int4_groupwise(weight, dtype)
-    return quantize_per_channel(weight, dtype)
+    q = quantize_per_channel(weight, dtype)
+    q.act_bits = act_bits
+    return q
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8 of activations x [M, K]: (xq int8 [M, K], scales float32 [M]), xq = round(x / s) with
+    s = max|x_row| / 127 (1 for an all-zero row), both in float32 with IEEE division, ties to even: the
+    reference of w8a8_matmul's row-quantizing kernel, which computes the very same numbers."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    xq = torch.round(xf / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return xq, scales
+
+
+def w8a8_reference(x2d: Tensor, weight: QuantizedWeight) -> Tensor:
+    """(xq q^T) * s_x * s for x2d [M, K] as float32 [M, N]: quantize_rows, the integer product exact (in float64,
+    exact below 2^53, as int32 is on the GPU), then the two scales in float32 in that order, as the kernel does."""
+    xq, sx = quantize_rows(x2d)
+    acc = xq.double() @ weight.qweight.double().t()
+    return acc.float() * sx[:, None] * weight.scales.float()[None, :]
 
 
 def int8_matmul_backend(device: torch.device | str) -> str:
@@ -179,6 +218,19 @@ def int8_matmul_backend(device: torch.device | str) -> str:
     except RuntimeError:  # an older torch without the operator
         has = False
     return "int8pack" if has else "dequant"
+
+
+def w8a8_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None, backend: str = "dequant") -> Tensor:
+    """x [..., in] -> [..., out] in x's dtype through a w8a8 weight: its rows quantized to int8, the int8 product,
+    the two scales (+ bias in x's dtype): the Triton kernels on CUDA, else the PyTorch reference (same numbers)."""
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    if backend == "triton" and w8a8_matmul.supports(x2d, weight.in_features):
+        y = w8a8_matmul.matmul(x2d, weight.qweight, weight.scales)
+    else:
+        y = w8a8_reference(x2d, weight).to(x.dtype)
+    y = y.view(*lead, -1)
+    return y if bias is None else y + bias
 
 
 def _triton_takes(x: Tensor, weight: QuantizedWeight, backend: str) -> bool:
@@ -211,6 +263,8 @@ def linear(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = No
     """F.linear for a dense weight, int8_linear / int4_linear for a quantized one (the fused dense path calls
     this)."""
     if isinstance(weight, QuantizedWeight):
+        if weight.act_bits:
+            return w8a8_linear(x, weight, bias, backend)
         return (int4_linear if weight.bits == 4 else int8_linear)(x, weight, bias, backend)
     return F.linear(x, weight, bias)
 
@@ -219,9 +273,11 @@ class QuantizedLinear(nn.Module):
     """nn.Linear with a quantized weight (buffers `qweight`, `scales`; shapes as in QuantizedWeight for bits)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device | str | None = None, backend: str = "int8pack", bits: int = 8) -> None:
+                 device: torch.device | str | None = None, backend: str = "int8pack", bits: int = 8,
+                 act_bits: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features, self.backend, self.bits = in_features, out_features, backend, bits
+        self.act_bits = act_bits
         if bits == 4:
             group = int4_group_size(in_features)
             qweight = torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
@@ -238,7 +294,7 @@ class QuantizedLinear(nn.Module):
     @property
     def quantized(self) -> QuantizedWeight:
         """The weight as a QuantizedWeight (views of the buffers)."""
-        return QuantizedWeight(self.qweight, self.scales, self.bits, self.split_counters)
+        return QuantizedWeight(self.qweight, self.scales, self.bits, self.split_counters, self.act_bits)
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Points the buffers at weight's tensors (views into a fused weight share its memory)."""
@@ -248,38 +304,44 @@ class QuantizedLinear(nn.Module):
         return linear(x, self.quantized, self.bias, self.backend)
 
     def extra_repr(self) -> str:
+        kind = "w8a8" if self.act_bits else f"int{self.bits}"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"int{self.bits} ({self.backend})"
+               f"{kind} ({self.backend})"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, backend: str = "int8pack", bits: int = 8) -> "QuantizedLinear":
+    def from_linear(cls, linear: nn.Linear, backend: str = "int8pack", bits: int = 8,
+                    act_bits: int = 0) -> "QuantizedLinear":
         """Quantizes a loaded nn.Linear (its float weight is not kept)."""
         w = linear.weight
-        q = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, "meta", backend, bits)
-        q.set_quantized(quantize_weight(w, bits))
+        q = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, "meta", backend, bits,
+                act_bits)
+        q.set_quantized(quantize_weight(w, bits, act_bits=act_bits))
         q.split_counters = int8_matmul.split_counters(q.qweight.device)
         if linear.bias is not None:
             q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
         return q
 
 
-def replace_linears(layers: nn.Module, prefix: str, dtype: torch.dtype, backend: str, bits: int = 8) -> set[str]:
-    """Swaps every nn.Linear under `layers` (on the meta device, before loading) for a QuantizedLinear of `bits`;
-    returns their full names (prefix + relative name) so the loader quantizes those checkpoint weights."""
+def replace_linears(layers: nn.Module, prefix: str, dtype: torch.dtype, backend: str, bits: int = 8,
+                    act_bits: int = 0) -> set[str]:
+    """Swaps every nn.Linear under `layers` (on the meta device, before loading) for a QuantizedLinear of `bits`
+    (act_bits: of its inputs); returns their full names (prefix + relative name) so the loader quantizes those
+    checkpoint weights."""
     names = set()
     for name, module in list(layers.named_modules()):
         if type(module) is nn.Linear:
             parent_name, _, attr = name.rpartition(".")
             parent = layers.get_submodule(parent_name) if parent_name else layers
-            setattr(parent, attr, quantized_placeholder(module, dtype, backend, bits))
+            setattr(parent, attr, quantized_placeholder(module, dtype, backend, bits, act_bits))
             names.add(prefix + name)
     return names
 
 
-def quantized_placeholder(linear: nn.Linear, dtype: torch.dtype, backend: str, bits: int = 8) -> QuantizedLinear:
+def quantized_placeholder(linear: nn.Linear, dtype: torch.dtype, backend: str, bits: int = 8,
+                          act_bits: int = 0) -> QuantizedLinear:
     """A QuantizedLinear of linear's shape and bias on the meta device, for the loader to fill."""
     return QuantizedLinear(linear.in_features, linear.out_features, linear.bias is not None, dtype, "meta", backend,
-                           bits)
+                           bits, act_bits)
 
 
 def attach_split_counters(layers: nn.Module) -> None:

@@ -1340,7 +1340,36 @@ def test_cuda_triton_int8_gemv_equals_the_reference_and_a_graph_replays_it_bit_f
 
 
 @needs_triton
-@pytest.mark.parametrize("quantize, fused_reduce", [("int8", "off"), ("int4", "off"), ("int8-head", "on")])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (24576, 4096), (4096, 12288), (40, 96)])
+def test_cuda_w8a8_kernels_equal_the_reference_bit_for_bit_and_a_graph_replays_them(n, k):
+    """Compiled, in bf16, at the 8B's projection shapes and 1 to 130 rows (split and unsplit launches): the row
+    quantizer's and the product's outputs equal the PyTorch reference's exactly (tolerance 0: the integer sums are
+    exact and the epilogue the same float32 operations), each row equals that row run alone, and a captured graph
+    replays the same bits."""
+    from target_svc import w8a8_matmul
+    from target_svc.quantization import quantize_rows, quantize_weight, w8a8_reference
+
+    torch.manual_seed(0)
+    q = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, 8, torch.bfloat16, act_bits=8)
+    for m in (1, 4, 17, 64, 65, 130):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        xq, sx = w8a8_matmul.quantize_rows(x)
+        want_q, want_s = quantize_rows(x)
+        assert torch.equal(xq, want_q) and torch.equal(sx, want_s), m
+        y = w8a8_matmul.matmul(x, q.qweight, q.scales)
+        assert torch.equal(y, w8a8_reference(x, q).to(torch.bfloat16)), (m, w8a8_matmul.choose_config(m, n, k))
+        assert torch.equal(w8a8_matmul.matmul(x[-1:], q.qweight, q.scales), y[-1:]), m
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = w8a8_matmul.matmul(static, q.qweight, q.scales)
+        graph.replay()
+        assert torch.equal(out, y), m
+
+
+@needs_triton
+@pytest.mark.parametrize("quantize, fused_reduce", [("int8", "off"), ("int4", "off"), ("int8-head", "on"),
+                                                    ("w8a8", "off")])
 def test_cuda_quantized_target_runs_the_triton_kernels_and_greedy_is_the_same_graphed_and_eager(checkpoints,
                                                                                                 quantize, fused_reduce,
                                                                                                 monkeypatch):
