@@ -29,7 +29,7 @@ import torch
 
 from bench import common
 
-CASES = ("attention", "layout", "tree_wy", "kv_write", "int8")
+CASES = ("attention", "layout", "tree_wy", "kv_write", "int8", "w8a8")
 
 
 @dataclass
@@ -134,13 +134,14 @@ def opcode(instruction: str) -> str:
 
 def mma_form(instruction: str) -> str | None:
     """A tensor-core instruction's shape and types, and where a warpgroup MMA reads A from ('HGMMA.64x64x16.F32.BF16
-    A:regs'; shared memory: 'A:smem'); None for any other instruction."""
+    A:regs'; shared memory: 'A:smem'); None for any other instruction. Integer MMAs are IMMA (warp) and IGMMA
+    (warpgroup)."""
     text = re.sub(r"^@!?U?P\w+\s+", "", instruction)
     name = text.split()[0]
-    if name.split(".")[0] not in ("HMMA", "HGMMA"):
+    if name.split(".")[0] not in ("HMMA", "HGMMA", "IMMA", "IGMMA"):
         return None
     form = ".".join(p for p in name.split(".") if p not in ("SP",))
-    if name.startswith("HGMMA"):
+    if name.startswith(("HGMMA", "IGMMA")):
         operands = [o.strip() for o in text[len(name):].split(",")]
         form += " A:regs" if len(operands) > 1 and operands[1].startswith("R") else " A:smem"
     return form
@@ -272,6 +273,20 @@ def int8_launches() -> list[tuple[str, Launch]]:
     return out + [(f"1 row x {down_k} -> {down_n}, fused split-K reduction", launch) for launch in launches]
 
 
+def w8a8_launches() -> list[tuple[str, Launch]]:
+    """The w8a8 kernels (row quantizer, int8 x int8 product, split-K reduction) at the 8B's gate/up projection for
+    a decode token and 64- and 65-node verifies, and its down projection's split decode launch."""
+    from target_svc.w8a8_matmul import matmul
+
+    out = []
+    for rows, n, k in ((1, 2 * 12288, 4096), (64, 2 * 12288, 4096), (65, 2 * 12288, 4096), (1, 4096, 12288)):
+        with recorded_launches() as launches:
+            matmul(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int8),
+                   torch.ones(n, dtype=torch.bfloat16))
+        out += [(f"{rows} row{'s' if rows > 1 else ''} x {k} -> {n}", launch) for launch in launches]
+    return out
+
+
 def case_launches(case: str) -> list[tuple[str, Launch]]:
     """The labelled launches of one case."""
     if case == "attention":
@@ -289,6 +304,8 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
         return kv_write_launches(65)
     if case == "int8":
         return int8_launches()
+    if case == "w8a8":
+        return w8a8_launches()
     if case == "tree_wy":
         return tree_wy_launches(65, {"three phases": {"phases": 3}, "4 warps": {"num_warps": 4},
                                      "tf32x3": {"precision": "tf32x3"}, "tf32": {"precision": "tf32"},

@@ -17,7 +17,7 @@ import triton.language as tl
 
 # 1.5 * 2^23: for |v| < 2^22, (v + this) - this rounds v to the nearest integer, ties to even, in float32 (the
 # addition's own rounding does it), as torch.round does; no fast-math flag lets the compiler fold the two away.
-_ROUND_MAGIC = 12582912.0
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

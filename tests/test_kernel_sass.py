@@ -34,6 +34,8 @@ def test_a_tensor_core_instruction_names_its_shape_and_where_a_warpgroup_mma_rea
     assert kernel_sass.mma_form("HGMMA.64x64x16.F32.BF16 R56, R112, gdesc[UR16], R56") == (
         "HGMMA.64x64x16.F32.BF16 A:regs")
     assert kernel_sass.mma_form("@P1 HMMA.16816.F32.BF16 R4, R8, R12, R4") == "HMMA.16816.F32.BF16"
+    assert kernel_sass.mma_form("IGMMA.64x128x32.S8.S8 R24, gdesc[UR12], R24") == "IGMMA.64x128x32.S8.S8 A:smem"
+    assert kernel_sass.mma_form("IMMA.16832.S8.S8.SAT R4, R8, R12, R4") == "IMMA.16832.S8.S8.SAT"
     assert kernel_sass.mma_form("FFMA R2, R0, R0, R1") is None
 
 
@@ -49,6 +51,21 @@ def test_the_swapped_int8_dot_feeds_the_widened_weight_to_the_warpgroup_mma_from
     assert plain.mma and all(f.startswith("HGMMA") and f.endswith("A:smem") for f in plain.mma)
     assert swapped.mma and all(f.startswith("HGMMA") and f.endswith("A:regs") for f in swapped.mma)
     assert plain.mix.get("STS", 0) > 0 and swapped.mix.get("STS", 0) == 0
+
+
+@needs_triton
+def test_the_w8a8_product_runs_integer_mmas_on_the_int8_tiles_with_no_widening():
+    """At a 64-node verify the w8a8 product is Hopper's integer warpgroup MMA on int8 operands from shared memory,
+    and its main loop widens nothing: no conversion, no byte permutes, no stores back to shared memory (the
+    weight-only dot's costs, test above); a decode row takes the warp-level integer MMA."""
+    launches = dict(x for x in kernel_sass.w8a8_launches() if x[1].fn.__name__ == "w8a8_matmul_kernel")
+    verify, decode = (max(kernel_sass.sass_report(kernel_sass.compile_launch(launches[label])).loops,
+                          key=lambda lp: lp.instructions)
+                      for label in ("64 rows x 4096 -> 24576", "1 row x 4096 -> 24576"))
+    assert verify.mma and all(f.startswith("IGMMA") and ".S8.S8" in f for f in verify.mma)
+    assert decode.mma and all(f.startswith("IMMA") and ".S8.S8" in f for f in decode.mma)
+    for loop in (verify, decode):
+        assert not any(op.startswith(("F2F", "I2F", "F2I", "PRMT", "STS")) for op in loop.mix), loop.mix
 
 
 def test_a_recorded_launch_keeps_its_kernel_grid_and_constants():
@@ -67,8 +84,9 @@ def test_every_case_compiles_for_hopper_with_a_register_count_and_its_loops(case
     assert rows
     for row in rows:
         assert 0 < row["registers"] <= 255 and row["instructions"] > 0, row
-        # One row, one output tile, one tile of rows a program: the only kernels without a loop.
-        no_loop = ("write_kv_kernel", "splitk_reduce_kernel", "move_rows_kernel")
+        # One row, one output tile, one tile of rows a program (the split reductions: static loops, unrolled): the
+        # only kernels without a loop.
+        no_loop = ("write_kv_kernel", "splitk_reduce_kernel", "move_rows_kernel", "w8a8_reduce_kernel")
         assert bool(row["loop_instructions"]) == (row["kernel"] not in no_loop), row
 
 
