@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="cut the target to this many layers (smoke runs)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--quantize", default="int8", choices=["none", "int8", "int4", "int8-head", "w8a8"])
+    p.add_argument("--quantize", default="int8", choices=["none", "int8", "int4", "int8-head"])
     p.add_argument("--gpu-memory-cap", type=float, default=None, metavar="GB",
                    help=f"the target's --gpu-memory-cap in GiB (default on CUDA: {CARD_48GB_GIB}, a 48 GB card; "
                         "none on CPU)")

@@ -476,13 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-drafter", action="append",
                    help="HOST:PORT (or unix:PATH) the target may send features to (repeatable; default: any, "
                         "secret-holders only)")
-    # target_svc.quantization.QUANTIZE_MODES, spelled out: the CLI imports no torch until a service starts
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "int8-head", "w8a8"],
+    # target_svc.quantization.SERVED_QUANTIZE_MODES, spelled out: the CLI imports no torch until a service starts
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "int8-head"],
                    help="int8: weight-only int8 of the decoder layers' projections (per-output-channel scales); "
                         "int4: weight-only int4 (a scale per output channel and 128 input columns); int8-head: "
-                        "int8 and the LM head too (per vocabulary row); w8a8 (experimental, costs quality: "
-                        "docs/MEMORY.md): int8 weights and each projection's input quantized to int8 per row as it "
-                        "runs; outputs are then lossless with respect to the quantized model, not the bf16 one")
+                        "int8 and the LM head too (per vocabulary row); outputs are then lossless with respect to "
+                        "the quantized model, not the bf16 one")
     p.add_argument("--gpu-memory-utilization", type=_float_in(0.0, 1.0, lo_open=True), default=None,
                    help="fraction of the GPU this target may use; the KV cache and GDN states get what the weights "
                         "and an activation estimate leave, and --max-batch shrinks to what fits (default 0.9 on "

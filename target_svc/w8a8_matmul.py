@@ -8,8 +8,7 @@ Why int8 activations at all: the weight-only kernels widen every int8 weight til
 each MMA, and at a verify's 64 rows that widening, not the weight read, sets their speed (docs/MEMORY.md). Here
 both operands go to the tensor cores as int8 (twice bf16's MMA rate on Hopper), nothing is widened, and the
 integer sums are exact: a row's output depends on that row alone, whatever the row count, tiling or split.
-The served model is then the w8a8 one, decode and verify alike: speculative decoding stays lossless with
-respect to it.
+A bench-only mode (quantization.SERVED_QUANTIZE_MODES says why; docs/MEMORY.md has the measurements).
 """
 from __future__ import annotations
 

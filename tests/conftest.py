@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from launch.local_stack import LocalStack
-from target_svc.quantization import BITS, activation_bits, quantize_weight, quantizes_head, w8a8_reference
+from target_svc.quantization import BITS, QuantizedLinear, activation_bits, quantize_weight, quantizes_head
 from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 from tests.fixtures.tiny_drafter import make_tiny_drafter
@@ -62,7 +62,7 @@ def reference_model(model_dir: str, quantize: str = "none"):
 
     quantize="int8" / "int4": the decoder layers' Linear weights are replaced by their dequantized quantized
     weights (q * s), i.e. the model that `--quantize int8` / `int4` serves; "int8-head": the LM head's too (untied
-    from the embedding, which keeps its float weights); "w8a8": the decoder Linears by W8A8Linear.
+    from the embedding, which keeps its float weights); "w8a8": the decoder Linears run the w8a8 arithmetic.
     """
     config = transformers.AutoConfig.from_pretrained(model_dir)
     cls = getattr(transformers, config.architectures[0])
@@ -92,27 +92,15 @@ def dequantize_decoder_linears_(model: torch.nn.Module, bits: int = 8) -> int:
     return n
 
 
-class W8A8Linear(torch.nn.Module):
-    """A decoder Linear as `--quantize w8a8` serves it: int8 weights, each input row quantized to int8, the integer
-    product, the two scales (quantization.w8a8_reference), in float32."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.weight = quantize_weight(linear.weight.detach(), 8, act_bits=8)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = w8a8_reference(x.reshape(-1, x.shape[-1]), self.weight).to(x.dtype).view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
-
-
 def w8a8_decoder_linears_(model: torch.nn.Module) -> int:
-    """Replaces every decoder-layer Linear (text model only) by its W8A8Linear; returns how many were replaced."""
+    """Replaces every decoder-layer Linear (text model only) by a QuantizedLinear running the w8a8 arithmetic on the
+    CPU (its PyTorch reference, quantization.w8a8_reference); returns how many were replaced."""
     names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
              and name.split(".layers.")[0] in ("model", "model.language_model") and ".layers." in name]
     for name in names:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, W8A8Linear(model.get_submodule(name)))
+        setattr(model.get_submodule(parent), attr,
+                QuantizedLinear.from_linear(model.get_submodule(name), backend="dequant", bits=8, act_bits=8))
     return len(names)
 
 

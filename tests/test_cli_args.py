@@ -160,12 +160,13 @@ def test_free_ports_are_distinct_even_when_many_are_asked_for_at_once():
     assert len(set(ports)) == 64 and all(0 < p < 65536 for p in ports)
 
 
-def test_the_targets_quantize_choices_are_the_modes_the_target_knows():
-    """The CLI spells the modes out (it imports no torch until a service starts): they must stay the target's."""
-    from target_svc.quantization import QUANTIZE_MODES
+def test_the_targets_quantize_choices_are_the_modes_the_target_serves():
+    """The CLI spells the modes out (it imports no torch until a service starts): they must stay the served ones;
+    w8a8, a bench-only mode, is refused."""
+    from target_svc.quantization import SERVED_QUANTIZE_MODES
 
     target = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["target"]._actions
                   if "--quantize" in a.option_strings)
-    assert tuple(target.choices) == QUANTIZE_MODES
-    cfg = cli.target_config(cli.build_parser().parse_args(["target", "--model", "m", "--quantize", "w8a8"]))
-    assert cfg.quantize == "w8a8"
+    assert tuple(target.choices) == SERVED_QUANTIZE_MODES
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["target", "--model", "m", "--quantize", "w8a8"])
