@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from launch.local_stack import LocalStack
-from target_svc.quantization import BITS, QuantizedLinear, activation_bits, quantize_weight, quantizes_head
+from target_svc.quantization import BITS, quantize_weight, quantizes_head
 from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 from tests.fixtures.tiny_drafter import make_tiny_drafter
@@ -62,15 +62,13 @@ def reference_model(model_dir: str, quantize: str = "none"):
 
     quantize="int8" / "int4": the decoder layers' Linear weights are replaced by their dequantized quantized
     weights (q * s), i.e. the model that `--quantize int8` / `int4` serves; "int8-head": the LM head's too (untied
-    from the embedding, which keeps its float weights); "w8a8": the decoder Linears run the w8a8 arithmetic.
+    from the embedding, which keeps its float weights).
     """
     config = transformers.AutoConfig.from_pretrained(model_dir)
     cls = getattr(transformers, config.architectures[0])
     model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # compare fixed lengths; the services get ignore_eos
-    if activation_bits(quantize):
-        w8a8_decoder_linears_(model)
-    elif quantize != "none":
+    if quantize != "none":
         dequantize_decoder_linears_(model, BITS[quantize])
     if quantizes_head(quantize):
         head = model.get_output_embeddings()
@@ -90,18 +88,6 @@ def dequantize_decoder_linears_(model: torch.nn.Module, bits: int = 8) -> int:
                 module.weight.copy_(quantize_weight(module.weight, bits).dequantize(torch.float32))
                 n += 1
     return n
-
-
-def w8a8_decoder_linears_(model: torch.nn.Module) -> int:
-    """Replaces every decoder-layer Linear (text model only) by a QuantizedLinear running the w8a8 arithmetic on the
-    CPU (its PyTorch reference, quantization.w8a8_reference); returns how many were replaced."""
-    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
-             and name.split(".layers.")[0] in ("model", "model.language_model") and ".layers." in name]
-    for name in names:
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr,
-                QuantizedLinear.from_linear(model.get_submodule(name), backend="dequant", bits=8, act_bits=8))
-    return len(names)
 
 
 def reference_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int,
