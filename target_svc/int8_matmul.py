@@ -101,13 +101,18 @@ def choose_config(m: int, n: int, k: int, bits: int = 8, group: int = 0, num_sms
         block_m, block_n, block_k = _LONG_K_TILES
     if bits == 4:
         block_k = min(block_k, group)
-    tiles = -(-m // block_m) * -(-n // block_n)
-    k_steps = -(-k // block_k)
+    split = split_k(-(-m // block_m) * -(-n // block_n), -(-k // block_k), num_sms)
+    return TileConfig(block_m, block_n, block_k, split, swap_ab=False, num_warps=4, num_stages=3)
+
+
+def split_k(tiles: int, k_steps: int, num_sms: int) -> int:
+    """Programs per output tile for `tiles` output tiles of `k_steps` K steps: doubled while the programs stay under
+    _PROGRAMS_PER_SM per SM and each split keeps _MIN_K_STEPS_PER_SPLIT steps, up to _MAX_SPLIT."""
     split = 1
     while (split < _MAX_SPLIT and tiles * split * 2 <= _PROGRAMS_PER_SM * num_sms
            and k_steps // (split * 2) >= _MIN_K_STEPS_PER_SPLIT):
         split *= 2
-    return TileConfig(block_m, block_n, block_k, split, swap_ab=False, num_warps=4, num_stages=3)
+    return split
 
 
 # The GEMV path: int8 weights and at most this many rows (its kernel keeps one accumulator per row).

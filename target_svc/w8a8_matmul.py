@@ -31,10 +31,6 @@ _REDUCE_BLOCK_N = 512
 _BUCKETS = ((16, (16, 64)), (32, (32, 64)), (64, (64, 128)), (128, (128, 128)))
 _BEYOND = (128, 128)
 _BLOCK_K = 128
-# Split K as the weight-only kernel does (int8_matmul): while programs stay under this many per SM.
-_PROGRAMS_PER_SM = 5
-_MAX_SPLIT = 4
-_MIN_K_STEPS_PER_SPLIT = 4
 
 
 @dataclass(frozen=True)
@@ -63,12 +59,8 @@ def supports(x2d: Tensor, in_features: int) -> bool:
 def choose_config(m: int, n: int, k: int, num_sms: int = 132) -> TileConfig:
     """Tile sizes for an [m, k] x [k, n] int8 product: a pure function of the row bucket and the shape."""
     block_m, block_n = next((tiles for top, tiles in _BUCKETS if m <= top), _BEYOND)
-    tiles = -(-m // block_m) * -(-n // block_n)
-    k_steps = -(-k // _BLOCK_K)
-    split = 1
-    while (split < _MAX_SPLIT and tiles * split * 2 <= _PROGRAMS_PER_SM * num_sms
-           and k_steps // (split * 2) >= _MIN_K_STEPS_PER_SPLIT):
-        split *= 2
+    # K split as the weight-only kernel splits it
+    split = int8_matmul.split_k(-(-m // block_m) * -(-n // block_n), -(-k // _BLOCK_K), num_sms)
     return TileConfig(block_m, block_n, _BLOCK_K, split)
 
 
