@@ -58,7 +58,9 @@ def main(argv=None) -> None:
     from target_svc.quantization import QuantizedLinear
 
     path = args.model or str(ensure_default_model())
-    ids = torch.randint(100, 40000, (1, args.long), generator=torch.Generator().manual_seed(args.seed))
+    vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+    ids = torch.randint(min(100, vocab // 2), min(40000, vocab), (1, args.long),
+                        generator=torch.Generator().manual_seed(args.seed))
     results = {}
     for mode in ("none", "w8a8"):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

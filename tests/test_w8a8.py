@@ -130,3 +130,22 @@ def test_the_kernels_under_tritons_interpreter_equal_the_reference_bit_for_bit()
     the PyTorch reference (the integer sums are exact, the epilogue the same float32 operations; the interpreter's
     bf16 stores truncate, so bf16 is compared with the truncated reference there, and rounded in test_gpu.py)."""
     _run_interpreted(INTERPRETED)
+
+
+def test_the_divergence_bench_finds_no_hop_in_an_unquantized_model_and_traces_every_projection(checkpoints, tmp_path):
+    """bench.w8a8_divergence on a tiny checkpoint: both forwards agree to float rounding without quantization, and
+    every decoder projection is traced; its report files are written."""
+    import json
+
+    from bench import w8a8_divergence
+
+    target_dir, _ = checkpoints("qwen3")
+    w8a8_divergence.main(["--model", str(target_dir), "--short", "5", "--long", "12", "--out-dir", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("w8a8-divergence-*.json")).read_text())
+    none, w8a8 = data["results"]["none"], data["results"]["w8a8"]
+    assert none["logit_diff"] < 1e-4 and none["first_hop"] is None
+    import transformers
+
+    linears = sum(1 for n, m in transformers.AutoModelForCausalLM.from_pretrained(str(target_dir)).named_modules()
+                  if ".layers." in n and isinstance(m, torch.nn.Linear))
+    assert len(none["projections"]) == len(w8a8["projections"]) == linears
