@@ -126,6 +126,17 @@ def _rpc_calls(metrics_port: int, side: str) -> dict[str, float]:
     return calls
 
 
+def _rpc_calls_once(metrics_port: int, side: str, method: str, count: int, timeout_s: float = 10.0
+                    ) -> dict[str, float]:
+    """_rpc_calls, scraped again until method has been called count times or timeout_s has passed."""
+    deadline = time.monotonic() + timeout_s
+    calls = _rpc_calls(metrics_port, side)
+    while calls.get(method, 0.0) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+        calls = _rpc_calls(metrics_port, side)
+    return calls
+
+
 @pytest.mark.parametrize("steps_over", ["streams", "unary", "sockets", "sockets-polling"])
 def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed_under_the_unary_methods(
         checkpoints, steps_over):
@@ -146,7 +157,10 @@ def test_step_calls_over_streams_unary_or_step_sockets_are_lossless_and_observed
     try:
         results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, batch)])
         served = _rpc_calls(stack.metrics_ports["target"], "server")
-        drafted = _rpc_calls(stack.metrics_ports["drafter"], "server")
+        # The target sends each step's features to the drafter on its own, not on the answer's path: the last
+        # step's push may still be on its way when the last answer arrives, so its count is awaited.
+        drafted = _rpc_calls_once(stack.metrics_ports["drafter"], "server", "DrafterService/PushFeatures",
+                                  max(r["stats"].steps for r in results))
         segments = _segment_counts(stack.metrics_ports["gateway"])
         sockets = [p for p in Path(stack.socket_dir).iterdir() if p.name.endswith("-steps.sock")]
         target_log, gateway_log = ((Path(stack.log_dir) / f"{n}.log").read_text() for n in ("target", "gateway"))
