@@ -27,7 +27,7 @@ _MAX_ELEMENTS = 2**31 - 1
 _QUANTIZE_BLOCK_K = 1024
 _REDUCE_BLOCK_N = 512
 # Row buckets -> (BLOCK_M, BLOCK_N); K steps of 128 int8 (128 bytes a row: whole 128-byte lines). Not yet swept on
-# a GPU: the buckets of the weight-only dot kernel, whose int8 weight tiles are read the same way.
+# a GPU: a first guess after the weight-only dot kernel's buckets, whose int8 weight tiles are read the same way.
 _BUCKETS = ((16, (16, 64)), (32, (32, 64)), (64, (64, 128)), (128, (128, 128)))
 _BEYOND = (128, 128)
 _BLOCK_K = 128
