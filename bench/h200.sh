@@ -55,6 +55,9 @@
 #   dotsweep   the int8 dot kernel's tilings at 17 and 65 rows (bench.int8_kernel --dot-sweep; DOT_ARGS, e.g. "--ms 64
 #              --dot-shapes qkv,o_proj,gate_up,down --dot-block-m 64 --dot-swap 0,1 --dot-warps 4,8": the 8B's fused
 #              projections at a 64-node verify, the swapped dot beside the plain one)
+#   int8tune   this GPU's int8 tile table: dot-kernel sweeps at 1 and 64 rows over the 8B's projections, winners
+#              merged into target_svc/int8_tiles/<gpu>.json (and copied to OUT); then time the step with it:
+#              QUANTS="none int8 int8-untuned" INT8_NODES=1,64 INT8_MS= ... int8 (*-untuned: DDTREE_INT8_TILES=off)
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
@@ -258,8 +261,10 @@ for s in $SECTIONS; do
     int8)   # bf16, int8 and int4 step costs from one checkpoint (ratios within one run), then the kernel microbench
       for q in ${QUANTS:-none int8 int8fused int8-headfused int4}; do   # *fused: the split-K sums in the matmul kernel
         fused=off; [ "${q%fused}" != "$q" ] && fused=on
-        DDTREE_INT8_FUSED_REDUCE=$fused timeout 200 python3 -m bench.step_cost --shape qwen3-8b --batches 1 \
-          --nodes ${INT8_NODES:-1,64,65} --graph-node-sizes 64 --steps 10 --quantize ${q%fused} \
+        tiles=${DDTREE_INT8_TILES:-}; [ "${q%-untuned}" != "$q" ] && tiles=off   # *-untuned: no tile table
+        qq=${q%-untuned}
+        DDTREE_INT8_TILES=$tiles DDTREE_INT8_FUSED_REDUCE=$fused timeout 200 python3 -m bench.step_cost --shape qwen3-8b --batches 1 \
+          --nodes ${INT8_NODES:-1,64,65} --graph-node-sizes 64 --steps 10 --quantize ${qq%fused} \
           --work-dir /tmp/w8 --reuse-checkpoints --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1
         grep "^|" "$R/step-cost-8b-$q.log" | head -6
       done
@@ -271,6 +276,18 @@ for s in $SECTIONS; do
                 # 128-row tile): which tiling brings a 64-node int8 verify under 1.5x its decode step
       timeout ${DOT_SWEEP_S:-400} python3 -m bench.int8_kernel --dot-sweep ${DOT_ARGS:-} > "$R/int8-dot-sweep.log" 2>&1
       sed -n '/^best dot tiling/,$p' "$R/int8-dot-sweep.log" | head -20 ;;
+    int8tune)   # this GPU's int8 tile table (target_svc/int8_tiles.py): the dot kernel's winners at 1 row (decode)
+                # and 64 (a 64-node verify) over the 8B's projections, merged into target_svc/int8_tiles/<gpu>.json
+                # (copied to $R, for the repository); then `QUANTS="none int8 int8-untuned" ... int8` times the step
+      T=target_svc/int8_tiles/$(python3 -c "import torch; from target_svc.int8_tiles import device_slug; print(device_slug(torch.cuda.get_device_properties(0).name))").json
+      timeout ${TUNE_S:-150} python3 -m bench.int8_kernel --dot-sweep --ms 1 --dot-shapes ${TUNE_SHAPES:-qkv,o_proj,gate_up,down} \
+        --dot-block-m 16 --dot-block-n 32,64,128 --dot-block-k 128,256 --dot-splits 1,2,4 --dot-stages 3,4 \
+        --write-tiles "$T" > "$R/int8-tune-1.log" 2>&1
+      timeout ${TUNE_S:-150} python3 -m bench.int8_kernel --dot-sweep --ms 64 --dot-shapes ${TUNE_SHAPES:-qkv,o_proj,gate_up,down} \
+        --dot-block-m 64 --dot-block-n 64,128 --dot-block-k 64,128 --dot-splits 1,2,4 --dot-swap 0,1 --dot-warps 4,8 \
+        --write-tiles "$T" > "$R/int8-tune-64.log" 2>&1
+      for f in "$R"/int8-tune-*.log; do sed -n '/^best dot tiling/,$p' "$f"; done
+      cp "$T" "$R/" 2>/dev/null ;;
     gemv)   # the int8 GEMV path's tilings against the dot kernel at 1 and 4 rows (decides DDTREE_INT8_GEMV's default)
       timeout ${GEMV_SWEEP_S:-300} python3 -m bench.int8_kernel --gemv-sweep ${GEMV_ARGS:-} > "$R/int8-gemv-sweep.log" 2>&1
       tail -20 "$R/int8-gemv-sweep.log" ;;

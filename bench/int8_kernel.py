@@ -13,8 +13,11 @@ output is from the dequantized reference F.linear(x, q * s) (max |diff| / max |r
 
 --gemv-sweep prints one line per (shape, M, tiling): ms per call (timed as above), the error against the
 reference, and the dot kernel's (int8) or cuBLAS's F.linear (bf16) and the default GEMV tiles' times for
-comparison; then the best tiling of each
-(shape, M). It writes no files.
+comparison; then the best tiling of each (shape, M). --dot-sweep does the same for the dot kernel's tilings.
+With --write-tiles FILE either sweep merges each (shape, M)'s winner into a per-GPU tile table
+(target_svc/int8_tiles.py) where it saves at least --min-gain of the untuned tiles' time:
+
+    python -m bench.int8_kernel --dot-sweep --ms 64 --write-tiles target_svc/int8_tiles/nvidia-h200.json
 
 Writes bench/results/int8-kernel-<hardware>.{md,json} (or --out-dir). Needs CUDA and Triton.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/int8_kernel.py` too
 
 from bench import common  # noqa: E402
-from target_svc import int8_matmul, w8a8_matmul  # noqa: E402
+from target_svc import int8_matmul, int8_tiles, w8a8_matmul  # noqa: E402
 from target_svc.quantization import QuantizedWeight, quantize_weight, w8a8_reference  # noqa: E402
 
 # (name, N = out_features, K = in_features)
@@ -78,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "operand, which Hopper's wgmma can take from registers), or both")
     p.add_argument("--dot-shapes", default="",
                    help="dot sweep: only the shapes whose name holds one of these comma-separated words")
+    p.add_argument("--write-tiles", default="", metavar="FILE",
+                   help="sweeps: merge each (shape, M)'s winner into this int8 tile table (target_svc/int8_tiles.py; "
+                   "e.g. target_svc/int8_tiles/nvidia-h200.json) where it beats the untuned tiles by --min-gain")
+    p.add_argument("--min-gain", type=float, default=0.03,
+                   help="--write-tiles: the least fraction of the untuned tiles' time a winner must save")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -166,28 +175,63 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
+def _below(ms: list[int], m: int) -> int:
+    """The largest of ms under m (0 where none)."""
+    return max((v for v in ms if v < m), default=0)
+
+
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref).abs().max() / ref.abs().max()).item()
 
 
-def _time_tilings(cases, call, ws, ref, args, prefix: str, describe) -> list[tuple[float, str, float]]:
+def _time_tilings(cases, call, ws, ref, args, prefix: str, describe) -> tuple[list[tuple], dict[str, float]]:
     """Each (label, config) of cases timed as call(w, config) over the weight copies ws: one line per case (prefix,
     the tiling, ms per call, describe(ms), the error against ref; FAILED where it does not compile or fit) ->
-    (ms, tiling, error) of the unlabelled cases (the grid's)."""
-    results = []
+    ((ms, tiling, error, config) of the unlabelled cases (the grid's), {label: ms} of the labelled ones)."""
+    results, labelled = [], {}
     for label, cfg in cases:
         tiling = (f"{label} " if label else "") + ("" if cfg is None else str(tuple(cfg.__dict__.values())))
         try:
             err = _rel_err(call(ws[0], cfg), ref)
             t = graph_ms([lambda w=w: call(w, cfg) for w in ws], args.calls, args.replays)
-            if not label:
-                results.append((t, tiling, err))
+            if label:
+                labelled[label] = t
+            else:
+                results.append((t, tiling, err, cfg))
             line = f"{t:.4f} | {describe(t)} | {err:.1e}"
         except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit: the sweep goes on
             line = f"FAILED | | {type(exc).__name__}: {str(exc)[:80]}"
             torch.cuda.synchronize()
         print(f"{prefix} | {tiling} | {line}", flush=True)
-    return results
+    return results, labelled
+
+
+def tuned_entry(kernel: str, m: int, below: int, n: int, k: int, results: list[tuple], default_ms: float | None,
+                min_gain: float) -> int8_tiles.TunedTile | None:
+    """The grid's winner for m rows as a tile-table entry, or None where it is not at least min_gain faster than the
+    tiles the kernels launch without a table (default_ms). Its rows run up to m from the first row of m's bucket
+    (the dot kernel's; the GEMV's: row 1), but not down to `below`, the next smaller M the sweep timed."""
+    if not results or default_ms is None:
+        return None
+    t, _, _, cfg = min(results, key=lambda r: r[0])
+    if t > default_ms * (1.0 - min_gain):
+        return None
+    lo = int8_matmul.row_bucket(m)[0] if kernel == "dot" else 1
+    return int8_tiles.TunedTile(max(lo, below + 1), m, n, k, kernel, tuple(cfg.__dict__.values()), t, default_ms)
+
+
+def write_tiles(path: str, entries: list[int8_tiles.TunedTile], device: torch.device) -> None:
+    """Merge entries into the tile table at path (made if absent; a faster entry for the same rows wins)."""
+    out = Path(path)
+    old = int8_tiles.load_table(out) if out.is_file() else ()
+    merged = int8_tiles.merge(old, entries)
+    data = {"device": torch.cuda.get_device_properties(device).name, "date": common.now_utc(),
+            "command": common.command_line("bench.int8_kernel"),
+            "tiles": [int8_tiles.to_entry(t) for t in merged]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    int8_tiles.load_table(out)   # what was written reads back (no overlapping rows)
+    print(f"\n{len(entries)} tuned entries written to {out} ({len(merged)} in all)", flush=True)
 
 
 def gemv_sweep(args, device: torch.device) -> None:
@@ -200,7 +244,7 @@ def gemv_sweep(args, device: torch.device) -> None:
                                   _ints(args.stages)))
     print("weights | shape | N | K | M | tiling (BLOCK_N, BLOCK_K, split, warps, stages) | ms/call | GB/s | err",
           flush=True)
-    best = []
+    best, tuned = [], []
     for fmt in args.weights.split(","):
         for name, n, k in SWEEP_SHAPES:
             gen = torch.Generator(device=device).manual_seed(0)
@@ -222,15 +266,21 @@ def gemv_sweep(args, device: torch.device) -> None:
                 cases = [baseline, ("default GEMV", int8_matmul.choose_gemv_config(m, n, k, num_sms))]
                 cases += [("", GemvConfig(*t)) for t in grid
                           if t[2] <= -(-k // t[1]) and m <= int8_matmul.GEMV_MAX_ROWS]
-                results = _time_tilings(cases, call, ws, ref, args, f"{fmt} | {name} | {n} | {k} | {m}",
-                                        lambda t, nbytes=nbytes: f"{nbytes / t / 1e6:.0f}")
+                results, labelled = _time_tilings(cases, call, ws, ref, args, f"{fmt} | {name} | {n} | {k} | {m}",
+                                                  lambda t, nbytes=nbytes: f"{nbytes / t / 1e6:.0f}")
                 if results:
-                    best.append((fmt, name, n, k, m, *min(results)))
+                    best.append((fmt, name, n, k, m, *min(results, key=lambda r: r[0])[:3]))
+                if fmt == "int8":
+                    tile = tuned_entry("gemv", m, _below(ms, m), n, k, results, labelled.get("dot kernel"),
+                                       args.min_gain)
+                    tuned += [tile] if tile else []
             del ws, dense
             torch.cuda.empty_cache()
     print("\nbest GEMV tiling per weights, shape and M:")
     for fmt, name, n, k, m, t, tiling, err in best:
         print(f"{fmt} | {name} | {n} | {k} | {m} | {tiling} | {t:.4f} | {err:.1e}")
+    if args.write_tiles:
+        write_tiles(args.write_tiles, tuned, device)
 
 
 def dot_sweep(args, device: torch.device) -> None:
@@ -251,7 +301,7 @@ def dot_sweep(args, device: torch.device) -> None:
     print("shape | N | K | M | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, swap AB, warps, stages) | ms/call | x bf16 "
           "| err",
           flush=True)
-    best = []
+    best, tuned = [], []
     for name, n, k in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
         dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
@@ -261,22 +311,26 @@ def dot_sweep(args, device: torch.device) -> None:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
             ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
             bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in dense], args.calls, args.replays)
-            default = int8_matmul.choose_config(m, n, k, 8, 0, num_sms)
+            default = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms)   # the rule (GEMV where switched on)
             cases = [("default", default)] + [
                 ("", TileConfig(bm, bn, bk, split, bool(swap), warps, stages))
                 for bm, bn, bk, split, swap, warps, stages in grid
                 if (bm == 16 or bm < 2 * m) and split * 2 * bk <= k]
-            results = _time_tilings(
+            results, labelled = _time_tilings(
                 cases, lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
                 f"{name} | {n} | {k} | {m}", lambda t, bf16=bf16: f"{t / bf16:.2f}")
             if results:
-                t, tiling, err = min(results)
+                t, tiling, err, _ = min(results, key=lambda r: r[0])
                 best.append((name, n, k, m, tiling, t, t / bf16, err))
+                tile = tuned_entry("dot", m, _below(ms, m), n, k, results, labelled.get("default"), args.min_gain)
+                tuned += [tile] if tile else []
         del ws, dense
         torch.cuda.empty_cache()
     print("\nbest dot tiling per shape and M (x bf16: against cuBLAS F.linear on the bf16 weight):")
     for name, n, k, m, tiling, t, ratio, err in best:
         print(f"{name} | {n} | {k} | {m} | {tiling} | {t:.4f} | {ratio:.2f} | {err:.1e}")
+    if args.write_tiles:
+        write_tiles(args.write_tiles, tuned, device)
 
 
 def _fmt(v: float | None, spec: str) -> str:

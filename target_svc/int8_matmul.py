@@ -1,7 +1,8 @@
 """Weight-only int8 / int4 matmul on CUDA through Triton: y = x @ (q * s)^T (+ bias), for the few rows of a step.
 
 The kernels are in target_svc/weight_only_kernels.py; this module checks what they accept, picks tile sizes
-from the shape alone, and launches them. Tile sizes are a fixed function of (M, N, K): no autotuning, so the
+from the shape and the GPU model, and launches them. Tile sizes are a fixed function of (M, N, K) on a given GPU
+(a rule, or the GPU's table of measured winners, target_svc/int8_tiles.py): no autotuning at run time, so the
 first call of a shape compiles the kernel (a CUDA-graph capture's warm-up runs do that) and a captured replay
 launches exactly what the warm-up ran. Triton is imported only when a kernel is launched: this module imports
 on machines without it (available() then says False).
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ddtree_serve.switches import switched_on
+from target_svc import int8_tiles
 
 # Activation dtypes the kernels take (tl.dot of two 16-bit operands, float32 accumulate).
 DTYPES = (torch.bfloat16, torch.float16)
@@ -105,6 +107,16 @@ def choose_config(m: int, n: int, k: int, bits: int = 8, group: int = 0, num_sms
     return TileConfig(block_m, block_n, block_k, split, swap_ab=False, num_warps=4, num_stages=3)
 
 
+def row_bucket(m: int) -> tuple[int, int]:
+    """The rows (lo, hi) that share m's tile bucket (hi 2**31 - 1 past the last bucket)."""
+    lo = 1
+    for top, _ in _BUCKETS:
+        if m <= top:
+            return lo, top
+        lo = top + 1
+    return lo, _MAX_ELEMENTS
+
+
 def split_k(tiles: int, k_steps: int, num_sms: int) -> int:
     """Programs per output tile for `tiles` output tiles of `k_steps` K steps: doubled while the programs stay under
     _PROGRAMS_PER_SM per SM and each split keeps _MIN_K_STEPS_PER_SPLIT steps, up to _MAX_SPLIT."""
@@ -155,10 +167,14 @@ def gemv_enabled() -> bool:
     return switched_on(GEMV_ENV)
 
 
-def kernel_config(m: int, n: int, k: int, bits: int = 8, group: int = 0,
-                  num_sms: int = 132, gemv: bool | None = None) -> TileConfig | GemvConfig:
-    """What matmul launches for this shape by default: the GEMV for int8 with few rows when enabled (gemv, or
-    gemv_enabled() when None), else the dot kernel."""
+def kernel_config(m: int, n: int, k: int, bits: int = 8, group: int = 0, num_sms: int = 132,
+                  gemv: bool | None = None, tuned: tuple[int8_tiles.TunedTile, ...] = ()) -> TileConfig | GemvConfig:
+    """What matmul launches for this shape by default: int8's entry in the GPU's tuned table (int8_tiles) where it
+    has one, else the GEMV for int8 with few rows when enabled (gemv, or gemv_enabled() when None), else the dot
+    kernel by choose_config's rule."""
+    hit = int8_tiles.lookup(tuned, m, n, k) if bits == 8 else None
+    if hit is not None:
+        return TileConfig(*hit.config) if hit.kernel == "dot" else GemvConfig(*hit.config)
     if gemv is None:
         gemv = gemv_enabled()
     if gemv and bits == 8 and m <= GEMV_MAX_ROWS:
@@ -193,6 +209,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count  # torch caches the properties
 
 
+def tuned_table(device: torch.device) -> tuple[int8_tiles.TunedTile, ...]:
+    """The int8 tile table of device's GPU model (int8_tiles; none off CUDA, where the interpreter runs)."""
+    if device.type != "cuda":
+        return int8_tiles.device_table("cpu")  # only DDTREE_INT8_TILES can name one: the interpreter tests
+    return int8_tiles.device_table(torch.cuda.get_device_properties(device).name)
+
+
 def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None, bits: int = 8,
            config: TileConfig | GemvConfig | None = None, counters: Tensor | None = None) -> Tensor:
     """x [..., K] @ dequantized(qweight, scales)^T (+ bias) -> [..., N] in x's dtype.
@@ -218,7 +241,7 @@ def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = Non
     qweight, scales = qweight.contiguous(), scales.contiguous()
     bias = None if bias is None else bias.contiguous()
     group = k // scales.shape[1] if bits == 4 else 0
-    cfg = config or kernel_config(m, n, k, bits, group, _num_sms(x.device))
+    cfg = config or kernel_config(m, n, k, bits, group, _num_sms(x.device), tuned=tuned_table(x.device))
     if isinstance(cfg, GemvConfig):
         if bits != 8 or m > GEMV_MAX_ROWS:
             raise ValueError(f"the GEMV kernel takes int8 and at most {GEMV_MAX_ROWS} rows: {bits} bits, {m} rows")
