@@ -33,6 +33,7 @@ from bench import common
 from bench.shapes import SHAPES, build_drafter, build_target, target_config
 from ddtree_serve.decoding.config import SamplingParams
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner, top_logprobs
+from target_svc import int8_tiles
 from target_svc.int8_matmul import FUSED_REDUCE_ENV
 from target_svc.quantization import QUANTIZE_MODES, QuantizedLinear, tensor_bytes
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
@@ -88,6 +89,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), 10, device)
     return 2 * nbytes / (ms / 1e3)
+
+
+def int8_table_used(args, device: torch.device) -> str | None:
+    """The int8 tile table an int8 target's projections took on this device (target_svc/int8_tiles.py), if any."""
+    if args.quantize != "int8" or device.type != "cuda":
+        return None
+    path = int8_tiles.table_path(torch.cuda.get_device_properties(device).name)
+    return None if path is None else str(path)
 
 
 def kernel_switches() -> dict[str, str]:
@@ -408,13 +417,15 @@ def main(argv=None) -> None:
     hw = common.hardware(args.device, args.dtype, None)
     data = {"command": common.command_line("bench.step_cost"), "date": common.now_utc(), "hardware": hw,
             "shape": args.shape, "quantize": args.quantize, "layers": runner.num_layers, "context": args.context,
-            "build_s": build_s, "switches": kernel_switches(),
+            "build_s": build_s, "switches": kernel_switches(), "int8_tile_table": int8_table_used(args, device),
             "floors": floors, "target": target_rows, "agreement": agreement, "drafter": drafter_rows,
             "profiles": profiles,
             "graph_capture_s": {"target": runner.graphs.capture_seconds if runner.graphs else 0.0,
                                 "drafter": drafter.graphs.cache.capture_seconds if drafter.graphs else 0.0}}
     fmt = args.dtype if args.quantize == "none" else f"{args.dtype}, weight-only {args.quantize} target"
     switches = ", ".join(f"{k}={v}" for k, v in data["switches"].items()) or "none (the defaults)"
+    if data["int8_tile_table"]:
+        switches += f"; int8 tiles from {data['int8_tile_table']}"
     md = [f"# Step cost: {args.shape} ({runner.num_layers} layers), {hw.get('gpu', hw['cpu_model'])}, {fmt}",
           "", f"Command: `{data['command']}`  ", f"Date: {data['date']}  ", f"Kernel switches: {switches}  ",
           f"Random weights at the real shape; every sequence holds a {args.context}-token prompt.", "",
