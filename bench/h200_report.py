@@ -58,8 +58,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b in (None, 0) else round(a / b, 3)
 
 
-def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -> dict:
-    """The headline numbers of one model shape."""
+def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str, batched: dict | None = None) -> dict:
+    """The headline numbers of one model shape. batched: another run's speed file whose batched rows (batch > 1)
+    stand in for speed's where speed ran batch 1 alone (each ratio within its own run; its date is recorded)."""
     floors = step["floors"]
     ar1 = _row(step["target"], batch=1, nodes=1)
     # A 64-node tree: budget 63 in a graph bucket of its own where the run measured one, else budget 64's 65 nodes.
@@ -99,11 +100,17 @@ def summarize(step: dict, speed: dict | None, budget: int | None, prefix: str) -
             out[f"ddtree_over_dflash_tau_se_{prefix}_b1"] = dd["x_vs_services_dflash_tau_se"]
         out[f"ddtree_budget_{prefix}_b1"] = dd.get("budget")
     # Older speed files name one batched size ("batch"), newer ones every size ("batches").
-    for batch in speed.get("batches") or ([speed["batch"]] if speed.get("batch") else []):
-        ddb = _run(speed, "ddtree", batch, budget) if batch != 1 else None
+    def batch_sizes(run: dict) -> list[int]:
+        return [b for b in run.get("batches") or ([run["batch"]] if run.get("batch") else []) if b != 1]
+
+    source = speed if batch_sizes(speed) or batched is None else batched
+    for batch in batch_sizes(source):
+        ddb = _run(source, "ddtree", batch, budget)
         if ddb:
             out[f"ddtree_over_ar_{prefix}_b{batch}"] = ddb.get("x_vs_services_ar")
             out[f"ddtree_budget_{prefix}_b{batch}"] = ddb.get("budget")
+    if source is not speed:
+        out[f"batched_from_{prefix}"] = f"{source['date']}: {source['command']}"
     return out
 
 
@@ -186,8 +193,11 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--step-cost", help="the Qwen3-8B step costs (the 8B figures; optional with another input)")
     p.add_argument("--speed")
+    p.add_argument("--batched-speed", help="an earlier 8B speed file whose batch > 1 rows stand in where --speed ran "
+                   "batch 1 alone (its ratios are within its own run; the report names it)")
     p.add_argument("--hybrid-step-cost")
     p.add_argument("--hybrid-speed")
+    p.add_argument("--hybrid-batched-speed", help="--batched-speed for the hybrid shape")
     p.add_argument("--fit", help="bench.flagship_fit's JSON: the Qwen3.6-27B-within-48-GB figures (fit_*)")
     p.add_argument("--quant-step-cost", action="append", default=[],
                    help="bench.step_cost JSON at the 8B shape, one per --quantize mode of one session (none too)")
@@ -201,16 +211,18 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     step, speed = _load(args.step_cost), _load(args.speed)
     hstep, hspeed = _load(args.hybrid_step_cost), _load(args.hybrid_speed)
+    batched, hbatched = _load(args.batched_speed), _load(args.hybrid_batched_speed)
     fit, quality = _load(args.fit), _load(args.quality)
     quant = [_load(f) for f in args.quant_step_cost]
     first = step or hstep or fit or (quant[0] if quant else None)
     if first is None:
         p.error("give --step-cost, --hybrid-step-cost, --fit or --quant-step-cost")
     data = {"date": first["date"], "gpu": first["hardware"].get("gpu"), "command": first["command"],
-            "commands": [x["command"] for x in (step, speed, hstep, hspeed, fit, *quant, quality) if x],
-            **(summarize(step, speed, args.budget, "8b") if step else {})}
+            "commands": [x["command"] for x in (step, speed, batched, hstep, hspeed, hbatched, fit, *quant, quality)
+                         if x],
+            **(summarize(step, speed, args.budget, "8b", batched) if step else {})}
     if hstep:
-        h = summarize(hstep, hspeed, args.budget, "hybrid")
+        h = summarize(hstep, hspeed, args.budget, "hybrid", hbatched)
         data.update(h)
         data["hybrid_ar_step_ms"] = h.get("ar_step_ms_hybrid", h["ar_verify_call_graph_ms_hybrid"])
         data["hybrid_floor_ms"] = h["gemv_floor_ms_hybrid"]

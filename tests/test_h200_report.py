@@ -157,3 +157,23 @@ def test_the_drafter_ratio_takes_the_captured_forward_where_the_run_timed_it(tmp
     h200_report.main(["--step-cost", str(STEP), "--speed", str(SPEED), "--out-dir", str(tmp_path)])
     old = json.loads((tmp_path / "h200.json").read_text())
     assert old["drafter_forward_over_ar_step_8b"] == old["drafter_call_over_ar_step_8b"]
+
+
+def test_a_batch_1_run_takes_its_batched_ratios_from_the_named_earlier_run(tmp_path):
+    """--batched-speed: where --speed ran batch 1 alone, the batch-8 ratio comes from the earlier file, within that
+    file's own runs, and the report names it; a run with batched rows of its own keeps them."""
+    speed = json.loads(SPEED.read_text())
+    alone = {**speed, "batches": [], "batch": None, "runs": [r for r in speed["runs"] if r.get("batch") == 1]}
+    path = tmp_path / "batch1.json"
+    path.write_text(json.dumps(alone))
+    h200_report.main(["--step-cost", str(STEP), "--speed", str(path), "--out-dir", str(tmp_path)])
+    assert "ddtree_over_ar_8b_b8" not in json.loads((tmp_path / "h200.json").read_text())
+    h200_report.main(["--step-cost", str(STEP), "--speed", str(path), "--batched-speed", str(SPEED),
+                      "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "h200.json").read_text())
+    best8 = max(_tokens_per_s(speed, "ddtree", 8, b) for b in speed["budgets"])
+    assert data["ddtree_over_ar_8b_b8"] == pytest.approx(best8 / _tokens_per_s(speed, "ar", 8), rel=1e-3)
+    assert data["batched_from_8b"].startswith(speed["date"]) and speed["command"] in data["commands"]
+    h200_report.main(["--step-cost", str(STEP), "--speed", str(SPEED), "--batched-speed", str(path),
+                      "--out-dir", str(tmp_path)])
+    assert "batched_from_8b" not in json.loads((tmp_path / "h200.json").read_text())
