@@ -80,6 +80,7 @@ def supports(x: Tensor, bits: int, in_features: int, group: int = 0) -> bool:
 # and Qwen3.6-27B projection shapes, each call inside a CUDA graph: one M tile per N tile up to 128 rows, so each
 # weight tile is read and widened once; narrow N tiles for few rows (more programs in flight to pull the weight
 # through); the plain x W^T dot won over the swapped one, 3 stages and 4 warps were best or within a few %.
+# (At 64 rows on an H100 the swapped dot won every 8B projection, 2026-12-07: that card's tile table holds it.)
 _BUCKETS = ((16, (16, 64, 128)), (32, (32, 64, 128)), (64, (64, 128, 64)), (128, (128, 64, 64)))
 _BEYOND = (64, 128, 64)  # more rows: several M tiles per N tile, the weight re-read from L2
 # Long reductions at the 64-row bucket (a 64-node verify's down_proj): 128-deep K steps on 64-column tiles. H100 sweep
