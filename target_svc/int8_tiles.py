@@ -5,8 +5,8 @@ a few percent per shape on the table (an H100 sweep at 64 rows: the 8B gate_up 8
 qkv 4 %, its o_proj 7 %). As vLLM does for its fused-MoE kernels, the sweep's winners per (rows, N, K) are kept in a
 JSON file per GPU model, `int8_tiles/<device-name>.json` beside this module (e.g. `nvidia-h200.json`), written by
 `python -m bench.int8_kernel --dot-sweep --write-tiles FILE` (and `--gemv-sweep --write-tiles`). A shape or row
-count the table does not hold keeps the rule's tiles. The table is read once per (device name, file) and never
-changes a launch between a graph's warm-up and its replay.
+count the table does not hold keeps the rule's tiles. The table is read once per process (per device name and
+DDTREE_INT8_TILES value), so it never changes a launch between a graph's warm-up and its replay.
 
 DDTREE_INT8_TILES=PATH takes that file instead of the device's, DDTREE_INT8_TILES=off no table at all (an A/B).
 
@@ -87,9 +87,11 @@ def load_table(path: str | Path) -> tuple[TunedTile, ...]:
     return tiles
 
 
-def table_path(device_name: str) -> Path | None:
-    """The table a device takes: DDTREE_INT8_TILES's file, none for 'off', else int8_tiles/<slug>.json if there."""
-    chosen = os.environ.get(TILES_ENV, "").strip()
+def table_path(device_name: str, chosen: str | None = None) -> Path | None:
+    """The table a device takes: `chosen` (DDTREE_INT8_TILES's value when None) names a file, or none for 'off';
+    else int8_tiles/<slug>.json where there is one."""
+    chosen = os.environ.get(TILES_ENV, "") if chosen is None else chosen
+    chosen = chosen.strip()
     if chosen.lower() in ("off", "0", "none"):
         return None
     if chosen:
@@ -98,21 +100,17 @@ def table_path(device_name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-@functools.lru_cache(maxsize=8)
-def _cached_table(path: str, mtime_ns: int) -> tuple[TunedTile, ...]:
-    return load_table(path)
+@functools.lru_cache(maxsize=16)
+def _table_for(device_name: str, chosen: str) -> tuple[TunedTile, ...]:
+    path = table_path(device_name, chosen)
+    return () if path is None else load_table(path)
 
 
 def device_table(device_name: str) -> tuple[TunedTile, ...]:
-    """The tuned entries for a GPU model (empty where it has no table)."""
-    path = table_path(device_name)
-    if path is None:
-        return ()
-    try:
-        mtime = path.stat().st_mtime_ns
-    except OSError as exc:
-        raise ValueError(f"int8 tile table {path} ({TILES_ENV}): {exc}") from None
-    return _cached_table(str(path), mtime)
+    """The tuned entries for a GPU model (empty where it has no table). Read once per process and setting: every
+    launch of a shape, a graph's warm-up and its replays alike, takes the same tiles (and no call pays a file
+    system lookup)."""
+    return _table_for(device_name, os.environ.get(TILES_ENV, ""))
 
 
 def lookup(table: tuple[TunedTile, ...], m: int, n: int, k: int) -> TunedTile | None:
