@@ -190,7 +190,9 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     reference of w8a8_matmul's row-quantizing kernel, which computes the very same numbers."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    # A tensor divisor, not the number 127: CUDA torch divides by a Python scalar as a multiplication by its
+    # reciprocal, a last-bit difference from IEEE division for some rows (an H100 run, 2026-12-07).
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, INT8_MAX), torch.ones_like(amax))
     xq = torch.round(xf / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return xq, scales
 

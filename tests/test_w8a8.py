@@ -31,6 +31,14 @@ def test_each_row_is_quantized_against_its_own_largest_magnitude():
     assert (xq.float() * scales[:, None] - x).abs().max() <= scales.max() / 2 + 1e-7
 
 
+def test_a_rows_scale_is_the_correctly_rounded_quotient_of_its_largest_magnitude():
+    """IEEE division, not a multiplication by 1/127 (a last-bit difference the row-quantizing kernel would not make)."""
+    torch.manual_seed(2)
+    x = torch.randn(512, 64) * torch.rand(512, 1) * 10
+    _, scales = quantize_rows(x)
+    assert torch.equal(scales, (x.abs().amax(dim=-1).double() / INT8_MAX).float())
+
+
 def test_a_rows_output_does_not_depend_on_the_other_rows():
     """The integer product is exact and the scales are per row: a decode step's row equals a verify's bit for bit."""
     torch.manual_seed(0)
