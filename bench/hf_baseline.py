@@ -77,6 +77,8 @@ class HFSystem:
     def summary(self) -> dict:
         if self.error:
             return {"system": self.name, "mode": None, "batch": self.batch, "error": self.error}
+        if not self.lat:   # a report line, not a ZeroDivisionError that loses the whole run's report
+            return {"system": self.name, "mode": None, "batch": self.batch, "error": "never run"}
         outputs = [self.outputs[i] for i in sorted(self.outputs)]
         tokens, wall = sum(len(o) for o in outputs), sum(self.lat)
         return {"system": self.name, "mode": None, "budget": None, "batch": self.batch, "requests": len(outputs),

@@ -298,7 +298,6 @@ def main(argv=None) -> None:
         for b in [1] + [b for b in batches if b > 1]:
             systems: list = [reference_ar if reference_ar is not None and b == 1 and mode == "ar"
                              else ServiceSystem(stack, mode, budget, b, max_tokens) for mode, budget in plan]
-            interleaved = [sys_ for sys_ in systems if sys_ is not reference_ar]
             if calib:
                 for sys_ in systems:
                     sys_.name += " [calibrated]" if sys_.mode != "ar" else ""
@@ -310,6 +309,9 @@ def main(argv=None) -> None:
                                                 max_tokens, prompt_lookup_num_tokens=args.prompt_lookup))
                 elif not args.no_hf_batch:
                     systems.append(HFSystem(hf, "transformers generate (greedy, left-padded)", b, max_tokens))
+            # Every system but a reference run already timed (transformers' too: a list made before they join
+            # left them unrun, 2026-12-07).
+            interleaved = [sys_ for sys_ in systems if sys_ is not reference_ar]
             # Warm-up, excluded from every figure: each system once on a short generation.
             for sys_ in interleaved:
                 sys_.warmup(indexed[:b], args.warmup_tokens)
