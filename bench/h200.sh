@@ -83,11 +83,15 @@
 # The hybrid's ddtree/dflash (issue 10; batch 1 alone, so the timed ar run is the calibration's reference run; its
 #   step costs are the hybrid section's, a call of their own), then the quantized step costs (issue 15, ~2.5 min
 #   on an H200 with /tmp/w8 to build):
-#   SPEEDHYB_PROMPTS=64 SPEEDHYB_BUDGETS=64 SPEEDHYB_TARGET_ARGS= SPEEDHYB_ARGS="--batch 1 --max-batch 1" SPEEDHYB_S=330 \
+#   SPEEDHYB_PROMPTS=64 SPEEDHYB_BUDGETS=64 SPEEDHYB_TARGET_ARGS= SPEEDHYB_ARGS="--batch 1 --max-batch 1" SPEEDHYB_S=480 \
 #     bash bench/h200.sh OUT w27 speedhyb
 #   QUANTS="none int8 w8a8 int4" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
 #   (w8a8's quality on the GPU: the quality section with QUANTS_QUALITY=int8,w8a8 and the SmolLM2 GGUF carried)
 #   then, on the CPU, `python -m bench.h200_report` over the calls' files (its --help names them).
+# Measured on an H100 (2026-12-07): 8b as above 91 s with the build; speed8b as above 292 s; w27 speedhyb at 64
+#   prompts: build 57 s, services and graphs 94 s, the reference ar run 115 s, and SPEEDHYB_S=330 cut it before its
+#   report (hence 480). The speed sections pass --deadline-s (their limit - 40 s): a run that would outlast its
+#   limit reports the prompts every system finished.
 set -uo pipefail
 OUT=${1:?output directory}
 shift
@@ -190,7 +194,7 @@ for s in $SECTIONS; do
         --dtype bfloat16 --num-prompts ${SPEED8_PROMPTS:-32} --max-tokens 256 --hf-prompts 1 --no-hf-batch --batch ${SPEED8_BATCH:-8} \
         --budget ${SPEED8_BUDGETS:-16,64} "${CALIB[@]}" \
         --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} ${SPEED8_ARGS:-} \
-        --target-args="${SPEED8_TARGET_ARGS:-}" --out-dir "$R" \
+        --target-args="${SPEED8_TARGET_ARGS:-}" --deadline-s $(( ${SPEED8_S:-420} - 40 )) --out-dir "$R" \
         --log-dir "$R/logs-8b" > "$R/speed-8b.log" 2>&1
       grep -E "tok/s|segments|CALIB|Error|error" "$R/speed-8b.log" | tail -20 ;;
     overheadab)   # the step's host overhead A/B in one call (needs /tmp/w8): batch 1, ar/dflash/ddtree b64, each
@@ -201,7 +205,7 @@ for s in $SECTIONS; do
                     pinspin) extra="--step-spin-us 20000 --pin-cpus" ;; *) echo "unknown variant $v"; continue ;; esac
         timeout ${OVERHEAD_S:-180} python3 -m bench.speed --model /tmp/w8/target --drafter /tmp/w8/drafter --device cuda \
           --dtype bfloat16 --num-prompts ${OVERHEAD_PROMPTS:-8} --max-tokens 256 --batch 1 --budget 64 --no-hf "${CALIB[@]}" \
-          --step-transport socket $extra --out-dir "$R/ab-$v" --log-dir "$R/logs-ab-$v" > "$R/speed-ab-$v.log" 2>&1
+          --step-transport socket $extra --deadline-s $(( ${OVERHEAD_S:-180} - 30 )) --out-dir "$R/ab-$v" --log-dir "$R/logs-ab-$v" > "$R/speed-ab-$v.log" 2>&1
         echo "-- $v"; grep -E "batch 1:|segments" "$R/speed-ab-$v.log"
       done ;;
     hybrid)
@@ -251,7 +255,8 @@ for s in $SECTIONS; do
         --dtype bfloat16 --num-prompts ${SPEEDHYB_PROMPTS:-32} --max-tokens 256 --hf-prompts 1 --batch 4 \
         --budget ${SPEEDHYB_BUDGETS:-32,64} --no-hf-batch "${CALIB[@]}" --kernel-warmup-passes 0 \
         --step-transport socket --step-spin-us ${STEP_SPIN_US:-20000} --target-args="${SPEEDHYB_TARGET_ARGS---graph-node-sizes=33}" \
-        ${SPEEDHYB_ARGS:-} --out-dir "$R/hybrid" --log-dir "$R/logs-27b" > "$R/speed-27b.log" 2>&1
+        ${SPEEDHYB_ARGS:-} --deadline-s $(( ${SPEEDHYB_S:-540} - 40 )) --out-dir "$R/hybrid" --log-dir "$R/logs-27b" \
+        > "$R/speed-27b.log" 2>&1
       grep -E "tok/s|CALIB|Error|error" "$R/speed-27b.log" | tail -12 ;;
     rpchop)   # one gRPC hop between the services on this host's CPUs (tiny CPU models): is the host's hop the cost?
       timeout ${RPCHOP_S:-240} python3 -m bench.rpc_hop --calls 150 --warmup 30 --rounds 3 --out-dir "$R" > "$R/rpc-hop.log" 2>&1

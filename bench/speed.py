@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="transformers runs only the first N prompts (its tok/s over those; default: all): at the "
                         "GPU's long generations its eager generate() would take most of the run")
     p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no new chunk of prompts after this many seconds of the run: a run that would outlast "
+                        "its time limit reports the chunks every system finished instead of nothing (the report "
+                        "says so); default: every chunk")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-batch", type=int, default=None,
                    help="the target's cache slots (default: max(8, the largest --batch)); a batch-1 run at --max-batch 1 "
@@ -198,6 +202,8 @@ class ServiceSystem:
                 acc[k] = acc.get(k, 0.0) + v - before[svc].get(k, 0.0)
 
     def summary(self) -> dict:
+        if not self.results:   # --deadline-s came before its first chunk
+            return {"system": self.name, "mode": self.mode, "batch": self.batch, "error": "never run"}
         results = [self.results[i] for i in sorted(self.results)]
         zero = {svc: {} for svc in self.deltas}
         g = self.deltas["gateway"]
@@ -223,6 +229,11 @@ class ServiceSystem:
             "outside_steps_s": round(self.wall - bd["histograms"]["step"]["sum_s"], 3),
             "breakdown": bd, "outputs": [r.token_ids for r in results],
         }
+
+
+def past_deadline(args, t_run: float) -> bool:
+    """True once the run has used --deadline-s seconds (never without one)."""
+    return args.deadline_s is not None and time.perf_counter() - t_run >= args.deadline_s
 
 
 # ---- transformers -----------------------------------------------------------------------------------------------
@@ -277,6 +288,7 @@ def main(argv=None) -> None:
                                + (["--no-early-push"] if args.no_early_push else [])
                                + shlex.split(args.target_args))
     runs: list[dict] = []
+    stopped: list[str] = []   # where --deadline-s cut the run short
     try:
         common.wait_for_graphs(stack)   # nothing timed, the reference run included, while graphs capture
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
@@ -319,6 +331,11 @@ def main(argv=None) -> None:
             # rotating per chunk, so that drifting background load spreads over all systems alike.
             chunks = [indexed[i:i + b] for i in range(0, len(indexed), b)]
             for c, chunk in enumerate(chunks):
+                if past_deadline(args, t_run):   # checked between chunks: every system has run the same prompts
+                    stopped.append(f"batch {b}: {c} of {len(chunks)} chunks ({min(c * b, len(indexed))} of "
+                                   f"{len(indexed)} prompts) before the {args.deadline_s:.0f} s deadline")
+                    print(f"deadline: {stopped[-1]}", flush=True)
+                    break
                 k = c % len(interleaved)
                 for sys_ in interleaved[k:] + interleaved[:k]:
                     if isinstance(sys_, HFSystem) and args.hf_prompts is not None and c * b >= args.hf_prompts:
@@ -343,7 +360,10 @@ def main(argv=None) -> None:
             # Written after each batch size and before the services stop: a run cut short by its time limit
             # (stopping three services takes seconds) keeps the report of what it finished.
             report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batches,
-                   time.perf_counter() - t_run, _loadavg(), budgets, calibration=calib.info if calib else None)
+                   time.perf_counter() - t_run, _loadavg(), budgets, calibration=calib.info if calib else None,
+                   stopped=stopped)
+            if stopped:
+                break
     finally:
         stack.stop()
 
@@ -366,7 +386,7 @@ def _loadavg():
 
 
 def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, max_tokens, batches, total_s,
-           load_after_services, budgets, calibration: dict | None = None) -> None:
+           load_after_services, budgets, calibration: dict | None = None, stopped: list[str] | None = None) -> None:
     def find(system_prefix: str, b: int) -> dict | None:
         for r in runs:
             if r.get("system", "").startswith(system_prefix) and r.get("batch") == b and "tokens_per_s" in r:
@@ -374,7 +394,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
         return None
 
     # Output agreement: every system against services-ar at batch 1 (greedy: all should match).
-    ref = find("services ar", 1)["outputs"]
+    ref = (find("services ar", 1) or {}).get("outputs", [])
     for r in runs:
         if "outputs" in r:
             same = sum(a == b for a, b in zip(r["outputs"], ref))   # a subset (--hf-prompts): the first prompts
@@ -454,7 +474,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
         "command": command, "date": date, "hardware": hw, "hardware_tag": tag, "model": model_info,
         "drafter": drafter_info, "prompts": len(prompts), "prompt_source": source,
         "prompt_ids": [p["id"] for p in prompts], "max_tokens": max_tokens, "batch": batches[0], "batches": batches,
-        "budgets": budgets,
+        "budgets": budgets, "stopped_at_deadline": stopped or None,
         "temperature": 0.0, "run_seconds": round(total_s, 1), "load_average_after_services": load_after_services,
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
@@ -478,7 +498,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
 - Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = one prompt at a time, batch N (N = {', '.join(map(str, batches))}) = chunks of N requests in flight (transformers: left-padded batches of N){hf_subset}; systems interleaved chunk by chunk in a rotating order{ar_first}; warm-up excluded
 
 tok/s = generated tokens (first token included) / wall time of the whole set, measured by the client.
-Ratios are within this run only.
+Ratios are within this run only.{chr(10) + chr(10) + "**Stopped at its deadline (--deadline-s)**: " + "; ".join(stopped) + ". Every system's figures at that batch cover those prompts only (a timed reference ar run: all of them)." if stopped else ""}
 
 {table}
 

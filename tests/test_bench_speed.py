@@ -41,3 +41,21 @@ def test_a_max_batch_below_the_batch_is_refused_before_any_service_starts(tmp_pa
     with pytest.raises(SystemExit, match="--max-batch 1 is below --batch 2"):
         speed.main(["--model", str(tmp_path / "none"), "--drafter", str(tmp_path / "none"), "--device", "cpu",
                     "--prompts", str(prompts), "--batch", "2", "--max-batch", "1", "--out-dir", str(tmp_path)])
+
+
+def test_a_run_past_its_deadline_reports_what_it_finished_and_says_where_it_stopped(checkpoints, tmp_path):
+    """--deadline-s: no chunk starts once the run has used that long; the report covers what ran (here the timed
+    reference ar run alone, deadline 0) and names the cut, instead of a time limit killing the run unreported."""
+    target, drafter = checkpoints("qwen3")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["Count to three.", "Name a colour."]))
+    speed.main(["--model", str(target), "--drafter", str(drafter), "--device", "cpu", "--threads", "1",
+                "--prompts", str(prompts), "--num-prompts", "2", "--max-tokens", "6", "--batch", "1",
+                "--budget", "16", "--max-batch", "1", "--modes", "ar,ddtree", "--no-hf", "--calibrated", PROFILE,
+                "--calibrate-chain-tau", "7.79", "--warmup-tokens", "2", "--deadline-s", "0", "--out-dir", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("speed-calibrated-*.json")).read_text())
+    ar, ddtree = data["runs"]
+    assert ar["system"] == "services ar" and ar["requests"] == 2
+    assert ddtree == {"system": "services ddtree b16 [calibrated]", "mode": "ddtree", "batch": 1, "error": "never run"}
+    assert data["stopped_at_deadline"] == ["batch 1: 0 of 2 chunks (0 of 2 prompts) before the 0 s deadline"]
+    assert "Stopped at its deadline" in next(tmp_path.glob("speed-calibrated-*.md")).read_text()
