@@ -487,6 +487,8 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
     drafter_note = ("the bundled trained drafter" if drafter_info.get("bundled_drafter")
                     else "NOT the bundled trained drafter")
     gpu = f", {hw['gpu']} (CUDA {hw.get('cuda')})" if hw.get("gpu") else ""
+    stopped_note = ("\n\n**Stopped at its deadline (--deadline-s)**: " + "; ".join(stopped) + ". Every system's figures "
+                    "at that batch cover those prompts only (a timed reference ar run: all of them)." if stopped else "")
     md = f"""# Speed: services vs transformers, one run ({tag}){' — ' + calibration['label'].upper() if calibration else ''}
 {chr(10) + calibrated_md(calibration) if calibration else ''}
 - Command: `{command}`
@@ -498,7 +500,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
 - Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = one prompt at a time, batch N (N = {', '.join(map(str, batches))}) = chunks of N requests in flight (transformers: left-padded batches of N){hf_subset}; systems interleaved chunk by chunk in a rotating order{ar_first}; warm-up excluded
 
 tok/s = generated tokens (first token included) / wall time of the whole set, measured by the client.
-Ratios are within this run only.{chr(10) + chr(10) + "**Stopped at its deadline (--deadline-s)**: " + "; ".join(stopped) + ". Every system's figures at that batch cover those prompts only (a timed reference ar run: all of them)." if stopped else ""}
+Ratios are within this run only.{stopped_note}
 
 {table}
 
