@@ -57,17 +57,21 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                   messages: list[dict] | None = None, chat: bool = True, max_tokens: int = 128,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                   mode: str | None = None, budget: int = 0, stop: list[str] | None = None,
-                  ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0
-                  ) -> gateway_pb2.GenerateRequest:
+                  ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0, min_p: float = 0.0,
+                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                  logit_bias: dict[int, float] | None = None) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
-    logprobs: each token's log-prob in the answer, with top_logprobs alternatives."""
+    logprobs: each token's log-prob in the answer, with top_logprobs alternatives; min_p, the penalties and
+    logit_bias (token id -> bias) as vLLM takes them."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
         max_tokens=max_tokens, mode=MODES[mode], budget=budget, stop=stop or [], ignore_eos=ignore_eos,
         logprobs=logprobs, top_logprobs=top_logprobs,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed or 0,
-                                           has_seed=seed is not None))
+                                           has_seed=seed is not None, min_p=min_p, presence_penalty=presence_penalty,
+                                           frequency_penalty=frequency_penalty,
+                                           repetition_penalty=repetition_penalty, logit_bias=logit_bias or {}))
     if prompt_ids is not None:
         req.token_ids.ids.extend(prompt_ids)
     elif messages is not None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.plumbing.background import BackgroundTask
-from ddtree_serve.plumbing.messages import draft_arrays
+from ddtree_serve.plumbing.messages import draft_arrays, sampling_proto
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
 from gateway.scheduler import PairQueue, batch_budget_ceiling, plan_prefill_chunks, step_budgets
@@ -47,13 +47,6 @@ class EngineConfig:
     # Bench-only calibrated acceptance (gateway/calibrated_drafts.py DraftCalibrator): rewrites each draft's top-K
     # lists so that acceptance follows a measured profile. None in any real deployment.
     calibrator: DraftCalibrator | None = None
-
-
-def sampling_to_proto(seq: Sequence) -> common_pb2.SamplingParams:
-    """The request's sampling parameters as the target receives them."""
-    p = seq.sampling
-    return common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                     seed=p.seed if p.seed is not None else 0, has_seed=p.seed is not None)
 
 
 class PairEngine(BackgroundTask):
@@ -137,7 +130,7 @@ class PairEngine(BackgroundTask):
                 s.drafting = False   # no drafter attached right now: this one runs autoregressively
         request = target_pb2.PrefillRequest(items=[
             target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids[s.prefilled:s.prefilled + n],
-                                   sampling=sampling_to_proto(s), push_features=s.speculative, start=s.prefilled,
+                                   sampling=sampling_proto(s.sampling), push_features=s.speculative, start=s.prefilled,
                                    more=s.prefilled + n < len(s.prompt_ids), draft_top_k=self._draft_top_k(s),
                                    logprobs=s.logprobs >= 0, top_logprobs=max(s.logprobs, 0))
             for s, n in chunks])

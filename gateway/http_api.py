@@ -50,9 +50,6 @@ MAX_PROMPTS = 64   # prompts of one /v1/completions request (each its own sequen
 # "does this value ask for it": such a request gets a 400 naming the field, never an answer that ignored it (unknown
 # fields that change nothing, such as user or metadata, are accepted and ignored).
 _UNHONOURED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": bool,
-    "repetition_penalty": lambda v: v is not None and v != 1,
-    "min_p": bool,
     "min_tokens": bool,
     "prompt_logprobs": lambda v: v is not None,
     "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type", "text") == "text"),
@@ -88,6 +85,10 @@ class _Common(BaseModel):
     logprobs: Any = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias
+    # vLLM's extensions
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     # ddtree-serve extensions (pass them in the openai client's extra_body)
     top_k: int | None = None
     mode: Literal["ddtree", "dflash", "ar"] | None = None
@@ -241,9 +242,13 @@ class HttpFront:
             raise ApiError(400, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {wanted}", param=name)
         if isinstance(body, ChatCompletionRequest) and body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.presence_penalty or body.frequency_penalty:
-            # A penalty changes the distribution; ignoring it silently would break "lossless" expectations.
-            raise ApiError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+        for key in body.logit_bias or {}:
+            if not (key.strip().isdigit() and int(key) < 1 << 31):
+                raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if body.repetition_penalty is not None and body.repetition_penalty <= 0:
+            # on the wire 0 means "off": refuse it here, as vLLM does
+            raise ApiError(400, f"repetition_penalty must be > 0, got {body.repetition_penalty}",
+                           param="repetition_penalty")
         for name, value in (body.model_extra or {}).items():
             asks = _UNHONOURED.get(name)
             if asks is not None and asks(value):
@@ -265,7 +270,11 @@ class HttpFront:
         temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default
         sampling = common_pb2.SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
                                              top_k=body.top_k or 0, seed=body.seed or 0,
-                                             has_seed=body.seed is not None)
+                                             has_seed=body.seed is not None, min_p=body.min_p or 0.0,
+                                             presence_penalty=body.presence_penalty or 0.0,
+                                             frequency_penalty=body.frequency_penalty or 0.0,
+                                             repetition_penalty=body.repetition_penalty or 1.0,
+                                             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()})
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         wanted = _logprobs_wanted(body)
         req = gateway_pb2.GenerateRequest(sampling=sampling, stop=stop, ignore_eos=body.ignore_eos,

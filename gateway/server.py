@@ -235,6 +235,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the "
                              f"model's context limit of {self.max_seq_len} tokens")
         sampling = sampling_from_proto(request.sampling)
+        sampling.check_vocab(info.vocab_size)
         if request.mode == gateway_pb2.DECODE_MODE_DEFAULT:
             mode = self.cfg.mode
         elif request.mode in MODE_BY_ENUM:

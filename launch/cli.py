@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ddtree_serve.plumbing import event_loop
 from ddtree_serve.transport import TRANSPORTS
-from launch.client_commands import build_request, cmd_generate, generate_once, print_stats, print_text, up_state_file
+from launch.client_commands import (adjust_args, build_request, cmd_generate, generate_once, print_stats, print_text,
+                                    up_state_file)
 
 log = logging.getLogger("ddtree_serve")
 
@@ -323,7 +324,7 @@ def cmd_up(args) -> None:
         print("ready", flush=True)
         if args.prompt:
             req = build_request(args.prompt, None, args.max_tokens, args.temperature, args.seed, None, 0,
-                                chat=not args.raw, top_p=args.top_p, top_k=args.top_k)
+                                chat=not args.raw, top_p=args.top_p, top_k=args.top_k, **adjust_args(args))
             if not args.json:
                 print(f"\n> {args.prompt}\n")
             result = asyncio.run(generate_once(stack.gateway, req, on_text=None if args.json else print_text))
@@ -444,6 +445,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=_int_in(0), default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, help="sampling seed (reproducible samples)")
+    p.add_argument("--min-p", type=_float_in(0.0, 1.0), default=0.0,
+                   help="drop tokens less likely than this times the likeliest (0: off)")
+    p.add_argument("--repetition-penalty", type=_float_in(0.0, lo_open=True), default=1.0,
+                   help="divide positive (multiply negative) logits of prompt and output tokens (1: off)")
+    p.add_argument("--presence-penalty", type=_float_in(-2.0, 2.0), default=0.0,
+                   help="subtract from the logits of tokens already output (0: off)")
+    p.add_argument("--frequency-penalty", type=_float_in(-2.0, 2.0), default=0.0,
+                   help="subtract this times each token's output count from its logit (0: off)")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats), not a stream")
 

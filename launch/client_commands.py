@@ -10,13 +10,22 @@ from pathlib import Path
 
 def build_request(prompt: str | None, prompt_ids: str | None, max_tokens: int, temperature: float, seed: int | None,
                   mode: str | None, budget: int, chat: bool, stop: list[str] | None = None, ignore_eos: bool = False,
-                  top_p: float = 1.0, top_k: int = 0):
-    """Builds a public GenerateRequest from CLI-style arguments (prompt_ids: comma-separated)."""
+                  top_p: float = 1.0, top_k: int = 0, **adjust):
+    """Builds a public GenerateRequest from CLI-style arguments (prompt_ids: comma-separated; adjust: the logit
+    adjustments, min_p and the penalties, by name)."""
     from ddtree_serve.client import build_request as build
 
     ids = [int(x) for x in prompt_ids.split(",") if x.strip()] if prompt_ids else None
     return build(prompt, prompt_ids=ids, chat=chat, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                 top_k=top_k, seed=seed, mode=mode, budget=budget, stop=stop, ignore_eos=ignore_eos)
+                 top_k=top_k, seed=seed, mode=mode, budget=budget, stop=stop, ignore_eos=ignore_eos, **adjust)
+
+
+ADJUST_FLAGS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def adjust_args(args) -> dict:
+    """The parsed --min-p and penalty flags as build_request's keyword arguments."""
+    return {name: getattr(args, name) for name in ADJUST_FLAGS}
 
 
 async def generate_once(address: str, request, timeout_s: float = 600.0, on_text=None) -> dict:
@@ -101,7 +110,8 @@ def cmd_generate(args) -> None:
         args.parser.error("the prompt is empty")
     address, source = (args.gateway, "--gateway") if args.gateway else find_gateway()
     req = build_request(args.prompt, args.prompt_ids, args.max_tokens, args.temperature, args.seed, args.mode,
-                        args.budget, not args.raw, args.stop, args.ignore_eos, args.top_p, args.top_k)
+                        args.budget, not args.raw, args.stop, args.ignore_eos, args.top_p, args.top_k,
+                        **adjust_args(args))
     try:
         result = asyncio.run(generate_once(address, req, on_text=None if args.json else print_text))
     except grpc.aio.AioRpcError as exc:

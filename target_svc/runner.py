@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.logprobs import TokenLogprob, token_logprobs
+from ddtree_serve.decoding.logits_processing import TokenHistory, adjust_logits
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
 from ddtree_serve.plumbing.cuda_graphs import (HYBRID_PREFILL_FORWARD_FIXED_ROWS, PREFILL_FORWARD_FIXED_ROWS,
                                               pick_bucket, prefill_chunk)
@@ -140,6 +141,7 @@ class _Sequence:
     generator: torch.Generator
     pending_token: int
     logprobs: int = -1   # PrefillItem.logprobs
+    history: TokenHistory | None = None   # prompt and emitted tokens, kept where the sampling adjusts logits
 
 
 def _int_list(values: Tensor | Sequence[int]) -> list[int]:
@@ -286,8 +288,12 @@ class TargetRunner:
             for it in items:
                 if it.start == 0:
                     slot = self.model.cache.add_sequence(it.seq_id)
+                    history = TokenHistory.empty(self.vocab_size, self.device) if it.sampling.adjusts_logits else None
                     self.seqs[it.seq_id] = _Sequence(slot, it.sampling, make_generator(it.sampling.seed, self.device),
-                                                     pending_token=-1, logprobs=it.logprobs)
+                                                     pending_token=-1, logprobs=it.logprobs, history=history)
+                seq = self.seqs[it.seq_id]
+                if seq.history is not None:
+                    seq.history.add_prompt(it.prompt_ids)
             return self._prefill(items)
         except BaseException:
             # A half-run forward leaves caches and linear-attention states of these sequences unusable.
@@ -316,10 +322,10 @@ class TargetRunner:
                                  shape, self.model.cache.spec.scratch_slot)
         packed_dev = batch.packed.to(self.device, non_blocking=True)  # the one host->device copy of the step
         seqs = [tr.seq for tr in trees]
-        greedy = all(seq.sampling.greedy for seq in seqs)
+        plain = all(seq.sampling.plain_greedy for seq in seqs)
 
         def choose(logits: Tensor, choices: Tensor) -> Tensor:
-            return choices if greedy else self._sample_rows(logits, choices, seqs, sizes)
+            return choices if plain else self._sample_rows(logits, choices, seqs, sizes, trees)
 
         # Eagerly, accepted paths are at most the deepest tree's depth + 1: narrowing keeps the GDN replay short.
         walked = self._forward_commit(batch, packed_dev, graphed, choose, self.feature_layers,
@@ -341,6 +347,8 @@ class TargetRunner:
             self.model.cache.ctx_len[tr.seq.slot] = ctx
             tr.seq.pending_token = next_token
             tokens = tr.tokens
+            if tr.seq.history is not None:
+                tr.seq.history.add_output([tokens[i] for i in nodes[1:]] + [next_token])
             outputs.append(VerifyOutput(
                 seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=[tokens[i] for i in nodes[1:]],
                 next_token=next_token, context_len=ctx,
@@ -399,6 +407,8 @@ class TargetRunner:
             context_len = it.start + lens[b]
             self.model.cache.ctx_len[seq.slot] = context_len
             seq.pending_token = first.get(b, -1)
+            if b in first and seq.history is not None:
+                seq.history.add_output([first[b]])
             parts = feature_parts[b]
             feats = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
             lps = None
@@ -551,12 +561,24 @@ class TargetRunner:
         return self._sample_rows(logits, logits.argmax(dim=-1), seqs, sizes)
 
     @staticmethod
-    def _sample_rows(logits: Tensor, greedy: Tensor, seqs: list[_Sequence], sizes: list[int]) -> Tensor:
-        """The greedy choices with each sampling sequence's rows replaced by samples from its generator."""
+    def _sample_rows(logits: Tensor, greedy: Tensor, seqs: list[_Sequence], sizes: list[int],
+                     trees: list[_Tree] | None = None) -> Tensor:
+        """The raw greedy choices with the rows of each sequence that samples or adjusts its logits replaced: logits
+        adjusted per node under the node's own context (trees: the verified trees; None: one row per sequence, its
+        context the history alone), then the argmax or a sample from the sequence's generator."""
         choices = greedy.clone()
         for b, seq in enumerate(seqs):
-            if not seq.sampling.greedy:
-                choices[b, : sizes[b]] = choose_tokens(logits[b, : sizes[b]], seq.sampling, seq.generator)
+            params = seq.sampling
+            if params.plain_greedy:
+                continue
+            rows = logits[b, : sizes[b]]
+            if params.adjusts_logits:
+                tokens = parents = None
+                if trees is not None:
+                    tokens = torch.tensor(trees[b].tokens, dtype=torch.long)
+                    parents = torch.tensor(trees[b].parents, dtype=torch.long)
+                rows = adjust_logits(rows, params, seq.history, tokens, parents)
+            choices[b, : sizes[b]] = choose_tokens(rows, params, seq.generator)
         return choices
 
     def _check_prefill_batch(self, items: list[PrefillItem]) -> None:
@@ -578,6 +600,7 @@ class TargetRunner:
                     state = "its prompt is complete" if seq.pending_token != -1 else f"it holds {held} positions"
                     raise ValueError(f"sequence {it.seq_id!r}: a chunk at position {it.start}, but {state}")
             it.sampling.validate()
+            it.sampling.check_vocab(self.vocab_size)
             n = it.start + len(it.prompt_ids)
             if len(it.prompt_ids) == 0:
                 raise ValueError(f"sequence {it.seq_id!r}: empty prompt")

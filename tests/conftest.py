@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from ddtree_serve.decoding.config import SamplingParams
 from launch.local_stack import LocalStack
 from target_svc.quantization import BITS, quantize_weight, quantizes_head
 from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -90,14 +91,50 @@ def dequantize_decoder_linears_(model: torch.nn.Module, bits: int = 8) -> int:
     return n
 
 
-def reference_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int,
-                     quantize: str = "none") -> list[int]:
-    """transformers' own greedy generate(), new tokens only (of the dequantized int8 / int4 model with quantize=)."""
-    model = reference_model(str(model_dir), quantize)
+# Logit bias and all three penalties, each a value a float32 holds exactly (as the wire carries it).
+ADJUSTED_SAMPLING = SamplingParams(repetition_penalty=1.75, frequency_penalty=0.5, presence_penalty=0.25,
+                                   logit_bias=((7, 3.0), (50, -5.0)))
+
+
+class FrequencyPresencePenalty(transformers.LogitsProcessor):
+    """vLLM's frequency and presence penalties as a transformers processor, one token at a time (transformers has
+    none): each output token's logit loses frequency x its count, plus presence once."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float):
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        for row in range(scores.shape[0]):
+            output = input_ids[row, self.prompt_len:].tolist()
+            for token in set(output):   # two subtractions, as vLLM rounds them
+                scores[row, token] -= self.frequency * output.count(token)
+                scores[row, token] -= self.presence
+        return scores
+
+
+def adjusted_generate_kwargs(sampling: SamplingParams, prompt_len: int) -> dict:
+    """generate() keyword arguments that apply sampling's logit bias and penalties in our order: the bias, the
+    repetition penalty, then the frequency and presence penalties."""
+    return {"repetition_penalty": sampling.repetition_penalty,
+            "sequence_bias": {(t,): b for t, b in sampling.logit_bias} or None,
+            "logits_processor": transformers.LogitsProcessorList(
+                [FrequencyPresencePenalty(prompt_len, sampling.frequency_penalty, sampling.presence_penalty)])}
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> list[int]:
+    """model.generate() greedy, new tokens only; with sampling, its logit bias and penalties applied."""
+    extra = adjusted_generate_kwargs(sampling, len(prompt_ids)) if sampling is not None else {}
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=0)
+                             do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=0, **extra)
     return out[0, len(prompt_ids):].tolist()
+
+
+def reference_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int,
+                     quantize: str = "none", sampling: SamplingParams | None = None) -> list[int]:
+    """transformers' own greedy generate(), new tokens only (of the dequantized int8 / int4 model with quantize=;
+    with sampling, its logit bias and penalties applied)."""
+    return hf_greedy(reference_model(str(model_dir), quantize), prompt_ids, max_new_tokens, sampling)
 
 
 def make_request(prompt_ids: list[int], max_tokens: int, mode: str | None = None, budget: int = 0,

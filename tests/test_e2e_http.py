@@ -290,6 +290,13 @@ def test_a_client_leaving_an_n_sample_stream_frees_every_sample(oai, stack, mode
     ({"n": 0}, openai.BadRequestError, "n must be in [1, 16]"),
     ({"temperature": -1}, openai.BadRequestError, "temperature"),
     ({"model": "gpt-4o"}, openai.NotFoundError, "does not exist"),
+    ({"presence_penalty": 2.5}, openai.BadRequestError, "presence_penalty must be in [-2, 2]"),
+    ({"frequency_penalty": -3}, openai.BadRequestError, "frequency_penalty must be in [-2, 2]"),
+    ({"extra_body": {"repetition_penalty": 0}}, openai.BadRequestError, "repetition_penalty must be > 0"),
+    ({"extra_body": {"min_p": 1.5}}, openai.BadRequestError, "min_p must be in [0, 1]"),
+    ({"logit_bias": {"x": 1}}, openai.BadRequestError, "logit_bias keys must be token ids"),
+    ({"logit_bias": {"5": 101}}, openai.BadRequestError, "logit_bias values must be in [-100, 100]"),
+    ({"logit_bias": {"99999999": 1}}, openai.BadRequestError, "logit_bias token ids must lie in"),
 ])
 def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fragment):
     args = {"model": model_id, "messages": CHAT, "max_tokens": 8, **kwargs}
@@ -300,9 +307,8 @@ def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fra
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+    ({"extra_body": {"bad_words": ["prime"]}}, "bad_words"),
     ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
     ({"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
 ])
@@ -316,8 +322,32 @@ def test_neutral_values_of_those_fields_and_vllms_top_k_of_minus_one_change_noth
     sampled = {"model": model_id, "messages": CHAT, "max_tokens": 8, "temperature": 0.8, "seed": 3}
     plain = oai.chat.completions.create(**sampled)
     neutral = oai.chat.completions.create(**sampled, response_format={"type": "text"}, logit_bias={},
-                                          extra_body={"repetition_penalty": 1.0, "min_tokens": 0, "top_k": -1})
+                                          presence_penalty=0, frequency_penalty=0,
+                                          extra_body={"repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0,
+                                                      "top_k": -1})
     assert neutral.choices[0].message.content == plain.choices[0].message.content
+
+
+ADJUSTED_PROMPT = [5, 6, 7, 8]
+
+
+def test_penalties_min_p_and_logit_bias_answer_as_the_grpc_api_with_the_same_fields(oai, grpc_client, model_id):
+    http = oai.completions.create(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=16, temperature=0,
+                                  presence_penalty=0.5, frequency_penalty=0.25, logit_bias={"9": 2.0},
+                                  extra_body={"repetition_penalty": 1.5, "min_p": 0.05, "ignore_eos": True})
+    adjusted = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=16, ignore_eos=True, presence_penalty=0.5,
+                                    frequency_penalty=0.25, logit_bias={9: 2.0}, repetition_penalty=1.5, min_p=0.05)
+    plain = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=16, ignore_eos=True)
+    assert http.choices[0].text == adjusted.text
+    assert adjusted.token_ids != plain.token_ids
+
+
+def test_a_logit_bias_of_100_makes_the_greedy_answer_that_token(oai, grpc_client, model_id):
+    forced = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=8, ignore_eos=True, logit_bias={42: 100.0})
+    assert forced.token_ids == [42] * 8
+    http = oai.completions.create(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=8, temperature=0,
+                                  logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert http.choices[0].text == forced.text
 
 
 def test_a_wrong_api_key_is_refused_while_health_and_metrics_stay_open(stack, model_id):

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_request, prompts_for, reference_greedy, run_streams, start_stack
+from ddtree_serve.plumbing.messages import sampling_proto
+from tests.conftest import (ADJUSTED_SAMPLING, make_request, prompts_for, reference_greedy, run_streams,
+                            start_stack)
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +52,30 @@ def test_concurrent_mixed_requests_equal_transformers_greedy(checkpoints, kind):
             assert stats.accepted_tokens == 0 and stats.draft_tokens == 0
         else:  # every step verified a real draft (no silent fall-back to autoregressive decoding)
             assert stats.draft_tokens >= stats.steps
+
+
+def test_penalised_and_biased_greedy_requests_equal_transformers_with_the_same_processors(checkpoints):
+    """Logit bias, repetition, frequency and presence penalties through the three services, every mode: the answer
+    transformers' greedy generate() gives with the same processors (and not the unadjusted one)."""
+    target, drafter = checkpoints("qwen3")
+    cases = [(6, "ddtree", 16), (13, "ddtree", 0), (8, "dflash", 0), (10, "ar", 0)]
+    prompts = prompts_for(target, [n for n, *_ in cases], seed=23)
+    requests = []
+    for prompt, (_, mode, budget) in zip(prompts, cases):
+        req = make_request(prompt, 48, mode, budget)
+        req.sampling.CopyFrom(sampling_proto(ADJUSTED_SAMPLING))
+        requests.append(req)
+    stack = start_stack(target, drafter)
+    try:
+        results = run_streams(stack.gateway, requests)
+    finally:
+        stack.stop()
+    for prompt, (_, mode, budget), result in zip(prompts, cases, results):
+        expected = reference_greedy(target, prompt, 48, sampling=ADJUSTED_SAMPLING)
+        assert result["token_ids"] == expected, f"mode={mode} budget={budget}"
+        assert expected != reference_greedy(target, prompt, 48)
+        if mode != "ar":
+            assert result["stats"].draft_tokens >= result["stats"].steps
 
 
 def _transport_bytes(metrics_port: int) -> dict[tuple[str, str], float]:

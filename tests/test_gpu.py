@@ -15,24 +15,29 @@ from ddtree_serve.decoding.ddtree import build_ddtree_batch
 from ddtree_serve.proto import gateway_pb2_grpc
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 from target_svc.runner import PREFILL_VERIFY_CHUNKS, PrefillItem, TargetConfig, TargetRunner, VerifyItem
-from tests.conftest import make_request, prompts_for, reference_model, run_streams, start_stack
+from tests.conftest import (ADJUSTED_SAMPLING, adjusted_generate_kwargs, make_request, prompts_for, reference_model,
+                            run_streams, start_stack)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def hf_greedy_on(device: str, model_dir, prompt: list[int], n: int, dtype=torch.float32) -> list[int]:
-    """transformers' greedy generate() on `device`, from a fresh copy (the cached CPU oracle stays untouched)."""
+def hf_greedy_on(device: str, model_dir, prompt: list[int], n: int, dtype=torch.float32,
+                 sampling: SamplingParams | None = None) -> list[int]:
+    """transformers' greedy generate() on `device`, from a fresh copy (the cached CPU oracle stays untouched); with
+    sampling, its logit bias and penalties applied."""
     model = copy.deepcopy(reference_model(str(model_dir))).to(device=device, dtype=dtype)
+    extra = adjusted_generate_kwargs(sampling, len(prompt)) if sampling is not None else {}
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=n,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-                             pad_token_id=0)
+                             pad_token_id=0, **extra)
     return out[0, len(prompt):].tolist()
 
 
 def speculative_greedy(target_dir, drafter_dir, prompt: list[int], n: int, dtype: torch.dtype,
                        enforce_eager: bool = False, runners: list | None = None,
-                       prefill_verify_chunks: int | None = None) -> tuple[list[int], int]:
+                       prefill_verify_chunks: int | None = None, sampling: SamplingParams = SamplingParams()
+                       ) -> tuple[list[int], int]:
     """Runners on cuda: prefill, then DDTree steps (budget 32) until n tokens; returns tokens and accepted drafts.
     The runners are appended to `runners` when given (to inspect their graphs)."""
     target = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cuda", dtype=dtype, max_batch=2,
@@ -44,7 +49,7 @@ def speculative_greedy(target_dir, drafter_dir, prompt: list[int], n: int, dtype
     if runners is not None:
         runners += [target, drafter]
     target.set_feature_layers(drafter.target_layer_ids)
-    (out,) = target.prefill([PrefillItem("a", prompt, SamplingParams(), True)])
+    (out,) = target.prefill([PrefillItem("a", prompt, sampling, True)])
     drafter.add_context("a", 0, out.features)
     tokens, ctx, accepted = [out.next_token], out.context_len, 0
     while len(tokens) < n:
@@ -111,6 +116,21 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
         # a capture that records no kernel would replay nothing: every cache names its empty captures
         caches = (graphs.forwards, graphs.walks, graphs.commits, drafter_runner.graphs.cache)
         assert {c.name: c.empty_keys for c in caches if c.empty_keys} == {}
+
+
+def test_cuda_penalised_biased_greedy_through_graphs_equals_eager_and_transformers(checkpoints):
+    """Logit bias and penalties applied to the captured verify's logits, each node under its own path: float32
+    equals transformers' greedy generate() with the same processors on the GPU, and the eager path, exactly."""
+    target, drafter = checkpoints("qwen3")
+    prompt = prompts_for(target, [9], seed=4)[0]
+    runners = []
+    graphed, accepted = speculative_greedy(target, drafter, prompt, 48, torch.float32, runners=runners,
+                                           sampling=ADJUSTED_SAMPLING)
+    eager, _ = speculative_greedy(target, drafter, prompt, 48, torch.float32, enforce_eager=True,
+                                  prefill_verify_chunks=PREFILL_VERIFY_CHUNKS, sampling=ADJUSTED_SAMPLING)
+    assert runners[0].graphs.walks.graphs and accepted > 0
+    assert graphed == eager == hf_greedy_on("cuda", target, prompt, 48, sampling=ADJUSTED_SAMPLING)
+    assert graphed != hf_greedy_on("cuda", target, prompt, 48)
 
 
 def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):

@@ -11,6 +11,7 @@ import transformers
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.plumbing.cuda_graphs import tree_node_buckets
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
+from tests.conftest import ADJUSTED_SAMPLING, hf_greedy
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
 
 MAKERS = {
@@ -47,13 +48,6 @@ def _runner(path, **kw) -> TargetRunner:
 
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, min_new_tokens=0, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def _root_only(seq_id: str, token: int) -> VerifyItem:
@@ -98,7 +92,7 @@ def test_greedy_root_only_steps_equal_hf_generate(arch, checkpoints, references)
         assert step.accepted_nodes == [0] and step.accepted_tokens == []
         assert step.context_len == len(prompt) + len(generated)
         generated.append(step.next_token)
-    assert generated == _hf_greedy(references[arch], prompt, N_NEW)
+    assert generated == hf_greedy(references[arch], prompt, N_NEW)
 
 
 @pytest.mark.parametrize("arch,tree_gdn", [(a, "depthwise") for a in sorted(MAKERS)] + [("qwen3_5", "wy")])
@@ -107,7 +101,7 @@ def test_batched_random_tree_verify_equals_hf_greedy_and_plain_decoding(arch, tr
     runner.model.tree_gdn = tree_gdn  # "wy": the one-pass tree form that CUDA graphs capture
     runner.set_feature_layers([0, 2])
     prompts = {f"s{i}": _prompt(n, seed=10 + i) for i, n in enumerate((5, 23, 41))}
-    truth = {sid: _hf_greedy(references[arch], p, N_NEW + 16) for sid, p in prompts.items()}
+    truth = {sid: hf_greedy(references[arch], p, N_NEW + 16) for sid, p in prompts.items()}
     first = runner.prefill([PrefillItem(sid, p, SamplingParams(), want_features=True) for sid, p in prompts.items()])
     generated = {o.seq_id: [o.next_token] for o in first}
     features = {o.seq_id: [o.features] for o in first}
@@ -148,6 +142,39 @@ def test_batched_random_tree_verify_equals_hf_greedy_and_plain_decoding(arch, tr
             torch.testing.assert_close(mine.rec[a], other.rec[b], atol=1e-4, rtol=0)
         # Features of accepted rows, in path order, are the rows of the committed sequence.
         torch.testing.assert_close(torch.cat(features[sid]), torch.cat(plain_features), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_penalised_biased_greedy_tree_verify_equals_hf_generate_with_the_same_processors(arch, checkpoints,
+                                                                                          references):
+    """Every accepted node is chosen under its own context (prompt, emitted tokens, its root path): random trees
+    along transformers' answer reproduce it exactly, and differ from the unadjusted answer."""
+    runner = _runner(checkpoints[arch])
+    prompts = {f"p{i}": _prompt(n, seed=40 + i) for i, n in enumerate((9, 26))}
+    truth = {sid: hf_greedy(references[arch], p, N_NEW + 16, ADJUSTED_SAMPLING) for sid, p in prompts.items()}
+    first = runner.prefill([PrefillItem(sid, p, ADJUSTED_SAMPLING) for sid, p in prompts.items()])
+    generated = {o.seq_id: [o.next_token] for o in first}
+    rng = random.Random(1)
+    accepted_lengths = []
+    while min(len(g) for g in generated.values()) < N_NEW:
+        items = []
+        for sid, gen in generated.items():
+            tokens, parents = _random_tree(gen[-1], truth[sid][len(gen):], rng, rng.randint(1, 24))
+            items.append(VerifyItem(sid, torch.tensor(tokens), torch.tensor(parents)))
+        for it, out in zip(items, runner.verify(items)):
+            generated[it.seq_id] += out.accepted_tokens + [out.next_token]
+            accepted_lengths.append(len(out.accepted_nodes))
+    assert max(accepted_lengths) >= 4
+    for sid, gen in generated.items():
+        assert gen == truth[sid][: len(gen)]
+        assert gen != hf_greedy(references[arch], prompts[sid], len(gen))
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_at_prefill(checkpoints):
+    runner = _runner(checkpoints["qwen3"])
+    with pytest.raises(ValueError, match="logit_bias"):
+        runner.prefill([PrefillItem("b", [5, 6], SamplingParams(logit_bias=((VOCAB, 1.0),)))])
+    assert "b" not in runner.seqs
 
 
 def test_a_verify_step_builds_its_trees_ancestor_mask_once(checkpoints, monkeypatch):
@@ -206,7 +233,7 @@ def test_chunked_prefill_equals_one_forward_over_the_whole_prompts(arch, chunkin
     tokens = [firsts["s3"]]
     while len(tokens) < 9:
         tokens.append(chunked.verify([_root_only("s3", tokens[-1])])[0].next_token)
-    assert tokens == _hf_greedy(references[arch], prompts["s3"], 9)
+    assert tokens == hf_greedy(references[arch], prompts["s3"], 9)
 
 
 @pytest.mark.parametrize("arch", sorted(MAKERS))
@@ -234,7 +261,7 @@ def test_a_prompt_prefilled_over_several_calls_equals_one_call(arch, chunking, c
     tokens = [c[0].next_token]
     while len(tokens) < 8:
         tokens.append(runner.verify([_root_only("long", tokens[-1])])[0].next_token)
-    assert tokens == _hf_greedy(references[arch], long_prompt, 8)
+    assert tokens == hf_greedy(references[arch], long_prompt, 8)
 
 
 def test_prompts_longer_than_the_verified_chains_allow_are_prefilled_by_forwards(checkpoints, monkeypatch):

@@ -6,33 +6,65 @@ from dataclasses import dataclass
 
 # Below this, logits / temperature overflow to inf and softmax yields NaN; vLLM treats such temperatures as greedy.
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's ranges: presence and frequency penalties in [-2, 2], logit biases in [-100, 100], at most 300 of them.
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the target picks each committed token: greedy at temperature 0, else a tempered sample."""
+    """How the target picks each committed token: greedy at temperature 0, else a tempered sample.
+
+    Before the choice the logits may be adjusted as in vLLM and transformers (logits_processing.py): logit_bias
+    added, then the repetition penalty (over prompt and output tokens), then the frequency and presence penalties
+    (over output tokens). min_p filters the tempered distribution after top-k and top-p, as transformers does."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids distinct and ascending
 
     @classmethod
-    def from_wire(cls, temperature: float, top_p: float, top_k: int, seed: int | None) -> "SamplingParams":
-        """Request fields -> validated params: 0 turns top_p off, NaN is refused, tiny temperatures are greedy."""
+    def from_wire(cls, temperature: float, top_p: float, top_k: int, seed: int | None, *, min_p: float = 0.0,
+                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                  logit_bias: dict[int, float] | None = None) -> "SamplingParams":
+        """Request fields -> validated params: 0 turns top_p and the repetition penalty off, NaN is refused, tiny
+        temperatures are greedy."""
         temperature, top_p = float(temperature), float(top_p)
         if math.isnan(top_p):
             raise ValueError("top_p must be in (0, 1], got nan")
         if math.isfinite(temperature) and 0 < temperature < GREEDY_TEMPERATURE:
             temperature = 0.0
+        repetition_penalty = float(repetition_penalty)
+        bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
         params = cls(temperature=temperature, top_p=1.0 if top_p == 0 else top_p, top_k=int(top_k),
-                     seed=None if seed is None else int(seed))
+                     seed=None if seed is None else int(seed), min_p=float(min_p),
+                     presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
+                     repetition_penalty=1.0 if repetition_penalty == 0 else repetition_penalty, logit_bias=bias)
         params.validate()
         return params
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the logits are changed before the choice (a bias or a penalty): the choice then depends on the
+        sequence's tokens, not on the logits alone."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with unadjusted logits: the choice is the raw argmax (the verify step's fast path)."""
+        return self.greedy and not self.adjusts_logits
 
     def validate(self) -> None:
         """Raises ValueError with a user-facing message when a field is out of range."""
@@ -42,6 +74,30 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or abs(value) > MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+        ids = [t for t, _ in self.logit_bias]
+        if ids != sorted(set(ids)):
+            raise ValueError("logit_bias token ids must be distinct, in ascending order")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not math.isfinite(bias) or abs(bias) > MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], "
+                                 f"got {bias} for token {token}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises ValueError when logit_bias names a token outside [0, vocab_size)."""
+        if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size}), got {self.logit_bias[-1][0]}")
 
 
 def default_budget(device: str) -> int:

@@ -2,7 +2,8 @@
 
 Filtering follows HF/vLLM: temperature first, then top-k (keep logits >= the k-th largest, ties kept), then
 top-p over the renormalised result (drop the low tail whose mass is <= 1 - top_p, always keeping the most
-likely token). All math in float32.
+likely token), then min-p (drop tokens less likely than min_p times the likeliest one), in transformers' order.
+All math in float32. Logits adjusted by a bias or penalties (logits_processing.py) come in adjusted.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return gen
 
 
-def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Logits with the tokens outside top-k / top-p set to -inf (0 and 1.0 disable the filters)."""
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
+    """Logits with the tokens outside top-k / top-p / min-p set to -inf (0, 1.0 and 0 disable the filters)."""
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -36,6 +37,10 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
         drop = cum <= 1.0 - top_p
         drop[..., -1] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if min_p > 0.0:
+        # compared as probabilities, as transformers does; the likeliest token always stays (min_p <= 1)
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return logits
 
 
@@ -44,7 +49,7 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     x = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).float()
-    return filter_logits(x / params.temperature, params.top_k, params.top_p).softmax(-1)
+    return filter_logits(x / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
 
 
 def choose_tokens(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:

@@ -10,8 +10,20 @@ from ddtree_serve.proto import common_pb2, drafter_pb2
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """Proto -> validated SamplingParams (0 means 'off' for top_p / top_k); ValueError when out of range."""
-    return SamplingParams.from_wire(p.temperature, p.top_p, p.top_k, p.seed if p.has_seed else None)
+    """Proto -> validated SamplingParams (0 means 'off' for top_p / top_k / repetition_penalty); ValueError when out
+    of range."""
+    return SamplingParams.from_wire(p.temperature, p.top_p, p.top_k, p.seed if p.has_seed else None, min_p=p.min_p,
+                                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                    repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias))
+
+
+def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    """SamplingParams -> its proto (sampling_from_proto's inverse)."""
+    return common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                     seed=p.seed if p.seed is not None else 0, has_seed=p.seed is not None,
+                                     min_p=p.min_p, presence_penalty=p.presence_penalty,
+                                     frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
+                                     logit_bias=dict(p.logit_bias))
 
 
 def logprobs_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:

@@ -1,0 +1,91 @@
+"""Logit adjustments that depend on the sequence's tokens: logit_bias and the repetition, frequency and presence
+penalties, applied to every node of a draft tree under that node's own context.
+
+Semantics follow vLLM (and transformers for the two it has): the bias is added first (transformers'
+`sequence_bias` for one-token sequences); then the repetition penalty divides positive logits and multiplies
+negative ones of every token seen in the prompt or the output (transformers' `repetition_penalty`); then the
+frequency penalty subtracts penalty x count and the presence penalty subtracts penalty once, for each token of the
+output so far. Temperature, top-k, top-p and min_p come after (sampling.py).
+
+In a tree, node i's logits predict the token after node i, so its output so far is the sequence's emitted tokens
+(which include the pending root) plus the tokens of the non-root nodes on the path from the root to i. Choosing
+each node's token from its own context keeps speculative decoding lossless: the accepted path is exactly what the
+target would have chosen one token at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.tree_mask import ancestor_mask
+
+__all__ = ["TokenHistory", "path_output_counts", "adjust_logits"]
+
+
+@dataclass
+class TokenHistory:
+    """A sequence's prompt tokens (seen or not) and output token counts, over the vocabulary, on its device."""
+
+    prompt_seen: Tensor     # BoolTensor[V]
+    output_counts: Tensor   # FloatTensor[V] (float32: counts stay exact far past any context length)
+
+    @classmethod
+    def empty(cls, vocab_size: int, device: torch.device | str) -> "TokenHistory":
+        """No tokens yet."""
+        return cls(torch.zeros(vocab_size, dtype=torch.bool, device=device),
+                   torch.zeros(vocab_size, dtype=torch.float32, device=device))
+
+    def add_prompt(self, ids: list[int]) -> None:
+        """Marks prompt tokens as seen."""
+        if ids:
+            self.prompt_seen[torch.tensor(ids, dtype=torch.long).to(self.prompt_seen.device)] = True
+
+    def add_output(self, ids: list[int]) -> None:
+        """Counts emitted tokens (repeats add up)."""
+        if ids:
+            idx = torch.tensor(ids, dtype=torch.long).to(self.output_counts.device)
+            self.output_counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.float32), accumulate=True)
+
+
+def path_output_counts(history: TokenHistory, tokens: Tensor, parents: Tensor) -> Tensor:
+    """FloatTensor[T, V]: per node, the output counts it is chosen under: the history's plus the tokens of the
+    non-root nodes on its root path (itself included)."""
+    t = tokens.shape[0]
+    counts = history.output_counts.expand(t, -1).clone()
+    if t > 1:
+        anc = ancestor_mask(parents.to(tokens.device))      # anc[i, j]: j is i or one of its ancestors
+        rows, cols = anc[:, 1:].nonzero(as_tuple=True)       # the root's token is counted in the history already
+        counts.index_put_((rows, tokens[1:][cols]), torch.ones_like(rows, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def adjust_logits(logits: Tensor, params: SamplingParams, history: TokenHistory | None = None,
+                  tokens: Tensor | None = None, parents: Tensor | None = None) -> Tensor:
+    """FloatTensor[T, V]: logits[T, V] of one tree (or of T independent rows with tokens None) with the bias and
+    the penalties applied, each node under its own context. The history is needed only for penalties."""
+    x = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=x.device)
+        x[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=x.device)
+    penalised = params.repetition_penalty != 1.0 or params.frequency_penalty != 0 or params.presence_penalty != 0
+    if not penalised:
+        return x
+    if history is None:
+        raise ValueError("penalties need the sequence's token history")
+    if tokens is None:
+        counts = history.output_counts.expand(x.shape[0], -1)
+    else:
+        counts = path_output_counts(history, tokens.to(x.device), parents)
+    present = counts > 0
+    if params.repetition_penalty != 1.0:
+        seen = present | history.prompt_seen[None, :]
+        r = params.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if params.frequency_penalty != 0:
+        x = x - params.frequency_penalty * counts
+    if params.presence_penalty != 0:
+        x = x - params.presence_penalty * present.float()
+    return x

@@ -1,0 +1,137 @@
+"""Logit bias, penalties and min-p: transformers' own processors agree, and each tree node is judged under its
+own context."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    SequenceBiasLogitsProcessor)
+
+from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.logits_processing import TokenHistory, adjust_logits, path_output_counts
+from ddtree_serve.decoding.sampling import filter_logits
+
+V = 40
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _history(prompt: list[int], output: list[int]) -> TokenHistory:
+    h = TokenHistory.empty(V, "cpu")
+    h.add_prompt(prompt)
+    h.add_output(output)
+    return h
+
+
+def test_the_repetition_penalty_equals_transformers_over_prompt_and_output_tokens():
+    prompt, output = [3, 7, 7, 11], [7, 20, 25, 20]
+    x = _logits(1)
+    ours = adjust_logits(x, SamplingParams(repetition_penalty=1.7), _history(prompt, output))
+    theirs = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), x.clone())
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_logit_bias_equals_transformers_sequence_bias_of_single_tokens():
+    x = _logits(3, seed=1)
+    bias = {4: 2.5, 9: -100.0, 30: 0.25}
+    ours = adjust_logits(x, SamplingParams.from_wire(0.0, 1.0, 0, None, logit_bias=bias))
+    theirs = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(torch.tensor([[1]] * 3), x.clone())
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_min_p_equals_transformers_after_temperature():
+    x = _logits(6, seed=2) / 0.7
+    ours = filter_logits(x.clone(), min_p=0.15)
+    theirs = MinPLogitsWarper(0.15)(torch.tensor([[1]] * 6), x.clone())
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    assert torch.isfinite(ours).sum(-1).min() >= 1 and torch.isinf(ours).any()
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only():
+    x = torch.zeros(1, V)
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    out = adjust_logits(x, params, _history(prompt=[1, 2], output=[5, 5, 5, 6]))[0]
+    assert out[5].item() == pytest.approx(-(3 * 0.5 + 0.25))
+    assert out[6].item() == pytest.approx(-(0.5 + 0.25))
+    assert out[1].item() == 0 and out[2].item() == 0 and out[7].item() == 0
+
+
+def test_a_negative_penalty_rewards_repeats():
+    out = adjust_logits(torch.zeros(1, V), SamplingParams(presence_penalty=-1.0), _history([], [8]))[0]
+    assert out[8].item() == 1.0 and out.argmax().item() == 8
+
+
+def test_each_tree_node_counts_the_tokens_on_its_own_root_path():
+    #        0(root: 12)
+    #       /        \
+    #    1(5)        2(6)
+    #     |            \
+    #    3(5)          4(7)
+    tokens = torch.tensor([12, 5, 6, 5, 7])
+    parents = torch.tensor([-1, 0, 0, 1, 2])
+    history = _history(prompt=[], output=[12, 6])
+    counts = path_output_counts(history, tokens, parents)
+    expected_paths = {0: [], 1: [5], 2: [6], 3: [5, 5], 4: [6, 7]}
+    for node, path in expected_paths.items():
+        want = history.output_counts.clone()
+        for t in path:
+            want[t] += 1
+        assert torch.equal(counts[node], want), node
+
+
+def test_adjusting_a_tree_equals_adjusting_each_node_under_its_path_as_a_plain_sequence():
+    tokens = torch.tensor([12, 5, 6, 5, 7, 9])
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3])
+    prompt, output = [3, 5, 9], [12]
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+                            logit_bias=((6, 1.0), (9, -2.0)))
+    x = _logits(len(tokens), seed=3)
+    tree = adjust_logits(x, params, _history(prompt, output), tokens, parents)
+    paths = {0: [], 1: [5], 2: [6], 3: [5, 5], 4: [6, 7], 5: [5, 5, 9]}
+    for node, path in paths.items():
+        alone = adjust_logits(x[node : node + 1], params, _history(prompt, output + path))
+        torch.testing.assert_close(tree[node : node + 1], alone, rtol=0, atol=0)
+
+
+def test_bias_alone_needs_no_history_but_penalties_do():
+    adjust_logits(_logits(1), SamplingParams(logit_bias=((1, 1.0),)))
+    with pytest.raises(ValueError, match="history"):
+        adjust_logits(_logits(1), SamplingParams(presence_penalty=1.0))
+
+
+def test_only_biases_and_penalties_count_as_adjusting_logits():
+    assert not SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1).adjusts_logits
+    assert SamplingParams(logit_bias=((1, 0.5),)).adjusts_logits
+    assert SamplingParams(repetition_penalty=1.1).adjusts_logits
+    assert SamplingParams(frequency_penalty=-0.1).adjusts_logits
+    assert not SamplingParams(repetition_penalty=1.1).plain_greedy and SamplingParams().plain_greedy
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"logit_bias": {1: 101.0}}, "logit_bias values"),
+    ({"logit_bias": {1: float("nan")}}, "logit_bias values"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias token ids"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "at most 300"),
+])
+def test_out_of_range_fields_are_refused_with_their_name(fields, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        SamplingParams.from_wire(0.0, 1.0, 0, None, **fields)
+
+
+def test_wire_zero_turns_the_repetition_penalty_off():
+    assert SamplingParams.from_wire(0.0, 1.0, 0, None, repetition_penalty=0.0).repetition_penalty == 1.0
+
+
+def test_a_bias_outside_the_vocabulary_is_refused():
+    params = SamplingParams.from_wire(0.0, 1.0, 0, None, logit_bias={V: 1.0})
+    with pytest.raises(ValueError, match=r"\[0, 40\)"):
+        params.check_vocab(V)
+    params.check_vocab(V + 1)
