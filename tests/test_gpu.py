@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import random
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 from target_svc.runner import PREFILL_VERIFY_CHUNKS, PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.conftest import (ADJUSTED_SAMPLING, adjusted_generate_kwargs, make_request, prompts_for, reference_model,
                             run_streams, start_stack)
+from tests.fixtures.trees import random_tree_along
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -119,18 +121,32 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
 
 
 def test_cuda_penalised_biased_greedy_through_graphs_equals_eager_and_transformers(checkpoints):
-    """Logit bias and penalties applied to the captured verify's logits, each node under its own path: float32
-    equals transformers' greedy generate() with the same processors on the GPU, and the eager path, exactly."""
-    target, drafter = checkpoints("qwen3")
+    """Logit bias and penalties applied to the captured verify's logits, each node under its own path: random trees
+    along transformers' answer (with the same processors, float32, on the GPU) reproduce it exactly, graphed and
+    eagerly, and it differs from the unadjusted answer."""
+    target, _ = checkpoints("qwen3")
     prompt = prompts_for(target, [9], seed=4)[0]
-    runners = []
-    graphed, accepted = speculative_greedy(target, drafter, prompt, 48, torch.float32, runners=runners,
-                                           sampling=ADJUSTED_SAMPLING)
-    eager, _ = speculative_greedy(target, drafter, prompt, 48, torch.float32, enforce_eager=True,
-                                  prefill_verify_chunks=PREFILL_VERIFY_CHUNKS, sampling=ADJUSTED_SAMPLING)
-    assert runners[0].graphs.walks.graphs and accepted > 0
-    assert graphed == eager == hf_greedy_on("cuda", target, prompt, 48, sampling=ADJUSTED_SAMPLING)
-    assert graphed != hf_greedy_on("cuda", target, prompt, 48)
+    vocab = reference_model(str(target)).config.get_text_config().vocab_size
+    truth = hf_greedy_on("cuda", target, prompt, 96, sampling=ADJUSTED_SAMPLING)
+
+    def run(enforce_eager: bool) -> tuple[list[int], int, TargetRunner]:
+        runner = TargetRunner(TargetConfig(model_dir=str(target), device="cuda", dtype=torch.float32, max_batch=2,
+                                           max_seq_len=256, max_tree_nodes=65, enforce_eager=enforce_eager,
+                                           prefill_verify_chunks=PREFILL_VERIFY_CHUNKS))
+        (out,) = runner.prefill([PrefillItem("a", prompt, ADJUSTED_SAMPLING)])
+        tokens, rng, deepest = [out.next_token], random.Random(2), 1
+        while len(tokens) < 48:
+            tree, parents = random_tree_along(tokens[-1], truth[len(tokens):], rng, rng.randint(1, 40), vocab)
+            (r,) = runner.verify([VerifyItem("a", torch.tensor(tree), torch.tensor(parents))])
+            tokens += r.accepted_tokens + [r.next_token]
+            deepest = max(deepest, len(r.accepted_nodes))
+        return tokens[:48], deepest, runner
+
+    graphed, deepest, runner = run(enforce_eager=False)
+    eager, _, _ = run(enforce_eager=True)
+    assert runner.graphs.walks.graphs and deepest >= 4
+    assert graphed == eager == truth[:48]
+    assert truth[:48] != hf_greedy_on("cuda", target, prompt, 48)
 
 
 def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):

@@ -13,6 +13,7 @@ from ddtree_serve.plumbing.cuda_graphs import tree_node_buckets
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.conftest import ADJUSTED_SAMPLING, hf_greedy
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
+from tests.fixtures.trees import random_tree_along
 
 MAKERS = {
     "qwen3": lambda d: make_tiny_qwen3(d, seed=21),
@@ -55,29 +56,7 @@ def _root_only(seq_id: str, token: int) -> VerifyItem:
 
 
 def _random_tree(root: int, truth: list[int], rng: random.Random, n_nodes: int) -> tuple[list[int], list[int]]:
-    """A random tree whose nodes carry the target's next token (truth along the path) or a random token.
-
-    truth[k] is the target's token at depth k + 1 below the root; nodes off the true path get random tokens.
-    """
-    tokens, parents, depth, on_path = [root], [-1], [0], [True]
-    children: list[set[int]] = [set()]
-    for _ in range(n_nodes - 1):
-        # Prefer extending the true path, so that acceptance lengths vary from 1 to deep.
-        if rng.random() < 0.7:
-            p = rng.choice([i for i in range(len(tokens)) if on_path[i]])
-        else:
-            p = rng.randrange(len(tokens))
-        d = depth[p] + 1
-        token = truth[d - 1] if on_path[p] and d - 1 < len(truth) and rng.random() < 0.6 else rng.randrange(4, VOCAB)
-        if token in children[p]:
-            continue  # siblings carry distinct tokens
-        children[p].add(token)
-        tokens.append(token)
-        parents.append(p)
-        depth.append(d)
-        on_path.append(on_path[p] and d - 1 < len(truth) and token == truth[d - 1])
-        children.append(set())
-    return tokens, parents
+    return random_tree_along(root, truth, rng, n_nodes, VOCAB)
 
 
 @pytest.mark.parametrize("arch", sorted(MAKERS))
