@@ -20,6 +20,9 @@ BAD_ARGS = {
     "top_p zero": ["generate", "--top-p", "0", "hi"],
     "negative top_k": ["generate", "--top-k", "-2", "hi"],
     "NaN temperature": ["generate", "--temperature", "nan", "hi"],
+    "zero repetition penalty": ["generate", "--repetition-penalty", "0", "hi"],
+    "presence penalty beyond 2": ["generate", "--presence-penalty", "2.5", "hi"],
+    "min_p above 1": ["up", "--min-p", "1.5"],
     "no prompt": ["generate"],
     "empty prompt": ["generate", "  "],
     "up with max_tokens 0": ["up", "--max-tokens", "0"],
@@ -118,6 +121,14 @@ def test_text_prompts_use_the_chat_template_unless_raw():
 def test_top_p_and_top_k_reach_the_request():
     req = cli.build_request("hi", None, 8, 0.7, 3, None, 0, True, top_p=0.9, top_k=40)
     assert (round(req.sampling.top_p, 6), req.sampling.top_k, req.sampling.seed) == (0.9, 40, 3)
+
+
+def test_min_p_and_the_penalties_reach_the_request():
+    args = cli.build_parser().parse_args(["generate", "--min-p", "0.25", "--repetition-penalty", "1.5",
+                                          "--presence-penalty", "-0.5", "--frequency-penalty", "0.75", "hi"])
+    req = cli.build_request("hi", None, 8, 0.0, None, None, 0, True, **client_commands.adjust_args(args))
+    s = req.sampling
+    assert (s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (0.25, 1.5, -0.5, 0.75)
 
 
 def test_the_default_budget_is_small_on_cpu_and_large_on_gpu():
