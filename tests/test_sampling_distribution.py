@@ -2,7 +2,8 @@
 
 A goodness-of-fit test on a tiny vocabulary: many independently seeded sequences each take a prefill token and
 one speculative step through the real runners and tree builders; the empirical joint of the first two generated
-tokens, and the marginal of the third, are compared with the exact distributions computed from the target.
+tokens, and of the second and third, are compared with the exact distributions computed from the target, also
+with a logit bias, the three penalties and min-p (each token's distribution depends on the tokens before it).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from scipy.stats import chisquare
 
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.ddtree import build_chain, build_ddtree_batch
+from ddtree_serve.decoding.logits_processing import TokenHistory, adjust_logits
+from ddtree_serve.decoding.sampling import target_probs
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.fixtures.tiny_drafter import make_tiny_drafter
@@ -43,21 +46,40 @@ def tiny_vocab_pair(tmp_path_factory):
     return root / "target", root / "drafter", model
 
 
-def exact_distributions(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """p(t1, t2) [V, V] and p(t3) [V] under the target at TEMPERATURE."""
+# A bias, every penalty and min-p: the next token's distribution depends on the tokens generated before it.
+ADJUSTED = dict(repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5, min_p=0.05,
+                logit_bias=((2, 1.5), (5, -1.0)))
+
+
+def _params(adjusted: bool, **kw) -> SamplingParams:
+    return SamplingParams(temperature=TEMPERATURE, **(ADJUSTED if adjusted else {}), **kw)
+
+
+def _next_token_probs(logits: torch.Tensor, contexts: list[list[int]], params: SamplingParams) -> torch.Tensor:
+    """[N, V] float64: the distribution of the token after each context (prompt + generated) one token at a time."""
+    rows = []
+    for row, ctx in zip(logits, contexts):
+        history = TokenHistory.empty(VOCAB, "cpu")
+        history.add_prompt(PROMPT)
+        history.add_output(ctx[len(PROMPT):])
+        rows.append(target_probs(adjust_logits(row[None], params, history), params)[0])
+    return torch.stack(rows).double()
+
+
+def exact_distributions(model, adjusted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(t1, t2) and p(t2, t3), each [V, V], under the target at TEMPERATURE (with ADJUSTED's bias, penalties and
+    min-p)."""
+    params = _params(adjusted)
+    pairs = list(itertools.product(range(VOCAB), repeat=2))
+    contexts = [[PROMPT], [PROMPT + [a] for a in range(VOCAB)], [PROMPT + [a, b] for a, b in pairs]]
     with torch.no_grad():
-        p1 = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1].double() / TEMPERATURE, -1)
-        ctx2 = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
-        p2 = torch.softmax(model(ctx2).logits[:, -1].double() / TEMPERATURE, -1)          # [t1, t2]
-        pairs = list(itertools.product(range(VOCAB), repeat=2))
-        ctx3 = torch.tensor([PROMPT + [a, b] for a, b in pairs])
-        p3 = torch.softmax(model(ctx3).logits[:, -1].double() / TEMPERATURE, -1).reshape(VOCAB, VOCAB, VOCAB)
-    joint12 = p1[:, None] * p2
-    marg3 = (joint12[:, :, None] * p3).sum((0, 1))
-    return joint12, marg3
+        p1, p2, p3 = (_next_token_probs(model(torch.tensor(c)).logits[:, -1].float(), c, params) for c in contexts)
+    joint12 = p1[0][:, None] * p2
+    joint23 = (joint12[:, :, None] * p3.reshape(VOCAB, VOCAB, VOCAB)).sum(0)
+    return joint12, joint23
 
 
-def speculative_samples(target_dir, drafter_dir, mode: str) -> tuple[list[list[int]], int]:
+def speculative_samples(target_dir, drafter_dir, mode: str, adjusted: bool = False) -> tuple[list[list[int]], int]:
     """First three generated tokens of DRAWS sequences (prefill token, then speculative steps), and drafts accepted."""
     target = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cpu", dtype=torch.float32, max_batch=BATCH,
                                        max_seq_len=64, max_tree_nodes=65))
@@ -67,7 +89,7 @@ def speculative_samples(target_dir, drafter_dir, mode: str) -> tuple[list[list[i
     samples, accepted = [], 0
     for start in range(0, DRAWS, BATCH):
         ids = [f"s{start + i}" for i in range(BATCH)]
-        params = [SamplingParams(temperature=TEMPERATURE, seed=1000 + start + i) for i in range(BATCH)]
+        params = [_params(adjusted, seed=1000 + start + i) for i in range(BATCH)]
         outs = target.prefill([PrefillItem(s, PROMPT, p, True) for s, p in zip(ids, params)])
         generated = {o.seq_id: [o.next_token] for o in outs}
         ctx = {o.seq_id: o.context_len for o in outs}
@@ -102,19 +124,22 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
-@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
-def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, mode):
+@pytest.mark.parametrize("mode, adjusted", [("dflash", False), ("ddtree", False), ("dflash", True), ("ddtree", True)],
+                         ids=["dflash", "ddtree", "dflash-penalised", "ddtree-penalised"])
+def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, mode, adjusted):
     target_dir, drafter_dir, model = tiny_vocab_pair
-    joint12, marg3 = exact_distributions(model)
-    samples, accepted = speculative_samples(target_dir, drafter_dir, mode)
+    joint12, joint23 = exact_distributions(model, adjusted)
+    if adjusted:   # the adjustments really change the distribution being tested
+        assert (joint12 - exact_distributions(model)[0]).abs().max() > 0.02
+    samples, accepted = speculative_samples(target_dir, drafter_dir, mode, adjusted)
     assert accepted > DRAWS // 10  # drafts really were accepted, so the walk is what is being tested
     counts12 = torch.zeros(VOCAB, VOCAB)
-    counts3 = torch.zeros(VOCAB)
+    counts23 = torch.zeros(VOCAB, VOCAB)
     for t1, t2, t3 in samples:
         counts12[t1, t2] += 1
-        counts3[t3] += 1
+        counts23[t2, t3] += 1
     assert chi2_pvalue(counts12, joint12) > 1e-3
-    assert chi2_pvalue(counts3, marg3) > 1e-3
+    assert chi2_pvalue(counts23, joint23) > 1e-3
 
 
 def test_goodness_of_fit_rejects_a_wrong_distribution(tiny_vocab_pair):
