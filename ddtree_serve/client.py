@@ -33,6 +33,9 @@ class Chunk:
     stats: dict | None = None
     request_id: str = ""
     logprobs: list[dict] = field(default_factory=list)   # per token, when asked: {"logprob", "top": [(id, lp)]}
+    # on the first chunk, when asked: the prompt's ids and a log-prob entry per prompt token after the first
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -45,29 +48,37 @@ class Result:
     stats: dict = field(default_factory=dict)
     request_id: str = ""
     logprobs: list[dict] = field(default_factory=list)   # per token, when asked (Chunk.logprobs)
+    prompt_logprobs: list[dict] = field(default_factory=list)   # per prompt token after the first, when asked
 
     def as_dict(self) -> dict:
         """The result as plain JSON-able data."""
         out = {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
                "finish_reason": self.finish_reason, "stats": self.stats}
-        return {**out, "logprobs": self.logprobs} if self.logprobs else out
+        if self.logprobs:
+            out["logprobs"] = self.logprobs
+        if self.prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs
+        return out
 
 
 def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                   messages: list[dict] | None = None, chat: bool = True, max_tokens: int = 128,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                   mode: str | None = None, budget: int = 0, stop: list[str] | None = None,
-                  ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0, min_p: float = 0.0,
+                  ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+                  prompt_logprobs: int | None = None, min_p: float = 0.0,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                   logit_bias: dict[int, float] | None = None) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
-    logprobs: each token's log-prob in the answer, with top_logprobs alternatives; min_p, the penalties and
+    logprobs: each token's log-prob in the answer, with top_logprobs alternatives; prompt_logprobs: each prompt
+    token's (after the first), with that many alternatives; min_p, the penalties and
     logit_bias (token id -> bias) as vLLM takes them."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
         max_tokens=max_tokens, mode=MODES[mode], budget=budget, stop=stop or [], ignore_eos=ignore_eos,
-        logprobs=logprobs, top_logprobs=top_logprobs,
+        logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs is not None,
+        prompt_top_logprobs=prompt_logprobs or 0,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed or 0,
                                            has_seed=seed is not None, min_p=min_p, presence_penalty=presence_penalty,
                                            frequency_penalty=frequency_penalty,
@@ -94,22 +105,26 @@ def stats_dict(s: gateway_pb2.GenerationStats) -> dict:
             "tokens_per_second": round(s.generated_tokens / s.e2e_seconds, 2) if s.e2e_seconds else 0.0}
 
 
+def _logprob_dicts(entries) -> list[dict]:
+    return [{"logprob": lp.logprob, "top": list(zip(lp.top_ids, lp.top_logprobs))} for lp in entries]
+
+
 def _chunk(msg: gateway_pb2.GenerateResponse) -> Chunk:
     return Chunk(token_ids=list(msg.token_ids), text=msg.text, finished=msg.finished,
                  finish_reason=msg.finish_reason, stats=stats_dict(msg.stats) if msg.finished else None,
-                 request_id=msg.request_id,
-                 logprobs=[{"logprob": lp.logprob, "top": list(zip(lp.top_ids, lp.top_logprobs))}
-                           for lp in msg.logprobs])
+                 request_id=msg.request_id, logprobs=_logprob_dicts(msg.logprobs),
+                 prompt_token_ids=list(msg.prompt_token_ids), prompt_logprobs=_logprob_dicts(msg.prompt_logprobs))
 
 
 def _collect(chunks) -> Result:
-    ids, text, logprobs, last = [], [], [], None
+    ids, text, logprobs, prompt, last = [], [], [], [], None
     for c in chunks:
         ids.extend(c.token_ids)
         text.append(c.text)
         logprobs.extend(c.logprobs)
+        prompt.extend(c.prompt_logprobs)
         last = c
-    return Result(ids, "".join(text), last.finish_reason, last.stats or {}, last.request_id, logprobs)
+    return Result(ids, "".join(text), last.finish_reason, last.stats or {}, last.request_id, logprobs, prompt)
 
 
 def _request(prompt, request, kw) -> gateway_pb2.GenerateRequest:

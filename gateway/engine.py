@@ -132,7 +132,9 @@ class PairEngine(BackgroundTask):
             target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids[s.prefilled:s.prefilled + n],
                                    sampling=sampling_proto(s.sampling), push_features=s.speculative, start=s.prefilled,
                                    more=s.prefilled + n < len(s.prompt_ids), draft_top_k=self._draft_top_k(s),
-                                   logprobs=s.logprobs >= 0, top_logprobs=max(s.logprobs, 0))
+                                   logprobs=s.logprobs >= 0, top_logprobs=max(s.logprobs, 0),
+                                   prompt_logprobs=s.prompt_logprobs >= 0,
+                                   prompt_top_logprobs=max(s.prompt_logprobs, 0))
             for s, n in chunks])
         try:
             response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
@@ -147,6 +149,8 @@ class PairEngine(BackgroundTask):
             r = by_id[s.seq_id]
             s.prefilled += n
             s.context_len = r.context_len
+            if s.prompt_logprobs >= 0:
+                s.prompt_scores.extend(r.prompt_logprobs)
             if not s.prefill_done:
                 continue
             s.bonus = r.next_token

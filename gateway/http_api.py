@@ -317,6 +317,18 @@ class HttpFront:
                 "top_logprobs": [{decode([i]): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for _, lp in pairs],
                 "text_offset": offsets}, offset
 
+    def _echo_logprobs_json(self, seq, prompt_logprobs: list | None) -> tuple[dict, int]:
+        """The echoed prompt's tokens in completions' logprobs shape -> (that dict, the text offset after them): the
+        first token has no log-prob (null, as OpenAI gives it); the others the target's, when they were asked."""
+        decode = self.servicer.tokenizer.decode
+        tokens = [decode([t]) for t in seq.prompt_ids]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        scored = list(prompt_logprobs or [])
+        return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in scored],
+                "top_logprobs": [None] + [{decode([i]): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
+                                          for lp in scored],
+                "text_offset": offsets}, sum(len(t) for t in tokens)
+
     @staticmethod
     def _ddtree_stats(seq) -> dict:
         s = seq.stats
@@ -333,10 +345,13 @@ class HttpFront:
         prompt, completion = sum(len(s.prompt_ids) for s in seqs[::n]), sum(len(s.output_ids) for s in seqs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def _run(self, reqs: list[gateway_pb2.GenerateRequest], chat: bool, body: _Common) -> Any:
+    async def _run(self, reqs: list[gateway_pb2.GenerateRequest], chat: bool, body: _Common,
+                   echoes: list[str] | None = None) -> Any:
         """Answers one HTTP request of one prompt or several (body.n samples of each; choice p * n + i is prompt
-        p's sample i, as vLLM numbers them): a JSON body, or server-sent events when body.stream."""
+        p's sample i, as vLLM numbers them): a JSON body, or server-sent events when body.stream. echoes: each
+        prompt's text, which completions' echo puts before its answers (with the prompt's log-probs, if asked)."""
         gens = [self.servicer.stream(r) for req in reqs for r in _samples(req, body.n)]
+        echo = [e for e in echoes for _ in range(body.n)] if echoes is not None else None
         # Every sample admitted at once; validation errors surface here, before any byte is sent.
         firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -348,7 +363,7 @@ class HttpFront:
         rid = ("chatcmpl-" if chat else "cmpl-") + firsts[0][0].request_id
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage, body.n),
+            return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage, body.n, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         tasks = [asyncio.ensure_future(_collect(g, f)) for g, f in zip(gens, firsts)]
         try:
@@ -363,6 +378,12 @@ class HttpFront:
         for i, (seq, finish_reason, content, ids, logprobs) in enumerate(results):
             choice = {"index": i, "finish_reason": finish_reason,
                       "logprobs": self._logprobs_json(chat, ids, logprobs)[0] if wanted else None}
+            if echo is not None:
+                prompt_part, offset = self._echo_logprobs_json(seq, firsts[i][1].prompt_logprobs)
+                if wanted:
+                    answer_part = self._logprobs_json(False, ids, logprobs, offset)[0]
+                    choice["logprobs"] = {k: prompt_part[k] + answer_part[k] for k in prompt_part}
+                content = echo[i] + content
             if chat:
                 choice["message"] = {"role": "assistant", "content": content}
             else:
@@ -375,10 +396,10 @@ class HttpFront:
                              "model": self.model_id, "choices": choices, "usage": self._usage(seqs, body.n),
                              "ddtree": self._ddtree_stats(seqs[0])})
 
-    async def _sse(self, gens, firsts, rid: str, created: int, chat: bool, include_usage: bool, n: int
-                   ) -> AsyncIterator[str]:
-        """The event stream: one chunk per engine emission of each sample (its index), each sample's finish
-        reason, optional usage, then [DONE]."""
+    async def _sse(self, gens, firsts, rid: str, created: int, chat: bool, include_usage: bool, n: int,
+                   echo: list[str] | None = None) -> AsyncIterator[str]:
+        """The event stream: one chunk per engine emission of each sample (its index; with echo, the prompt's text
+        first), each sample's finish reason, optional usage, then [DONE]."""
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False,
@@ -418,10 +439,16 @@ class HttpFront:
                         yield line(chunk(i, None, None, role=True))
                 finished: dict[int, Any] = {}
                 offsets = [0] * len(gens)   # each sample's text so far, for completions' text_offset
+                echoed: set[int] = set()    # samples whose prompt went out (echo)
                 while len(finished) < len(gens):
                     index, seq, event, exc = await events.get()
                     if exc is not None:
                         raise exc
+                    if echo is not None and index not in echoed:   # its first event: the prompt goes first
+                        echoed.add(index)
+                        prompt_part, offsets[index] = self._echo_logprobs_json(seq, event.prompt_logprobs)
+                        scored = event.prompt_logprobs is not None   # asked for with the answer's log-probs
+                        yield line(chunk(index, echo[index], None, logprobs=prompt_part if scored else None))
                     if event.logprobs:   # a chunk for every token with a log-prob, text or not
                         logprobs, offsets[index] = self._logprobs_json(chat, event.token_ids, event.logprobs,
                                                                        offsets[index])
@@ -587,14 +614,15 @@ class HttpFront:
         """Plain completion of a text prompt or of token ids."""
         self._check_ready()
         self._check_common(body)
-        if body.echo or body.suffix or (body.best_of or 1) != 1:
-            raise ApiError(400, "echo, suffix and best_of are not supported", param="echo")
+        if body.suffix or (body.best_of or 1) != 1:
+            raise ApiError(400, "suffix and best_of are not supported", param="suffix" if body.suffix else "best_of")
         prompts = body.prompt
         if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
             prompts = [prompts]   # one text, or one list of token ids
         if not 1 <= len(prompts) <= MAX_PROMPTS:
             raise ApiError(400, f"a batch of {len(prompts)} prompts; 1 to {MAX_PROMPTS} per request", param="prompt")
-        reqs = []
+        reqs, echoes = [], []
+        wanted = _logprobs_wanted(body)
         for prompt in prompts:
             req = self._request(body, body.max_tokens, 16)  # OpenAI's completions default
             if isinstance(prompt, str):
@@ -602,8 +630,13 @@ class HttpFront:
             else:
                 req.token_ids.ids.extend(prompt)
             await self._finish_prompt(req, body.max_tokens if body.max_tokens is not None else 16)
+            if body.echo:
+                # the prompt as given; token ids as their text
+                echoes.append(prompt if isinstance(prompt, str) else self.servicer.tokenizer.decode(list(prompt)))
+                if wanted is not None:
+                    req.prompt_logprobs, req.prompt_top_logprobs = True, wanted
             reqs.append(req)
-        return await self._run(reqs, chat=False, body=body)
+        return await self._run(reqs, chat=False, body=body, echoes=echoes if body.echo else None)
 
 
 def _samples(req: gateway_pb2.GenerateRequest, n: int) -> list[gateway_pb2.GenerateRequest]:

@@ -31,6 +31,7 @@ class StreamEvent:
     finish_reason: str = ""
     error: tuple[grpc.StatusCode, str] | None = None
     logprobs: list | None = None   # common_pb2.TokenLogprob per token_ids entry, when the request asked for them
+    prompt_logprobs: list | None = None   # on the first event, when asked: common_pb2.TokenLogprob per prompt token
 
 
 @dataclass
@@ -61,6 +62,8 @@ class Sequence:
     stop_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
     logprobs: int = -1             # >= 0: each token's log-prob and this many alternatives (the target reports them)
+    prompt_logprobs: int = -1      # >= 0: each prompt token's log-prob and this many alternatives, on the first event
+    prompt_scores: list = field(default_factory=list)   # the target's prompt log-probs, gathered chunk by chunk
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -114,8 +117,11 @@ class Sequence:
         it reported, of which those of the kept ones go out."""
         text = self.detokenizer.take_text(final=bool(self.finish_reason))
         kept_logprobs = list(logprobs)[:len(tokens)] if self.logprobs >= 0 and logprobs is not None else None
+        first = len(self.output_ids) == len(tokens)
+        prompt = self.prompt_scores if first and self.prompt_logprobs >= 0 else None
         self.events.put_nowait(StreamEvent(token_ids=tokens, text=text, finished=bool(self.finish_reason),
-                                           finish_reason=self.finish_reason, logprobs=kept_logprobs))
+                                           finish_reason=self.finish_reason, logprobs=kept_logprobs,
+                                           prompt_logprobs=prompt))
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Ends the request with an error status."""

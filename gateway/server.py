@@ -256,7 +256,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,
                         stop_token_ids=frozenset(stops),
                         detokenizer=IncrementalDetokenizer(self.tokenizer, list(request.stop)),
-                        logprobs=logprobs_wanted(request.logprobs, request.top_logprobs))
+                        logprobs=logprobs_wanted(request.logprobs, request.top_logprobs),
+                        prompt_logprobs=logprobs_wanted(request.prompt_logprobs, request.prompt_top_logprobs))
 
     # ---- public RPCs --------------------------------------------------------------------------------------
     def _stats(self, seq: Sequence) -> gateway_pb2.GenerationStats:
@@ -300,10 +301,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def GenerateStream(self, request, context):
         try:
             async for seq, event in self._events(request, context):
+                scored = event.prompt_logprobs is not None
                 yield gateway_pb2.GenerateResponse(
                     request_id=seq.request_id, token_ids=event.token_ids, text=event.text, finished=event.finished,
                     finish_reason=event.finish_reason, stats=self._stats(seq) if event.finished else None,
-                    logprobs=event.logprobs or [])
+                    logprobs=event.logprobs or [], prompt_logprobs=event.prompt_logprobs if scored else [],
+                    prompt_token_ids=seq.prompt_ids if scored else [])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - map to a status like the unary methods
@@ -315,16 +318,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @grpc_errors
     async def Generate(self, request, context):
-        ids, text, logprobs, last = [], [], [], None
+        ids, text, logprobs, prompt, last = [], [], [], None, None
         async for seq, event in self._events(request, context):
             ids.extend(event.token_ids)
             text.append(event.text)
             logprobs.extend(event.logprobs or [])
+            prompt = event.prompt_logprobs if prompt is None else prompt
             last = (seq, event)
         seq, event = last
         return gateway_pb2.GenerateResponse(request_id=seq.request_id, token_ids=ids, text="".join(text),
                                             finished=True, finish_reason=event.finish_reason, stats=self._stats(seq),
-                                            logprobs=logprobs)
+                                            logprobs=logprobs, prompt_logprobs=prompt or [],
+                                            prompt_token_ids=seq.prompt_ids if prompt is not None else [])
 
     @grpc_errors
     async def Tokenize(self, request, context):

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ddtree_serve.decoding.config import SamplingParams
-from ddtree_serve.decoding.logprobs import TokenLogprob, token_logprobs
+from ddtree_serve.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from ddtree_serve.decoding.logits_processing import TokenHistory, adjust_logits
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
 from ddtree_serve.plumbing.cuda_graphs import (HYBRID_PREFILL_FORWARD_FIXED_ROWS, PREFILL_FORWARD_FIXED_ROWS,
@@ -82,6 +82,7 @@ class PrefillItem:
     start: int = 0        # > 0: continues a sequence whose first `start` prompt tokens are prefilled
     more: bool = False    # more chunks follow: no first token is sampled yet
     logprobs: int = -1    # >= 0: report each emitted token's log-prob and this many alternatives (first chunk's)
+    prompt_logprobs: int = -1   # >= 0: each prompt token's log-prob after the tokens before it, with alternatives
 
 
 @dataclass
@@ -93,6 +94,8 @@ class PrefillOutput:
     context_len: int
     features: Tensor | None  # [chunk length, F], rows context_len - chunk length ..
     logprobs: list[TokenLogprob] | None = None   # next_token's, when the sequence asked
+    # The chunk's prompt tokens' log-probs, when asked: one per token, except the prompt's very first (no context)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,9 @@ class _Sequence:
     pending_token: int
     logprobs: int = -1   # PrefillItem.logprobs
     history: TokenHistory | None = None   # prompt and emitted tokens, kept where the sampling adjusts logits
+    # With prompt log-probs over several chunks: the logits row of the last prompt position prefilled so far (it
+    # predicts the next chunk's first token)
+    prompt_tail: Tensor | None = None
 
 
 def _int_list(values: Tensor | Sequence[int]) -> list[int]:
@@ -392,10 +398,12 @@ class TargetRunner:
         chunks_allowed = self.cfg.prefill_verify_chunks
         if chunks_allowed is None:
             chunks_allowed = PREFILL_VERIFY_CHUNKS if self.graphs is not None else 0
+        # per item, its chunk's prompt log-probs (None where not asked), filled by the forwards as they go
+        prompt_lps: list[list[TokenLogprob] | None] = [[] if it.prompt_logprobs >= 0 else None for it in items]
         if max(lens) <= chunks_allowed * self._prefill_chain_nodes:
-            last_logits, feature_parts = self._prefill_as_chains(items, lens, seqs)
+            last_logits, feature_parts = self._prefill_as_chains(items, lens, seqs, prompt_lps)
         else:
-            last_logits, feature_parts = self._prefill_forwards(items, lens, seqs)
+            last_logits, feature_parts = self._prefill_forwards(items, lens, seqs, prompt_lps)
         finishing = [b for b in range(len(items)) if not items[b].more]
         first = {}
         if finishing:
@@ -415,8 +423,23 @@ class TargetRunner:
             if b in first and seq.logprobs >= 0:
                 row = last_logits[b].reshape(-1, last_logits[b].shape[-1])[-1:]
                 lps = token_logprobs(row, torch.tensor([first[b]]), seq.logprobs)
-            outputs.append(PrefillOutput(it.seq_id, seq.pending_token, context_len, feats, lps))
+            if not it.more:
+                seq.prompt_tail = None
+            outputs.append(PrefillOutput(it.seq_id, seq.pending_token, context_len, feats, lps, prompt_lps[b]))
         return outputs
+
+    @staticmethod
+    def _score_prompt(item: PrefillItem, seq: _Sequence, rows: Tensor, c0: int, out: list[TokenLogprob]) -> None:
+        """Appends to out the log-probs of the item's prompt tokens at chunk positions c0.. (as many as rows), from
+        the logits rows of those positions [n, V] and, for the first of them, the row before (seq.prompt_tail;
+        none for the prompt's very first token)."""
+        ids = item.prompt_ids[c0 : c0 + rows.shape[0]]
+        predictors, targets = rows[:-1], ids[1:]
+        if seq.prompt_tail is not None:
+            predictors, targets = torch.cat([seq.prompt_tail[None].to(rows.dtype), predictors]), ids
+        seq.prompt_tail = rows[-1].clone()   # a graph's rows are overwritten by the next replay
+        if targets:
+            out += token_logprobs(predictors, torch.tensor(targets), item.prompt_logprobs)
 
     @property
     def _prefill_chain_nodes(self) -> int:
@@ -431,14 +454,17 @@ class TargetRunner:
         fixed = HYBRID_PREFILL_FORWARD_FIXED_ROWS if self.model.linear_index else PREFILL_FORWARD_FIXED_ROWS
         return prefill_chunk(rest, self.graphs.node_buckets, pick_bucket(self.graphs.batch_buckets, batch), fixed)
 
-    def _prefill_forwards(self, items: list[PrefillItem], lens: list[int], seqs: list[_Sequence]):
-        """Prompts through forward_block in chunks of prefill_chunk positions -> (last logits, feature parts)."""
+    def _prefill_forwards(self, items: list[PrefillItem], lens: list[int], seqs: list[_Sequence],
+                          prompt_lps: list[list[TokenLogprob] | None]):
+        """Prompts through forward_block in chunks of prefill_chunk positions -> (last logits, feature parts); the
+        prompt log-probs that items ask for go to prompt_lps."""
         tmax = max(lens)
         chunk = self.cfg.prefill_chunk or tmax
         dev = self.device
         feature_layers = self.feature_layers if any(it.want_features for it in items) else ()
         last_logits: list[Tensor | None] = [None] * len(items)
         feature_parts: list[list[Tensor]] = [[] for _ in items]
+        every_row = any(lps is not None for lps in prompt_lps)   # prompt log-probs need every position's logits
         # Chunk by chunk: each forward attends to the positions already cached and commits the linear-attention
         # states, so the result is that of one forward over the whole prompts; only memory is bounded.
         for c0 in range(0, tmax, chunk):
@@ -457,18 +483,22 @@ class TargetRunner:
                 torch.tensor(ctx).to(dev, non_blocking=True),
                 torch.tensor([seqs[b].slot for b in active]).to(dev, non_blocking=True),
                 key_len=max(c + n for c, n in zip(ctx, sizes)), feature_layers=feature_layers, chain=True,
-                logits_at=(size_t - 1).to(dev, non_blocking=True),
+                logits_at=None if every_row else (size_t - 1).to(dev, non_blocking=True),
             )
             for row, b in enumerate(active):
+                if prompt_lps[b] is not None:
+                    self._score_prompt(items[b], seqs[b], logits[row, : sizes[row]], c0, prompt_lps[b])
                 if c0 + sizes[row] == lens[b] and not items[b].more:
-                    last_logits[b] = logits[row]
+                    last_logits[b] = logits[row, sizes[row] - 1 : sizes[row]] if every_row else logits[row]
                 if features is not None and items[b].want_features:
                     feature_parts[b].append(features[row, : sizes[row]])
         return last_logits, feature_parts
 
-    def _prefill_as_chains(self, items: list[PrefillItem], lens: list[int], seqs: list[_Sequence]):
+    def _prefill_as_chains(self, items: list[PrefillItem], lens: list[int], seqs: list[_Sequence],
+                           prompt_lps: list[list[TokenLogprob] | None]):
         """Prompts as chains (each chunk's length from _prefill_chunk) through the verify functions (their captured
-        graphs where a bucket fits), every node accepted -> (last logits, feature parts)."""
+        graphs where a bucket fits), every node accepted -> (last logits, feature parts); the prompt log-probs that
+        items ask for go to prompt_lps."""
         want_features = any(it.want_features for it in items)
         last_logits: list[Tensor | None] = [None] * len(items)
         feature_parts: list[list[Tensor]] = [[] for _ in items]
@@ -501,6 +531,8 @@ class TargetRunner:
             # [rows, 1, V] as forward_block's logits_at gives them; indexing copies, so they outlive the next replay
             ends = logits[torch.arange(len(active), device=self.device), last][:, None]
             for row, b in enumerate(active):
+                if prompt_lps[b] is not None:
+                    self._score_prompt(items[b], seqs[b], logits[row, : sizes[row]], c0, prompt_lps[b])
                 if c0 + sizes[row] == lens[b] and not items[b].more:
                     last_logits[b] = ends[row]
                 if rows is not None and items[b].want_features:
@@ -601,6 +633,8 @@ class TargetRunner:
                     raise ValueError(f"sequence {it.seq_id!r}: a chunk at position {it.start}, but {state}")
             it.sampling.validate()
             it.sampling.check_vocab(self.vocab_size)
+            if not -1 <= it.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {it.prompt_logprobs}")
             n = it.start + len(it.prompt_ids)
             if len(it.prompt_ids) == 0:
                 raise ValueError(f"sequence {it.seq_id!r}: empty prompt")

@@ -298,7 +298,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.leases.claim(auth.session_of(context), (it.seq_id for it in request.items))
         items = [PrefillItem(seq_id=it.seq_id, prompt_ids=list(it.prompt_ids), sampling=sampling_from_proto(it.sampling),
                              want_features=it.push_features, start=it.start, more=it.more,
-                             logprobs=logprobs_wanted(it.logprobs, it.top_logprobs)) for it in request.items]
+                             logprobs=logprobs_wanted(it.logprobs, it.top_logprobs),
+                             prompt_logprobs=logprobs_wanted(it.prompt_logprobs, it.prompt_top_logprobs))
+                 for it in request.items]
         if any(it.want_features for it in items) and self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
         t1 = time.perf_counter_ns()
@@ -315,7 +317,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                          num_tokens=sum(len(it.prompt_ids) for it in items))
         self.observe_cache()
         results = [target_pb2.PrefillResult(seq_id=o.seq_id, next_token=o.next_token, context_len=o.context_len,
-                                            logprobs=logprobs_proto(o.logprobs)) for o in outputs]
+                                            logprobs=logprobs_proto(o.logprobs),
+                                            prompt_logprobs=logprobs_proto(o.prompt_logprobs)) for o in outputs]
         return target_pb2.PrefillResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes))
 

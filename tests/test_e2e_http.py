@@ -119,6 +119,68 @@ def test_completion_logprobs_are_the_targets_own_at_every_generated_token(oai, g
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+ECHO_PROMPT = [9, 14, 3, 27, 8, 11, 40]
+
+
+def _prompt_log_softmax(stack):
+    """transformers' float32 log-softmax over ECHO_PROMPT: row i predicts token i + 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(stack.model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ECHO_PROMPT])).logits[0, :-1].float(), dim=-1)
+
+
+def test_prompt_logprobs_over_grpc_are_the_targets_own_with_their_alternatives(grpc_client, stack):
+    import torch
+
+    result = grpc_client.generate(prompt_ids=ECHO_PROMPT, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    ref = _prompt_log_softmax(stack)
+    assert len(result.prompt_logprobs) == len(ECHO_PROMPT) - 1
+    assert [x["logprob"] for x in result.prompt_logprobs] == \
+        pytest.approx(ref[torch.arange(len(ECHO_PROMPT) - 1), ECHO_PROMPT[1:]].tolist(), abs=1e-4)
+    for entry, row in zip(result.prompt_logprobs, ref):
+        values, ids = row.topk(2)
+        assert [i for i, _ in entry["top"]] == ids.tolist()
+        assert [v for _, v in entry["top"]] == pytest.approx(values.tolist(), abs=1e-4)
+    assert result.token_ids == grpc_client.generate(prompt_ids=ECHO_PROMPT, max_tokens=3, ignore_eos=True).token_ids
+
+
+def test_completion_echo_scores_the_prompt_as_lm_eval_asks_it(oai, grpc_client, stack, model_id):
+    """echo=True, logprobs=1, max_tokens=1 (lm-evaluation-harness's loglikelihood request): the text is the prompt
+    then the answer; the prompt's first token has a null log-prob, the others the target's own."""
+    import torch
+
+    out = oai.completions.create(model=model_id, prompt=ECHO_PROMPT, max_tokens=1, temperature=0, logprobs=1,
+                                 echo=True, extra_body={"ignore_eos": True})
+    answer = grpc_client.generate(prompt_ids=ECHO_PROMPT, max_tokens=1, ignore_eos=True)
+    status, detokenized = _post(stack, "/detokenize", {"tokens": ECHO_PROMPT})
+    prompt_text = detokenized["prompt"]
+    lp = out.choices[0].logprobs
+    assert status == 200 and out.choices[0].text == prompt_text + answer.text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ECHO_PROMPT) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = _prompt_log_softmax(stack)
+    assert lp.token_logprobs[1:len(ECHO_PROMPT)] == \
+        pytest.approx(ref[torch.arange(len(ECHO_PROMPT) - 1), ECHO_PROMPT[1:]].tolist(), abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = oai.completions.create(model=model_id, prompt=ECHO_PROMPT, max_tokens=1, temperature=0, logprobs=1,
+                                      echo=True, stream=True, extra_body={"ignore_eos": True})
+    chunks = [c for c in streamed if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_completion_echo_without_logprobs_puts_the_text_prompt_first_as_given(oai, model_id):
+    plain = oai.completions.create(model=model_id, prompt="hello world", max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    echoed = oai.completions.create(model=model_id, prompt="hello world", max_tokens=6, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == "hello world" + plain.choices[0].text and echoed.choices[0].logprobs is None
+
+
 def test_chat_logprobs_streamed_equal_the_whole_answers(oai, model_id):
     """logprobs with top_logprobs=2 on a chat: one entry per completion token, each with its two likeliest
     alternatives (likeliest first, the greedy token first of all); the streamed entries are the same ones."""

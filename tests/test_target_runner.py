@@ -156,6 +156,46 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused_at_prefill(checkpoints):
     assert "b" not in runner.seqs
 
 
+PROMPT_SCORING = {"one forward": dict(prefill_verify_chunks=0), "forwards of 7": dict(prefill_verify_chunks=0,
+                                                                                    prefill_chunk=7),
+                  "verified chains of 8": dict(prefill_verify_chunks=4, max_tree_nodes=8)}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("chunking", sorted(PROMPT_SCORING))
+@pytest.mark.parametrize("calls", [1, 3])
+def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_token(arch, chunking, calls, checkpoints,
+                                                                           references):
+    """Each prompt token after the first gets its log-prob under the tokens before it, with the 3 likeliest
+    alternatives, however the prompt is chunked within a call or across calls; the first token has none."""
+    runner = _runner(checkpoints[arch], **PROMPT_SCORING[chunking])
+    prompt = _prompt(23, seed=31)
+    cuts = [0, 9, 16, 23] if calls == 3 else [0, 23]
+    got = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        (out,) = runner.prefill([PrefillItem("s", prompt[a:b], SamplingParams(), start=a, more=b < len(prompt),
+                                             prompt_logprobs=3)])
+        got += out.prompt_logprobs
+        assert len(out.prompt_logprobs) == (b - a) - (i == 0)
+    with torch.no_grad():
+        expected = torch.log_softmax(references[arch](torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    assert len(got) == len(prompt) - 1
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in got]),
+                               expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4, rtol=0)
+    for lp, row in zip(got, expected):
+        values, ids = row.topk(3)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), values, atol=1e-4, rtol=0)
+    assert out.next_token == hf_greedy(references[arch], prompt, 1)[0]
+
+
+def test_prompt_logprobs_out_of_range_are_refused_before_anything_runs(checkpoints):
+    runner = _runner(checkpoints["qwen3"])
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        runner.prefill([PrefillItem("p", [5, 6, 7], SamplingParams(), prompt_logprobs=21)])
+    assert "p" not in runner.seqs
+
+
 def test_a_verify_step_builds_its_trees_ancestor_mask_once(checkpoints, monkeypatch):
     """The attention keys, the one-pass GDN layers and the acceptance walk share the step's TreeStructure (each used
     to rebuild the mask by pointer doubling: ~30 small kernels a time on the GPU)."""
