@@ -149,6 +149,28 @@ def test_cuda_penalised_biased_greedy_through_graphs_equals_eager_and_transforme
     assert truth[:48] != hf_greedy_on("cuda", target, prompt, 48)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_cuda_prompt_logprobs_from_captured_chains_equal_transformers_log_softmax(checkpoints, kind):
+    """Prompt log-probs read off the captured chain prefill's logits (two calls, the second continuing the first)
+    equal transformers' float32 log-softmax on the GPU within a stated 1e-3, as the generated tokens' do."""
+    target, _ = checkpoints(kind)
+    prompt = prompts_for(target, [40], seed=12)[0]
+    runner = TargetRunner(TargetConfig(model_dir=str(target), device="cuda", dtype=torch.float32, max_batch=2,
+                                       max_seq_len=256, max_tree_nodes=65))
+    got = []
+    for a, b in ((0, 17), (17, 40)):
+        (out,) = runner.prefill([PrefillItem("a", prompt[a:b], SamplingParams(), start=a, more=b < 40,
+                                             prompt_logprobs=2)])
+        got += out.prompt_logprobs
+    assert runner.graphs is not None and runner.graphs.forwards.graphs
+    model = copy.deepcopy(reference_model(str(target))).to("cuda")
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt], device="cuda")).logits[0, :-1].float(), -1).cpu()
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in got]),
+                               ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-3, rtol=0)
+    assert [[i for i, _ in lp.top] for lp in got] == ref.topk(2).indices.tolist()
+
+
 def test_cuda_graph_verify_matches_eager_logits_in_a_padded_batch(checkpoints):
     """Three sequences (bucket 4) through the captured forward: logits within bf16 rounding of eager."""
     from target_svc.verify import VerifyBatch, VerifyShape, verify_forward
