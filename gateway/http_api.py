@@ -50,7 +50,6 @@ MAX_PROMPTS = 64   # prompts of one /v1/completions request (each its own sequen
 # "does this value ask for it": such a request gets a 400 naming the field, never an answer that ignored it (unknown
 # fields that change nothing, such as user or metadata, are accepted and ignored).
 _UNHONOURED: dict[str, Callable[[Any], bool]] = {
-    "min_tokens": bool,
     "prompt_logprobs": lambda v: v is not None,
     "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type", "text") == "text"),
     "guided_json": lambda v: v is not None,
@@ -89,6 +88,7 @@ class _Common(BaseModel):
     # vLLM's extensions
     repetition_penalty: float | None = None
     min_p: float | None = None
+    min_tokens: int | None = None
     # ddtree-serve extensions (pass them in the openai client's extra_body)
     top_k: int | None = None
     mode: Literal["ddtree", "dflash", "ar"] | None = None
@@ -257,7 +257,7 @@ class HttpFront:
             body.top_k = 0
         if body.seed is not None and not 0 <= body.seed < 1 << 64:
             raise ApiError(400, f"seed must be in [0, 2**64), got {body.seed}", param="seed")
-        for name in ("max_tokens", "budget", "top_k"):
+        for name in ("max_tokens", "budget", "top_k", "min_tokens"):
             value = getattr(body, name)
             if value is not None and not 0 <= value < 1 << 31:
                 raise ApiError(400, f"{name} must be in [0, 2**31), got {value}", param=name)
@@ -274,7 +274,8 @@ class HttpFront:
                                              presence_penalty=body.presence_penalty or 0.0,
                                              frequency_penalty=body.frequency_penalty or 0.0,
                                              repetition_penalty=body.repetition_penalty or 1.0,
-                                             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()})
+                                             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+                                             min_tokens=body.min_tokens or 0)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         wanted = _logprobs_wanted(body)
         req = gateway_pb2.GenerateRequest(sampling=sampling, stop=stop, ignore_eos=body.ignore_eos,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -251,6 +252,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         stops = set(request.stop_token_ids)
         if not request.ignore_eos:
             stops |= set(info.eos_token_ids)
+        if sampling.min_tokens > request.max_tokens:
+            raise ValueError(f"min_tokens ({sampling.min_tokens}) must be <= max_tokens ({request.max_tokens})")
+        if sampling.min_tokens > 0 and request.stop:
+            # vLLM also ignores stop strings before min_tokens; this gateway does not implement that hold
+            raise ValueError("min_tokens together with stop strings is not supported")
+        sampling = dataclasses.replace(sampling, min_tokens_blocked=tuple(sorted(stops)) if sampling.min_tokens else ())
         request_id = request.request_id or get_request_id() or uuid.uuid4().hex
         return Sequence(request_id=request_id, prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                         sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,

@@ -453,6 +453,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="subtract from the logits of tokens already output (0: off)")
     p.add_argument("--frequency-penalty", type=_float_in(-2.0, 2.0), default=0.0,
                    help="subtract this times each token's output count from its logit (0: off)")
+    p.add_argument("--min-tokens", type=_int_in(0), default=0,
+                   help="generate at least this many tokens before EOS or a stop token may come")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats), not a stream")
 

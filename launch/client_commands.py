@@ -20,11 +20,11 @@ def build_request(prompt: str | None, prompt_ids: str | None, max_tokens: int, t
                  top_k=top_k, seed=seed, mode=mode, budget=budget, stop=stop, ignore_eos=ignore_eos, **adjust)
 
 
-ADJUST_FLAGS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+ADJUST_FLAGS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
 def adjust_args(args) -> dict:
-    """The parsed --min-p and penalty flags as build_request's keyword arguments."""
+    """The parsed --min-p, penalty and --min-tokens flags as build_request's keyword arguments."""
     return {name: getattr(args, name) for name in ADJUST_FLAGS}
 
 

@@ -115,10 +115,13 @@ class FrequencyPresencePenalty(transformers.LogitsProcessor):
 def adjusted_generate_kwargs(sampling: SamplingParams, prompt_len: int) -> dict:
     """generate() keyword arguments that apply sampling's logit bias and penalties in our order: the bias, the
     repetition penalty, then the frequency and presence penalties."""
+    processors = [FrequencyPresencePenalty(prompt_len, sampling.frequency_penalty, sampling.presence_penalty)]
+    if sampling.holds_back_stops:
+        processors.insert(0, transformers.MinNewTokensLengthLogitsProcessor(
+            prompt_len, sampling.min_tokens, list(sampling.min_tokens_blocked)))
     return {"repetition_penalty": sampling.repetition_penalty,
             "sequence_bias": {(t,): b for t, b in sampling.logit_bias} or None,
-            "logits_processor": transformers.LogitsProcessorList(
-                [FrequencyPresencePenalty(prompt_len, sampling.frequency_penalty, sampling.presence_penalty)])}
+            "logits_processor": transformers.LogitsProcessorList(processors)}
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> list[int]:

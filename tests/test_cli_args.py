@@ -123,12 +123,14 @@ def test_top_p_and_top_k_reach_the_request():
     assert (round(req.sampling.top_p, 6), req.sampling.top_k, req.sampling.seed) == (0.9, 40, 3)
 
 
-def test_min_p_and_the_penalties_reach_the_request():
+def test_min_p_the_penalties_and_min_tokens_reach_the_request():
     args = cli.build_parser().parse_args(["generate", "--min-p", "0.25", "--repetition-penalty", "1.5",
-                                          "--presence-penalty", "-0.5", "--frequency-penalty", "0.75", "hi"])
+                                          "--presence-penalty", "-0.5", "--frequency-penalty", "0.75",
+                                          "--min-tokens", "5", "hi"])
     req = cli.build_request("hi", None, 8, 0.0, None, None, 0, True, **client_commands.adjust_args(args))
     s = req.sampling
-    assert (s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (0.25, 1.5, -0.5, 0.75)
+    assert (s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.min_tokens) == \
+        (0.25, 1.5, -0.5, 0.75, 5)
 
 
 def test_the_default_budget_is_small_on_cpu_and_large_on_gpu():

@@ -359,6 +359,8 @@ def test_a_client_leaving_an_n_sample_stream_frees_every_sample(oai, stack, mode
     ({"logit_bias": {"x": 1}}, openai.BadRequestError, "logit_bias keys must be token ids"),
     ({"logit_bias": {"5": 101}}, openai.BadRequestError, "logit_bias values must be in [-100, 100]"),
     ({"logit_bias": {"99999999": 1}}, openai.BadRequestError, "logit_bias token ids must lie in"),
+    ({"extra_body": {"min_tokens": 9}}, openai.BadRequestError, "min_tokens (9) must be <= max_tokens (8)"),
+    ({"stop": ["x"], "extra_body": {"min_tokens": 2}}, openai.BadRequestError, "min_tokens together with stop"),
 ])
 def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fragment):
     args = {"model": model_id, "messages": CHAT, "max_tokens": 8, **kwargs}
@@ -371,7 +373,7 @@ def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fra
 @pytest.mark.parametrize("kwargs, field", [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"extra_body": {"bad_words": ["prime"]}}, "bad_words"),
-    ({"extra_body": {"min_tokens": 4}}, "min_tokens"),
+    ({"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
     ({"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
 ])
 def test_a_field_that_would_change_the_answer_and_is_not_implemented_is_refused_by_name(oai, model_id, kwargs, field):
@@ -402,6 +404,15 @@ def test_penalties_min_p_and_logit_bias_answer_as_the_grpc_api_with_the_same_fie
     plain = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=16, ignore_eos=True)
     assert http.choices[0].text == adjusted.text
     assert adjusted.token_ids != plain.token_ids
+
+
+def test_min_tokens_holds_back_the_stop_token_the_answer_would_end_on(oai, grpc_client, model_id):
+    stop = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=4, ignore_eos=True).token_ids[1]
+    args = dict(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=16, temperature=0)
+    ended = oai.completions.create(**args, extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    held = oai.completions.create(**args, extra_body={"ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 6})
+    assert ended.usage.completion_tokens == 2 and ended.choices[0].finish_reason == "stop"
+    assert held.usage.completion_tokens > 6
 
 
 def test_a_logit_bias_of_100_makes_the_greedy_answer_that_token(oai, grpc_client, model_id):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.plumbing.messages import sampling_proto
 from tests.conftest import (ADJUSTED_SAMPLING, make_request, prompts_for, reference_greedy, run_streams,
                             start_stack)
@@ -54,9 +55,10 @@ def test_concurrent_mixed_requests_equal_transformers_greedy(checkpoints, kind):
             assert stats.draft_tokens >= stats.steps
 
 
-def test_penalised_and_biased_greedy_requests_equal_transformers_with_the_same_processors(checkpoints):
-    """Logit bias, repetition, frequency and presence penalties through the three services, every mode: the answer
-    transformers' greedy generate() gives with the same processors (and not the unadjusted one)."""
+def test_adjusted_greedy_requests_equal_transformers_with_the_same_processors(checkpoints):
+    """Through the three services, every mode: logit bias, repetition, frequency and presence penalties give the
+    answer transformers' greedy generate() gives with the same processors (not the unadjusted one); min_tokens
+    holds a stop token back (transformers' min_new_tokens over it) where the plain answer would stop at once."""
     target, drafter = checkpoints("qwen3")
     cases = [(6, "ddtree", 16), (13, "ddtree", 0), (8, "dflash", 0), (10, "ar", 0)]
     prompts = prompts_for(target, [n for n, *_ in cases], seed=23)
@@ -64,6 +66,13 @@ def test_penalised_and_biased_greedy_requests_equal_transformers_with_the_same_p
     for prompt, (_, mode, budget) in zip(prompts, cases):
         req = make_request(prompt, 48, mode, budget)
         req.sampling.CopyFrom(sampling_proto(ADJUSTED_SAMPLING))
+        requests.append(req)
+    # min_tokens: the plain answer's second token is a stop token; at least 12 tokens come first
+    stop_cases = [("ddtree", 0), ("dflash", 0)]
+    stops = [reference_greedy(target, p, 2)[1] for p in prompts[:2]]
+    for prompt, stop, (mode, budget) in zip(prompts, stops, stop_cases):
+        req = make_request(prompt, 48, mode, budget, stop_token_ids=[stop])
+        req.sampling.min_tokens = 12
         requests.append(req)
     stack = start_stack(target, drafter)
     try:
@@ -76,6 +85,11 @@ def test_penalised_and_biased_greedy_requests_equal_transformers_with_the_same_p
         assert expected != reference_greedy(target, prompt, 48)
         if mode != "ar":
             assert result["stats"].draft_tokens >= result["stats"].steps
+    for prompt, stop, (mode, _), result in zip(prompts, stops, stop_cases, results[len(cases):]):
+        held = reference_greedy(target, prompt, 48, sampling=SamplingParams(min_tokens=12, min_tokens_blocked=(stop,)))
+        expected = held[: held.index(stop) + 1] if stop in held else held   # the stop token ends it, kept
+        assert result["token_ids"] == expected and len(expected) > 12, f"min_tokens mode={mode}"
+        assert result["finish_reason"] == ("stop" if stop in held else "length")
 
 
 def _transport_bytes(metrics_port: int) -> dict[tuple[str, str], float]:

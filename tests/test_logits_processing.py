@@ -135,3 +135,24 @@ def test_a_bias_outside_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match=r"\[0, 40\)"):
         params.check_vocab(V)
     params.check_vocab(V + 1)
+
+
+def test_min_tokens_holds_stop_tokens_back_at_every_node_whose_choice_comes_too_early():
+    #   0 - 1 - 2 - 3        depths 0..3; two tokens emitted so far (the root is the second)
+    #        \- 4            depth 2
+    tokens = torch.tensor([12, 5, 6, 7, 8])
+    parents = torch.tensor([-1, 0, 1, 2, 1])
+    history = _history(prompt=[], output=[30, 12])
+    params = SamplingParams(min_tokens=4, min_tokens_blocked=(0, 3))
+    out = adjust_logits(torch.zeros(5, V), params, history, tokens, parents)
+    held = torch.isinf(out[:, [0, 3]]).all(1).tolist()
+    # node i chooses output token number 2 + depth(i): held back while that is below 4
+    assert held == [True, True, False, False, False]
+    assert torch.isfinite(out[:, 1:3]).all() and torch.isfinite(out[:, 4:]).all()
+
+
+def test_min_tokens_without_stop_tokens_to_hold_adjusts_nothing():
+    assert not SamplingParams(min_tokens=8).adjusts_logits
+    assert SamplingParams(min_tokens=8, min_tokens_blocked=(2,)).adjusts_logits
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams.from_wire(0.0, 1.0, 0, None, min_tokens=-1)

@@ -149,6 +149,24 @@ def test_penalised_biased_greedy_tree_verify_equals_hf_generate_with_the_same_pr
         assert gen != hf_greedy(references[arch], prompts[sid], len(gen))
 
 
+def test_min_tokens_greedy_tree_verify_equals_hf_generate_with_min_new_tokens(checkpoints, references):
+    """The tokens the plain answer starts with, held back as stop tokens for 10 tokens: random trees along
+    transformers' answer under min_new_tokens reproduce it, and it avoids them where the plain one has them."""
+    runner = _runner(checkpoints["qwen3"])
+    prompt = _prompt(12, seed=50)
+    plain = hf_greedy(references["qwen3"], prompt, N_NEW)
+    params = SamplingParams(min_tokens=10, min_tokens_blocked=tuple(sorted(set(plain[:3]))))
+    truth = hf_greedy(references["qwen3"], prompt, N_NEW + 16, params)
+    assert not set(truth[:10]) & set(plain[:3]) and truth != plain
+    (out,) = runner.prefill([PrefillItem("m", prompt, params)])
+    generated, rng = [out.next_token], random.Random(3)
+    while len(generated) < N_NEW:
+        tokens, parents = _random_tree(generated[-1], truth[len(generated):], rng, rng.randint(1, 24))
+        (step,) = runner.verify([VerifyItem("m", torch.tensor(tokens), torch.tensor(parents))])
+        generated += step.accepted_tokens + [step.next_token]
+    assert generated[:N_NEW] == truth[:N_NEW]
+
+
 def test_a_logit_bias_outside_the_vocabulary_is_refused_at_prefill(checkpoints):
     runner = _runner(checkpoints["qwen3"])
     with pytest.raises(ValueError, match="logit_bias"):

@@ -29,11 +29,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias), ids distinct and ascending
+    # The first min_tokens generated tokens are never one of min_tokens_blocked (the gateway fills it: EOS unless
+    # ignored, and the request's stop ids), as vLLM's min_tokens holds back every stop token.
+    min_tokens: int = 0
+    min_tokens_blocked: tuple[int, ...] = ()
 
     @classmethod
     def from_wire(cls, temperature: float, top_p: float, top_k: int, seed: int | None, *, min_p: float = 0.0,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                  logit_bias: dict[int, float] | None = None) -> "SamplingParams":
+                  logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
+                  min_tokens_blocked: list[int] | tuple[int, ...] = ()) -> "SamplingParams":
         """Request fields -> validated params: 0 turns top_p and the repetition penalty off, NaN is refused, tiny
         temperatures are greedy."""
         temperature, top_p = float(temperature), float(top_p)
@@ -46,7 +51,9 @@ class SamplingParams:
         params = cls(temperature=temperature, top_p=1.0 if top_p == 0 else top_p, top_k=int(top_k),
                      seed=None if seed is None else int(seed), min_p=float(min_p),
                      presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
-                     repetition_penalty=1.0 if repetition_penalty == 0 else repetition_penalty, logit_bias=bias)
+                     repetition_penalty=1.0 if repetition_penalty == 0 else repetition_penalty, logit_bias=bias,
+                     min_tokens=int(min_tokens),
+                     min_tokens_blocked=tuple(sorted({int(t) for t in min_tokens_blocked})))
         params.validate()
         return params
 
@@ -59,7 +66,12 @@ class SamplingParams:
         """True when the logits are changed before the choice (a bias or a penalty): the choice then depends on the
         sequence's tokens, not on the logits alone."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1.0
+            or self.repetition_penalty != 1.0 or self.holds_back_stops
+
+    @property
+    def holds_back_stops(self) -> bool:
+        """True when min_tokens keeps some stop tokens out of the first tokens."""
+        return self.min_tokens > 0 and bool(self.min_tokens_blocked)
 
     @property
     def plain_greedy(self) -> bool:
@@ -84,6 +96,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if len(self.min_tokens_blocked) > MAX_LOGIT_BIAS_ENTRIES or any(t < 0 for t in self.min_tokens_blocked):
+            raise ValueError(f"min_tokens_blocked must be at most {MAX_LOGIT_BIAS_ENTRIES} token ids >= 0")
         ids = [t for t, _ in self.logit_bias]
         if ids != sorted(set(ids)):
             raise ValueError("logit_bias token ids must be distinct, in ascending order")
@@ -95,9 +111,11 @@ class SamplingParams:
                                  f"got {bias} for token {token}")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError when logit_bias names a token outside [0, vocab_size)."""
+        """Raises ValueError when logit_bias or min_tokens_blocked names a token outside [0, vocab_size)."""
         if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size}), got {self.logit_bias[-1][0]}")
+        if self.min_tokens_blocked and max(self.min_tokens_blocked) >= vocab_size:
+            raise ValueError(f"min_tokens_blocked ids must lie in [0, {vocab_size}), got {max(self.min_tokens_blocked)}")
 
 
 def default_budget(device: str) -> int:

@@ -1,9 +1,11 @@
-"""Logit adjustments that depend on the sequence's tokens: logit_bias and the repetition, frequency and presence
-penalties, applied to every node of a draft tree under that node's own context.
+"""Logit adjustments that depend on the sequence's tokens: logit_bias, min_tokens and the repetition, frequency
+and presence penalties, applied to every node of a draft tree under that node's own context.
 
-Semantics follow vLLM (and transformers for the two it has): the bias is added first (transformers'
-`sequence_bias` for one-token sequences); then the repetition penalty divides positive logits and multiplies
-negative ones of every token seen in the prompt or the output (transformers' `repetition_penalty`); then the
+Semantics follow vLLM (and transformers for what it has): the bias is added first (transformers'
+`sequence_bias` for one-token sequences); min_tokens sets the stop tokens' logits to -inf while fewer than
+min_tokens tokens precede the node's choice (transformers' `min_new_tokens` over those ids); then the repetition
+penalty divides positive logits and multiplies negative ones of every token seen in the prompt or the output
+(transformers' `repetition_penalty`); then the
 frequency penalty subtracts penalty x count and the presence penalty subtracts penalty once, for each token of the
 output so far. Temperature, top-k, top-p and min_p come after (sampling.py).
 
@@ -31,6 +33,7 @@ class TokenHistory:
 
     prompt_seen: Tensor     # BoolTensor[V]
     output_counts: Tensor   # FloatTensor[V] (float32: counts stay exact far past any context length)
+    emitted: int = 0        # tokens emitted so far
 
     @classmethod
     def empty(cls, vocab_size: int, device: torch.device | str) -> "TokenHistory":
@@ -48,6 +51,7 @@ class TokenHistory:
         if ids:
             idx = torch.tensor(ids, dtype=torch.long).to(self.output_counts.device)
             self.output_counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.float32), accumulate=True)
+            self.emitted += len(ids)
 
 
 def path_output_counts(history: TokenHistory, tokens: Tensor, parents: Tensor) -> Tensor:
@@ -64,12 +68,25 @@ def path_output_counts(history: TokenHistory, tokens: Tensor, parents: Tensor) -
 
 def adjust_logits(logits: Tensor, params: SamplingParams, history: TokenHistory | None = None,
                   tokens: Tensor | None = None, parents: Tensor | None = None) -> Tensor:
-    """FloatTensor[T, V]: logits[T, V] of one tree (or of T independent rows with tokens None) with the bias and
-    the penalties applied, each node under its own context. The history is needed only for penalties."""
+    """FloatTensor[T, V]: logits[T, V] of one tree (or of T independent rows with tokens None) with the bias, the
+    min_tokens hold on stop tokens and the penalties applied, each node under its own context. The history is
+    needed for the penalties and min_tokens."""
     x = logits.float().clone()
     if params.logit_bias:
         ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=x.device)
         x[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=x.device)
+    if params.holds_back_stops:
+        if history is None:
+            raise ValueError("min_tokens needs the sequence's token history")
+        # node i chooses output token number emitted + (its depth below the root): held back below min_tokens
+        depth = torch.zeros(x.shape[0], dtype=torch.long)
+        if tokens is not None and x.shape[0] > 1:
+            depth = ancestor_mask(parents.to(x.device))[:, 1:].sum(1).cpu()
+        held = [i for i, d in enumerate(depth.tolist()) if history.emitted + d < params.min_tokens]
+        if held:
+            rows = torch.tensor(held, dtype=torch.long, device=x.device)
+            blocked = torch.tensor(params.min_tokens_blocked, dtype=torch.long, device=x.device)
+            x[rows[:, None], blocked[None, :]] = float("-inf")
     penalised = params.repetition_penalty != 1.0 or params.frequency_penalty != 0 or params.presence_penalty != 0
     if not penalised:
         return x

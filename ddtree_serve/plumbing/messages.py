@@ -14,7 +14,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     of range."""
     return SamplingParams.from_wire(p.temperature, p.top_p, p.top_k, p.seed if p.has_seed else None, min_p=p.min_p,
                                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                                    repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias))
+                                    repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
+                                    min_tokens=p.min_tokens, min_tokens_blocked=list(p.min_tokens_blocked))
 
 
 def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -23,7 +24,8 @@ def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
                                      seed=p.seed if p.seed is not None else 0, has_seed=p.seed is not None,
                                      min_p=p.min_p, presence_penalty=p.presence_penalty,
                                      frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
-                                     logit_bias=dict(p.logit_bias))
+                                     logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
+                                     min_tokens_blocked=list(p.min_tokens_blocked))
 
 
 def logprobs_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
