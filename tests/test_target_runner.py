@@ -59,6 +59,25 @@ def _random_tree(root: int, truth: list[int], rng: random.Random, n_nodes: int) 
     return random_tree_along(root, truth, rng, n_nodes, VOCAB)
 
 
+def _verify_along(runner: TargetRunner, generated: dict[str, list[int]], truth: dict[str, list[int]],
+                  rng: random.Random, on_output=None) -> list[int]:
+    """Verifies one random tree per sequence along its truth per step, all sequences in one batch, until each has
+    N_NEW tokens; extends generated in place, calls on_output(item, output) after each; returns the accepted path
+    lengths."""
+    accepted_lengths = []
+    while min(len(g) for g in generated.values()) < N_NEW:
+        items = []
+        for sid, gen in generated.items():
+            tokens, parents = _random_tree(gen[-1], truth[sid][len(gen):], rng, rng.randint(1, 24))
+            items.append(VerifyItem(sid, torch.tensor(tokens), torch.tensor(parents)))
+        for it, out in zip(items, runner.verify(items)):
+            generated[it.seq_id] += out.accepted_tokens + [out.next_token]
+            accepted_lengths.append(len(out.accepted_nodes))
+            if on_output is not None:
+                on_output(it, out)
+    return accepted_lengths
+
+
 @pytest.mark.parametrize("arch", sorted(MAKERS))
 def test_greedy_root_only_steps_equal_hf_generate(arch, checkpoints, references):
     runner = _runner(checkpoints[arch])
@@ -84,19 +103,13 @@ def test_batched_random_tree_verify_equals_hf_greedy_and_plain_decoding(arch, tr
     first = runner.prefill([PrefillItem(sid, p, SamplingParams(), want_features=True) for sid, p in prompts.items()])
     generated = {o.seq_id: [o.next_token] for o in first}
     features = {o.seq_id: [o.features] for o in first}
-    rng = random.Random(0)
-    accepted_lengths = []
-    while min(len(g) for g in generated.values()) < N_NEW:
-        items = []
-        for sid, gen in generated.items():
-            tokens, parents = _random_tree(gen[-1], truth[sid][len(gen):], rng, rng.randint(1, 24))
-            items.append(VerifyItem(sid, torch.tensor(tokens), torch.tensor(parents)))
-        for it, out in zip(items, runner.verify(items)):
-            assert out.accepted_tokens == [int(it.tokens[i]) for i in out.accepted_nodes[1:]]
-            generated[it.seq_id] += out.accepted_tokens + [out.next_token]
-            features[it.seq_id].append(out.features)
-            assert out.context_len == len(prompts[it.seq_id]) + len(generated[it.seq_id]) - 1
-            accepted_lengths.append(len(out.accepted_nodes))
+
+    def check(it: VerifyItem, out) -> None:
+        assert out.accepted_tokens == [int(it.tokens[i]) for i in out.accepted_nodes[1:]]
+        features[it.seq_id].append(out.features)
+        assert out.context_len == len(prompts[it.seq_id]) + len(generated[it.seq_id]) - 1
+
+    accepted_lengths = _verify_along(runner, generated, truth, random.Random(0), check)
     assert min(accepted_lengths) == 1 and max(accepted_lengths) >= 4  # acceptance really varied
     for sid, gen in generated.items():
         assert gen == truth[sid][: len(gen)]
@@ -133,17 +146,7 @@ def test_penalised_biased_greedy_tree_verify_equals_hf_generate_with_the_same_pr
     truth = {sid: hf_greedy(references[arch], p, N_NEW + 16, ADJUSTED_SAMPLING) for sid, p in prompts.items()}
     first = runner.prefill([PrefillItem(sid, p, ADJUSTED_SAMPLING) for sid, p in prompts.items()])
     generated = {o.seq_id: [o.next_token] for o in first}
-    rng = random.Random(1)
-    accepted_lengths = []
-    while min(len(g) for g in generated.values()) < N_NEW:
-        items = []
-        for sid, gen in generated.items():
-            tokens, parents = _random_tree(gen[-1], truth[sid][len(gen):], rng, rng.randint(1, 24))
-            items.append(VerifyItem(sid, torch.tensor(tokens), torch.tensor(parents)))
-        for it, out in zip(items, runner.verify(items)):
-            generated[it.seq_id] += out.accepted_tokens + [out.next_token]
-            accepted_lengths.append(len(out.accepted_nodes))
-    assert max(accepted_lengths) >= 4
+    assert max(_verify_along(runner, generated, truth, random.Random(1))) >= 4
     for sid, gen in generated.items():
         assert gen == truth[sid][: len(gen)]
         assert gen != hf_greedy(references[arch], prompts[sid], len(gen))
@@ -159,12 +162,9 @@ def test_min_tokens_greedy_tree_verify_equals_hf_generate_with_min_new_tokens(ch
     truth = hf_greedy(references["qwen3"], prompt, N_NEW + 16, params)
     assert not set(truth[:10]) & set(plain[:3]) and truth != plain
     (out,) = runner.prefill([PrefillItem("m", prompt, params)])
-    generated, rng = [out.next_token], random.Random(3)
-    while len(generated) < N_NEW:
-        tokens, parents = _random_tree(generated[-1], truth[len(generated):], rng, rng.randint(1, 24))
-        (step,) = runner.verify([VerifyItem("m", torch.tensor(tokens), torch.tensor(parents))])
-        generated += step.accepted_tokens + [step.next_token]
-    assert generated[:N_NEW] == truth[:N_NEW]
+    generated = {"m": [out.next_token]}
+    _verify_along(runner, generated, {"m": truth}, random.Random(3))
+    assert generated["m"][:N_NEW] == truth[:N_NEW]
 
 
 def test_a_logit_bias_outside_the_vocabulary_is_refused_at_prefill(checkpoints):
