@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 # pass, beyond that the eager pass's single weight read wins.
 PREFILL_VERIFY_CHUNKS = 4
 PREFILL_CHAIN_NODES = 65   # chain length: the verify size those figures are for (a budget-64 tree's bucket)
+# Prompt log-probs need every prompt position's logits: a forward then holds at most this many rows of them (over
+# its batch), so that a long prompt's scoring stays ~150 MB at a 150k vocabulary in bf16.
+PROMPT_SCORING_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -465,6 +468,8 @@ class TargetRunner:
         last_logits: list[Tensor | None] = [None] * len(items)
         feature_parts: list[list[Tensor]] = [[] for _ in items]
         every_row = any(lps is not None for lps in prompt_lps)   # prompt log-probs need every position's logits
+        if every_row:
+            chunk = min(chunk, max(1, PROMPT_SCORING_ROWS // len(items)))
         # Chunk by chunk: each forward attends to the positions already cached and commits the linear-attention
         # states, so the result is that of one forward over the whole prompts; only memory is bounded.
         for c0 in range(0, tmax, chunk):

@@ -10,6 +10,7 @@ import transformers
 
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.plumbing.cuda_graphs import tree_node_buckets
+from target_svc import runner as runner_module
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
 from tests.conftest import ADJUSTED_SAMPLING, hf_greedy
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
@@ -180,13 +181,15 @@ PROMPT_SCORING = {"one forward": dict(prefill_verify_chunks=0), "forwards of 7":
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-@pytest.mark.parametrize("chunking", sorted(PROMPT_SCORING))
+@pytest.mark.parametrize("chunking", sorted(PROMPT_SCORING) + ["forwards of at most 5 scored rows"])
 @pytest.mark.parametrize("calls", [1, 3])
 def test_prompt_logprobs_are_transformers_log_softmax_of_each_prompt_token(arch, chunking, calls, checkpoints,
-                                                                           references):
+                                                                           references, monkeypatch):
     """Each prompt token after the first gets its log-prob under the tokens before it, with the 3 likeliest
     alternatives, however the prompt is chunked within a call or across calls; the first token has none."""
-    runner = _runner(checkpoints[arch], **PROMPT_SCORING[chunking])
+    if chunking == "forwards of at most 5 scored rows":   # the bound on a scoring forward's logits
+        monkeypatch.setattr(runner_module, "PROMPT_SCORING_ROWS", 5)
+    runner = _runner(checkpoints[arch], **PROMPT_SCORING.get(chunking, PROMPT_SCORING["one forward"]))
     prompt = _prompt(23, seed=31)
     cuts = [0, 9, 16, 23] if calls == 3 else [0, 23]
     got = []
