@@ -68,11 +68,12 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                   ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                   prompt_logprobs: int | None = None, min_p: float = 0.0,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                  logit_bias: dict[int, float] | None = None, min_tokens: int = 0) -> gateway_pb2.GenerateRequest:
+                  logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
+                  allowed_token_ids: list[int] | None = None) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
     logprobs: each token's log-prob in the answer, with top_logprobs alternatives; prompt_logprobs: each prompt
     token's (after the first), with that many alternatives; min_p, the penalties, logit_bias (token id -> bias)
-    and min_tokens as vLLM takes them."""
+    min_tokens and allowed_token_ids as vLLM takes them."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
@@ -83,7 +84,7 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                                            has_seed=seed is not None, min_p=min_p, presence_penalty=presence_penalty,
                                            frequency_penalty=frequency_penalty,
                                            repetition_penalty=repetition_penalty, logit_bias=logit_bias or {},
-                                           min_tokens=min_tokens))
+                                           min_tokens=min_tokens, allowed_token_ids=allowed_token_ids or []))
     if prompt_ids is not None:
         req.token_ids.ids.extend(prompt_ids)
     elif messages is not None:

@@ -59,7 +59,6 @@ _UNHONOURED: dict[str, Callable[[Any], bool]] = {
     "structured_outputs": lambda v: v is not None,
     "use_beam_search": bool,
     "bad_words": bool,
-    "allowed_token_ids": lambda v: v is not None,
     "include_stop_str_in_output": bool,
     "skip_special_tokens": lambda v: v is False,   # the detokenizer always skips them
     "functions": bool,
@@ -89,6 +88,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     min_p: float | None = None
     min_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
     # ddtree-serve extensions (pass them in the openai client's extra_body)
     top_k: int | None = None
     mode: Literal["ddtree", "dflash", "ar"] | None = None
@@ -245,6 +245,9 @@ class HttpFront:
         for key in body.logit_bias or {}:
             if not (key.strip().isdigit() and int(key) < 1 << 31):
                 raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if body.allowed_token_ids is not None and not (body.allowed_token_ids and
+                                                       all(0 <= t < 1 << 31 for t in body.allowed_token_ids)):
+            raise ApiError(400, "allowed_token_ids must be a non-empty list of token ids", param="allowed_token_ids")
         if body.repetition_penalty is not None and body.repetition_penalty <= 0:
             # on the wire 0 means "off": refuse it here, as vLLM does
             raise ApiError(400, f"repetition_penalty must be > 0, got {body.repetition_penalty}",
@@ -275,7 +278,8 @@ class HttpFront:
                                              frequency_penalty=body.frequency_penalty or 0.0,
                                              repetition_penalty=body.repetition_penalty or 1.0,
                                              logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-                                             min_tokens=body.min_tokens or 0)
+                                             min_tokens=body.min_tokens or 0,
+                                             allowed_token_ids=body.allowed_token_ids or [])
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         wanted = _logprobs_wanted(body)
         req = gateway_pb2.GenerateRequest(sampling=sampling, stop=stop, ignore_eos=body.ignore_eos,

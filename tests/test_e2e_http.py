@@ -360,6 +360,8 @@ def test_a_client_leaving_an_n_sample_stream_frees_every_sample(oai, stack, mode
     ({"logit_bias": {"5": 101}}, openai.BadRequestError, "logit_bias values must be in [-100, 100]"),
     ({"logit_bias": {"99999999": 1}}, openai.BadRequestError, "logit_bias token ids must lie in"),
     ({"extra_body": {"min_tokens": 9}}, openai.BadRequestError, "min_tokens (9) must be <= max_tokens (8)"),
+    ({"extra_body": {"allowed_token_ids": []}}, openai.BadRequestError, "allowed_token_ids must be a non-empty"),
+    ({"extra_body": {"allowed_token_ids": [5, 10**7]}}, openai.BadRequestError, "allowed_token_ids must lie in"),
     ({"stop": ["x"], "extra_body": {"min_tokens": 2}}, openai.BadRequestError, "min_tokens together with stop"),
 ])
 def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fragment):
@@ -373,7 +375,6 @@ def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fra
 @pytest.mark.parametrize("kwargs, field", [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"extra_body": {"bad_words": ["prime"]}}, "bad_words"),
-    ({"extra_body": {"allowed_token_ids": [5, 6]}}, "allowed_token_ids"),
     ({"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
 ])
 def test_a_field_that_would_change_the_answer_and_is_not_implemented_is_refused_by_name(oai, model_id, kwargs, field):
@@ -413,6 +414,15 @@ def test_min_tokens_holds_back_the_stop_token_the_answer_would_end_on(oai, grpc_
     held = oai.completions.create(**args, extra_body={"ignore_eos": True, "stop_token_ids": [stop], "min_tokens": 6})
     assert ended.usage.completion_tokens == 2 and ended.choices[0].finish_reason == "stop"
     assert held.usage.completion_tokens > 6
+
+
+def test_allowed_token_ids_confine_a_sampled_answer_to_them(oai, grpc_client, model_id):
+    out = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=24, ignore_eos=True, temperature=1.0, seed=5,
+                               allowed_token_ids=[30, 31, 32])
+    assert len(out.token_ids) == 24 and set(out.token_ids) <= {30, 31, 32} and len(set(out.token_ids)) > 1
+    http = oai.completions.create(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=24, temperature=1.0, seed=5,
+                                  extra_body={"ignore_eos": True, "allowed_token_ids": [30, 31, 32]})
+    assert http.choices[0].text == out.text
 
 
 def test_a_logit_bias_of_100_makes_the_greedy_answer_that_token(oai, grpc_client, model_id):

@@ -156,3 +156,12 @@ def test_min_tokens_without_stop_tokens_to_hold_adjusts_nothing():
     assert SamplingParams(min_tokens=8, min_tokens_blocked=(2,)).adjusts_logits
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams.from_wire(0.0, 1.0, 0, None, min_tokens=-1)
+
+
+def test_allowed_token_ids_leave_only_those_tokens_finite_and_unchanged():
+    x = _logits(3, seed=4)
+    out = adjust_logits(x, SamplingParams.from_wire(0.0, 1.0, 0, None, allowed_token_ids=[9, 2, 9]))
+    assert torch.isfinite(out).sum(1).tolist() == [2, 2, 2]
+    assert torch.equal(out[:, [2, 9]], x[:, [2, 9]])
+    with pytest.raises(ValueError, match=r"allowed_token_ids must lie in \[0, 40\)"):
+        SamplingParams(allowed_token_ids=(3, V)).check_vocab(V)

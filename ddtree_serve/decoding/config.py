@@ -10,6 +10,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ALLOWED_TOKEN_IDS = 16384   # a request's allowed_token_ids (a bound on what one request makes each step carry)
 
 
 @dataclass(frozen=True)
@@ -33,12 +34,14 @@ class SamplingParams:
     # ignored, and the request's stop ids), as vLLM's min_tokens holds back every stop token.
     min_tokens: int = 0
     min_tokens_blocked: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()   # non-empty: every other token's logit is -inf (vLLM's)
 
     @classmethod
     def from_wire(cls, temperature: float, top_p: float, top_k: int, seed: int | None, *, min_p: float = 0.0,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                   logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
-                  min_tokens_blocked: list[int] | tuple[int, ...] = ()) -> "SamplingParams":
+                  min_tokens_blocked: list[int] | tuple[int, ...] = (),
+                  allowed_token_ids: list[int] | tuple[int, ...] = ()) -> "SamplingParams":
         """Request fields -> validated params: 0 turns top_p and the repetition penalty off, NaN is refused, tiny
         temperatures are greedy."""
         temperature, top_p = float(temperature), float(top_p)
@@ -53,7 +56,8 @@ class SamplingParams:
                      presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
                      repetition_penalty=1.0 if repetition_penalty == 0 else repetition_penalty, logit_bias=bias,
                      min_tokens=int(min_tokens),
-                     min_tokens_blocked=tuple(sorted({int(t) for t in min_tokens_blocked})))
+                     min_tokens_blocked=tuple(sorted({int(t) for t in min_tokens_blocked})),
+                     allowed_token_ids=tuple(sorted({int(t) for t in allowed_token_ids})))
         params.validate()
         return params
 
@@ -66,7 +70,7 @@ class SamplingParams:
         """True when the logits are changed before the choice (a bias or a penalty): the choice then depends on the
         sequence's tokens, not on the logits alone."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1.0 or self.holds_back_stops
+            or self.repetition_penalty != 1.0 or self.holds_back_stops or bool(self.allowed_token_ids)
 
     @property
     def holds_back_stops(self) -> bool:
@@ -100,6 +104,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if len(self.min_tokens_blocked) > MAX_LOGIT_BIAS_ENTRIES or any(t < 0 for t in self.min_tokens_blocked):
             raise ValueError(f"min_tokens_blocked must be at most {MAX_LOGIT_BIAS_ENTRIES} token ids >= 0")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids must be at most {MAX_ALLOWED_TOKEN_IDS} token ids >= 0")
         ids = [t for t, _ in self.logit_bias]
         if ids != sorted(set(ids)):
             raise ValueError("logit_bias token ids must be distinct, in ascending order")
@@ -111,9 +117,12 @@ class SamplingParams:
                                  f"got {bias} for token {token}")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError when logit_bias or min_tokens_blocked names a token outside [0, vocab_size)."""
+        """Raises ValueError when logit_bias, allowed_token_ids or min_tokens_blocked names a token outside
+        [0, vocab_size)."""
         if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size}), got {self.logit_bias[-1][0]}")
+        if self.allowed_token_ids and self.allowed_token_ids[-1] >= vocab_size:
+            raise ValueError(f"allowed_token_ids must lie in [0, {vocab_size}), got {self.allowed_token_ids[-1]}")
         if self.min_tokens_blocked and max(self.min_tokens_blocked) >= vocab_size:
             raise ValueError(f"min_tokens_blocked ids must lie in [0, {vocab_size}), got {max(self.min_tokens_blocked)}")
 

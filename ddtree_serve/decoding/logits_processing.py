@@ -1,8 +1,8 @@
 """Logit adjustments that depend on the sequence's tokens: logit_bias, min_tokens and the repetition, frequency
 and presence penalties, applied to every node of a draft tree under that node's own context.
 
-Semantics follow vLLM (and transformers for what it has): the bias is added first (transformers'
-`sequence_bias` for one-token sequences); min_tokens sets the stop tokens' logits to -inf while fewer than
+Semantics follow vLLM (and transformers for what it has): tokens outside allowed_token_ids are set to -inf,
+the bias is added (transformers' `sequence_bias` for one-token sequences); min_tokens sets the stop tokens' logits to -inf while fewer than
 min_tokens tokens precede the node's choice (transformers' `min_new_tokens` over those ids); then the repetition
 penalty divides positive logits and multiplies negative ones of every token seen in the prompt or the output
 (transformers' `repetition_penalty`); then the
@@ -72,6 +72,9 @@ def adjust_logits(logits: Tensor, params: SamplingParams, history: TokenHistory 
     min_tokens hold on stop tokens and the penalties applied, each node under its own context. The history is
     needed for the penalties and min_tokens."""
     x = logits.float().clone()
+    if params.allowed_token_ids:
+        keep = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=x.device)
+        x = torch.full_like(x, float("-inf")).index_copy_(1, keep, x.index_select(1, keep))
     if params.logit_bias:
         ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=x.device)
         x[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=x.device)

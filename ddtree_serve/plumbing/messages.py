@@ -15,7 +15,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams.from_wire(p.temperature, p.top_p, p.top_k, p.seed if p.has_seed else None, min_p=p.min_p,
                                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                     repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
-                                    min_tokens=p.min_tokens, min_tokens_blocked=list(p.min_tokens_blocked))
+                                    min_tokens=p.min_tokens, min_tokens_blocked=list(p.min_tokens_blocked),
+                                    allowed_token_ids=list(p.allowed_token_ids))
 
 
 def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -25,7 +26,8 @@ def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
                                      min_p=p.min_p, presence_penalty=p.presence_penalty,
                                      frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
                                      logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
-                                     min_tokens_blocked=list(p.min_tokens_blocked))
+                                     min_tokens_blocked=list(p.min_tokens_blocked),
+                                     allowed_token_ids=list(p.allowed_token_ids))
 
 
 def logprobs_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
