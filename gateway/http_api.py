@@ -50,7 +50,6 @@ MAX_PROMPTS = 64   # prompts of one /v1/completions request (each its own sequen
 # "does this value ask for it": such a request gets a 400 naming the field, never an answer that ignored it (unknown
 # fields that change nothing, such as user or metadata, are accepted and ignored).
 _UNHONOURED: dict[str, Callable[[Any], bool]] = {
-    "prompt_logprobs": lambda v: v is not None,
     "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type", "text") == "text"),
     "guided_json": lambda v: v is not None,
     "guided_regex": lambda v: v is not None,
@@ -89,6 +88,7 @@ class _Common(BaseModel):
     min_p: float | None = None
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None   # vLLM's: each prompt token's {id: {logprob, rank, decoded_token}}
     # ddtree-serve extensions (pass them in the openai client's extra_body)
     top_k: int | None = None
     mode: Literal["ddtree", "dflash", "ar"] | None = None
@@ -248,6 +248,13 @@ class HttpFront:
         if body.allowed_token_ids is not None and not (body.allowed_token_ids and
                                                        all(0 <= t < 1 << 31 for t in body.allowed_token_ids)):
             raise ApiError(400, "allowed_token_ids must be a non-empty list of token ids", param="allowed_token_ids")
+        if body.prompt_logprobs is not None:
+            if not 0 <= body.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise ApiError(400, f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.prompt_logprobs}",
+                               param="prompt_logprobs")
+            if body.stream:   # as vLLM: they come with the whole answer
+                raise ApiError(400, "prompt_logprobs are not available when stream is enabled",
+                               param="prompt_logprobs")
         if body.repetition_penalty is not None and body.repetition_penalty <= 0:
             # on the wire 0 means "off": refuse it here, as vLLM does
             raise ApiError(400, f"repetition_penalty must be > 0, got {body.repetition_penalty}",
@@ -286,6 +293,8 @@ class HttpFront:
                                           stop_token_ids=body.stop_token_ids or [], budget=body.budget or 0,
                                           mode=MODE_ENUMS.get(body.mode, gateway_pb2.DECODE_MODE_DEFAULT),
                                           logprobs=wanted is not None, top_logprobs=wanted or 0)
+        if body.prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_top_logprobs = True, body.prompt_logprobs
         req.max_tokens = max_tokens if max_tokens is not None else (default_max or 0)
         return req
 
@@ -322,17 +331,30 @@ class HttpFront:
                 "top_logprobs": [{decode([i]): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for _, lp in pairs],
                 "text_offset": offsets}, offset
 
-    def _echo_logprobs_json(self, seq, prompt_logprobs: list | None) -> tuple[dict, int]:
-        """The echoed prompt's tokens in completions' logprobs shape -> (that dict, the text offset after them): the
-        first token has no log-prob (null, as OpenAI gives it); the others the target's, when they were asked."""
+    def _echo_logprobs_json(self, seq, prompt_logprobs: list | None, top: int) -> tuple[dict, int]:
+        """The echoed prompt's tokens in completions' logprobs shape, `top` alternatives each -> (that dict, the text
+        offset after them): the first token has no log-prob (null, as OpenAI gives it); the others the target's,
+        when they were asked."""
         decode = self.servicer.tokenizer.decode
         tokens = [decode([t]) for t in seq.prompt_ids]
         offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         scored = list(prompt_logprobs or [])
         return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in scored],
-                "top_logprobs": [None] + [{decode([i]): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
+                "top_logprobs": [None] + [{decode([i]): v for i, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]}
                                           for lp in scored],
                 "text_offset": offsets}, sum(len(t) for t in tokens)
+
+    def _prompt_logprobs_json(self, seq, prompt_logprobs: list, top: int) -> list:
+        """vLLM's prompt_logprobs: null for the first prompt token, then per token {id: {logprob, rank,
+        decoded_token}} for the token itself and its `top` likeliest alternatives (ranked 1..top)."""
+        decode = self.servicer.tokenizer.decode
+        out: list[dict | None] = [None]
+        for token, lp in zip(seq.prompt_ids[1:], prompt_logprobs):
+            entry = {str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode([token])}}
+            for rank, (i, v) in enumerate(list(zip(lp.top_ids, lp.top_logprobs))[:top], start=1):
+                entry.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": decode([i])})
+            out.append(entry)
+        return out
 
     @staticmethod
     def _ddtree_stats(seq) -> dict:
@@ -368,7 +390,8 @@ class HttpFront:
         rid = ("chatcmpl-" if chat else "cmpl-") + firsts[0][0].request_id
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage, body.n, echo),
+            return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage, body.n, echo,
+                                               _logprobs_wanted(body) or 0),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         tasks = [asyncio.ensure_future(_collect(g, f)) for g, f in zip(gens, firsts)]
         try:
@@ -379,12 +402,14 @@ class HttpFront:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         choices, seqs = [], []
-        wanted = _logprobs_wanted(body) is not None
+        wanted_top = _logprobs_wanted(body)
+        wanted = wanted_top is not None
+        prompt_scores = None
         for i, (seq, finish_reason, content, ids, logprobs) in enumerate(results):
             choice = {"index": i, "finish_reason": finish_reason,
                       "logprobs": self._logprobs_json(chat, ids, logprobs)[0] if wanted else None}
             if echo is not None:
-                prompt_part, offset = self._echo_logprobs_json(seq, firsts[i][1].prompt_logprobs)
+                prompt_part, offset = self._echo_logprobs_json(seq, firsts[i][1].prompt_logprobs, wanted_top)
                 if wanted:
                     answer_part = self._logprobs_json(False, ids, logprobs, offset)[0]
                     choice["logprobs"] = {k: prompt_part[k] + answer_part[k] for k in prompt_part}
@@ -393,18 +418,27 @@ class HttpFront:
                 choice["message"] = {"role": "assistant", "content": content}
             else:
                 choice["text"] = content
+            if body.prompt_logprobs is not None:   # vLLM puts them in each completion choice, once in a chat
+                prompt_scores = self._prompt_logprobs_json(seq, firsts[i][1].prompt_logprobs or [],
+                                                           body.prompt_logprobs)
+                if not chat:
+                    choice["prompt_logprobs"] = prompt_scores
             if len(results) > 1:
                 choice["ddtree"] = self._ddtree_stats(seq)
             choices.append(choice)
             seqs.append(seq)
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                             "model": self.model_id, "choices": choices, "usage": self._usage(seqs, body.n),
-                             "ddtree": self._ddtree_stats(seqs[0])})
+        answer = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                  "model": self.model_id, "choices": choices, "usage": self._usage(seqs, body.n),
+                  "ddtree": self._ddtree_stats(seqs[0])}
+        if chat and prompt_scores is not None:
+            answer["prompt_logprobs"] = prompt_scores
+        return JSONResponse(answer)
 
     async def _sse(self, gens, firsts, rid: str, created: int, chat: bool, include_usage: bool, n: int,
-                   echo: list[str] | None = None) -> AsyncIterator[str]:
+                   echo: list[str] | None = None, echo_top: int = 0) -> AsyncIterator[str]:
         """The event stream: one chunk per engine emission of each sample (its index; with echo, the prompt's text
-        first), each sample's finish reason, optional usage, then [DONE]."""
+        first, with echo_top alternatives per token when log-probs were asked), each sample's finish reason,
+        optional usage, then [DONE]."""
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False,
@@ -451,7 +485,8 @@ class HttpFront:
                         raise exc
                     if echo is not None and index not in echoed:   # its first event: the prompt goes first
                         echoed.add(index)
-                        prompt_part, offsets[index] = self._echo_logprobs_json(seq, event.prompt_logprobs)
+                        prompt_part, offsets[index] = self._echo_logprobs_json(seq, event.prompt_logprobs,
+                                                                               echo_top)
                         scored = event.prompt_logprobs is not None   # asked for with the answer's log-probs
                         yield line(chunk(index, echo[index], None, logprobs=prompt_part if scored else None))
                     if event.logprobs:   # a chunk for every token with a log-prob, text or not
@@ -639,7 +674,8 @@ class HttpFront:
                 # the prompt as given; token ids as their text
                 echoes.append(prompt if isinstance(prompt, str) else self.servicer.tokenizer.decode(list(prompt)))
                 if wanted is not None:
-                    req.prompt_logprobs, req.prompt_top_logprobs = True, wanted
+                    req.prompt_logprobs = True
+                    req.prompt_top_logprobs = max(wanted, req.prompt_top_logprobs)
             reqs.append(req)
         return await self._run(reqs, chat=False, body=body, echoes=echoes if body.echo else None)
 

@@ -380,7 +380,7 @@ class TargetRunner:
         got = iter(token_logprobs(rows, chosen, top))
         for b in asking:
             keep = trees[b].seq.logprobs
-            outputs[b].logprobs = [TokenLogprob(lp.logprob, lp.top[:keep])
+            outputs[b].logprobs = [TokenLogprob(lp.logprob, lp.top[:keep], lp.rank)
                                    for lp in itertools.islice(got, len(outputs[b].accepted_nodes))]
 
     def release(self, seq_id: str) -> None:

@@ -173,6 +173,30 @@ def test_completion_echo_scores_the_prompt_as_lm_eval_asks_it(oai, grpc_client, 
         pytest.approx(lp.token_logprobs, abs=1e-6)
 
 
+def test_vllms_prompt_logprobs_rank_each_prompt_token_and_its_alternatives(oai, stack, model_id):
+    """prompt_logprobs=2: per completion choice (once per chat answer), null for the first prompt token, then
+    {id: {logprob, rank, decoded_token}} for the token (its rank among all tokens) and its 2 likeliest."""
+    out = oai.completions.create(model=model_id, prompt=ECHO_PROMPT, max_tokens=2, temperature=0,
+                                 extra_body={"ignore_eos": True, "prompt_logprobs": 2})
+    scores = out.choices[0].model_extra["prompt_logprobs"]
+    ref = _prompt_log_softmax(stack)
+    assert len(scores) == len(ECHO_PROMPT) and scores[0] is None
+    for token, entry, row in zip(ECHO_PROMPT[1:], scores[1:], ref):
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert mine["rank"] == int((row > row[token]).sum()) + 1
+        best = row.topk(2).indices.tolist()
+        assert all(str(i) in entry for i in best)
+        assert {entry[str(i)]["rank"] for i in best} <= {1, 2} and len(entry) == len(set(best) | {token})
+    chat = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat.model_extra["prompt_logprobs"][1:])
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        oai.completions.create(model=model_id, prompt=ECHO_PROMPT, max_tokens=2, stream=True,
+                               extra_body={"prompt_logprobs": 1})
+
+
 def test_completion_echo_without_logprobs_puts_the_text_prompt_first_as_given(oai, model_id):
     plain = oai.completions.create(model=model_id, prompt="hello world", max_tokens=6, temperature=0,
                                    extra_body={"ignore_eos": True})

@@ -29,3 +29,11 @@ def test_without_alternatives_only_the_chosen_tokens_come_back_and_half_precisio
 def test_more_alternatives_than_the_api_allows_are_refused():
     with pytest.raises(ValueError, match="top_logprobs"):
         token_logprobs(torch.zeros(1, 30), torch.tensor([0]), top=MAX_TOP_LOGPROBS + 1)
+
+
+def test_each_chosen_token_carries_its_rank_in_its_row():
+    logits = torch.tensor([[0.5, 3.0, 1.0, 3.0], [0.0, -1.0, 2.0, 1.0]])
+    out = token_logprobs(logits, torch.tensor([2, 2]))
+    # row 0: two tokens (tied) are likelier than token 2; row 1: token 2 is the likeliest
+    assert [lp.rank for lp in out] == [3, 1]
+    assert token_logprobs(logits, torch.tensor([1, 1]))[0].rank == 1   # a tie shares the better rank

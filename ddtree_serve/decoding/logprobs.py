@@ -18,11 +18,12 @@ MAX_TOP_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One emitted token's log-probability, and the `top` likeliest tokens of its row (id, log-prob), likeliest
-    first."""
+    """One emitted token's log-probability, its rank in its row (1: the likeliest; 1 + the tokens strictly more
+    likely), and the `top` likeliest tokens of its row (id, log-prob), likeliest first."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0   # 0: not computed
 
 
 def token_logprobs(logits: Tensor, chosen: Tensor, top: int = 0) -> list[TokenLogprob]:
@@ -32,10 +33,9 @@ def token_logprobs(logits: Tensor, chosen: Tensor, top: int = 0) -> list[TokenLo
         raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
     lp = torch.log_softmax(logits.float(), dim=-1)
     picked = lp.gather(1, chosen.to(lp.device, torch.long)[:, None])[:, 0]
-    if top:
-        values, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
-        host = torch.cat([picked[:, None], values, ids.float()], dim=1).cpu()
-        k = values.shape[1]
-        return [TokenLogprob(float(row[0]), tuple(zip(row[1 + k:].long().tolist(), row[1:1 + k].tolist())))
-                for row in host]
-    return [TokenLogprob(float(v)) for v in picked.cpu()]
+    rank = (lp > picked[:, None]).sum(1, dtype=torch.float32) + 1   # exact in float32 below 2**24 tokens
+    values, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)   # [N, 0] when top is 0
+    host = torch.cat([picked[:, None], rank[:, None], values, ids.float()], dim=1).cpu()
+    k = values.shape[1]
+    return [TokenLogprob(float(row[0]), tuple(zip(row[2 + k:].long().tolist(), row[2:2 + k].tolist())), int(row[1]))
+            for row in host]

@@ -33,7 +33,7 @@ def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
 def logprobs_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
     """Emitted tokens' log-probs as TokenLogprob messages (none: an empty list)."""
     return [common_pb2.TokenLogprob(logprob=lp.logprob, top_ids=[i for i, _ in lp.top],
-                                    top_logprobs=[v for _, v in lp.top]) for lp in logprobs or ()]
+                                    top_logprobs=[v for _, v in lp.top], rank=lp.rank) for lp in logprobs or ()]
 
 
 def logprobs_wanted(logprobs: bool, top_logprobs: int) -> int:
