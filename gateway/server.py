@@ -258,6 +258,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # vLLM also ignores stop strings before min_tokens; this gateway does not implement that hold
             raise ValueError("min_tokens together with stop strings is not supported")
         sampling = dataclasses.replace(sampling, min_tokens_blocked=tuple(sorted(stops)) if sampling.min_tokens else ())
+        sampling.validate()   # again, with the stops min_tokens holds back
         request_id = request.request_id or get_request_id() or uuid.uuid4().hex
         return Sequence(request_id=request_id, prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                         sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,

@@ -385,6 +385,8 @@ def test_a_client_leaving_an_n_sample_stream_frees_every_sample(oai, stack, mode
     ({"logit_bias": {"99999999": 1}}, openai.BadRequestError, "logit_bias token ids must lie in"),
     ({"extra_body": {"min_tokens": 9}}, openai.BadRequestError, "min_tokens (9) must be <= max_tokens (8)"),
     ({"extra_body": {"allowed_token_ids": []}}, openai.BadRequestError, "allowed_token_ids must be a non-empty"),
+    ({"extra_body": {"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2}}, openai.BadRequestError,
+     "allowed_token_ids are all stop tokens"),
     ({"extra_body": {"allowed_token_ids": [5, 10**7]}}, openai.BadRequestError, "allowed_token_ids must lie in"),
     ({"stop": ["x"], "extra_body": {"min_tokens": 2}}, openai.BadRequestError, "min_tokens together with stop"),
 ])

@@ -165,3 +165,9 @@ def test_allowed_token_ids_leave_only_those_tokens_finite_and_unchanged():
     assert torch.equal(out[:, [2, 9]], x[:, [2, 9]])
     with pytest.raises(ValueError, match=r"allowed_token_ids must lie in \[0, 40\)"):
         SamplingParams(allowed_token_ids=(3, V)).check_vocab(V)
+
+
+def test_allowed_tokens_that_min_tokens_all_holds_back_are_refused():
+    with pytest.raises(ValueError, match="allowed_token_ids are all stop tokens"):
+        SamplingParams(min_tokens=3, min_tokens_blocked=(2, 7), allowed_token_ids=(2,)).validate()
+    SamplingParams(min_tokens=3, min_tokens_blocked=(2, 7), allowed_token_ids=(2, 5)).validate()

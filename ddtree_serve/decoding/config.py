@@ -106,6 +106,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens_blocked must be at most {MAX_LOGIT_BIAS_ENTRIES} token ids >= 0")
         if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS or any(t < 0 for t in self.allowed_token_ids):
             raise ValueError(f"allowed_token_ids must be at most {MAX_ALLOWED_TOKEN_IDS} token ids >= 0")
+        if self.holds_back_stops and self.allowed_token_ids and \
+                set(self.allowed_token_ids) <= set(self.min_tokens_blocked):
+            # every token would be -inf for the first min_tokens choices: nothing could be generated
+            raise ValueError("allowed_token_ids are all stop tokens, which min_tokens holds back")
         ids = [t for t, _ in self.logit_bias]
         if ids != sorted(set(ids)):
             raise ValueError("logit_bias token ids must be distinct, in ascending order")
