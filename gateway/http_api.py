@@ -307,10 +307,12 @@ class HttpFront:
             req.max_tokens = max(1, self.servicer.max_seq_len - len(ids))
         return len(ids)
 
-    def _logprobs_json(self, chat: bool, token_ids: list[int], logprobs: list, offset: int = 0) -> tuple[dict, int]:
-        """Tokens' log-probs (TokenLogprob messages) in OpenAI's shape -> (the choice's "logprobs", the text offset
-        after them): chat's {"content": [{token, logprob, bytes, top_logprobs}]}, completions' {tokens,
-        token_logprobs, top_logprobs, text_offset}; each token's text is its own decoding."""
+    def _logprobs_json(self, chat: bool, token_ids: list[int], logprobs: list, offset: int = 0,
+                       top: int | None = None) -> tuple[dict, int]:
+        """Tokens' log-probs (TokenLogprob messages; at most `top` alternatives each) in OpenAI's shape -> (the
+        choice's "logprobs", the text offset after them): chat's {"content": [{token, logprob, bytes,
+        top_logprobs}]}, completions' {tokens, token_logprobs, top_logprobs, text_offset}; each token's text is its
+        own decoding."""
         decode = self.servicer.tokenizer.decode
         pairs = list(zip(token_ids, logprobs))
 
@@ -328,21 +330,17 @@ class HttpFront:
             offsets.append(offset)
             offset += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in pairs],
-                "top_logprobs": [{decode([i]): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for _, lp in pairs],
+                "top_logprobs": [{decode([i]): v for i, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]}
+                                 for _, lp in pairs],
                 "text_offset": offsets}, offset
 
-    def _echo_logprobs_json(self, seq, prompt_logprobs: list | None, top: int) -> tuple[dict, int]:
-        """The echoed prompt's tokens in completions' logprobs shape, `top` alternatives each -> (that dict, the text
-        offset after them): the first token has no log-prob (null, as OpenAI gives it); the others the target's,
-        when they were asked."""
-        decode = self.servicer.tokenizer.decode
-        tokens = [decode([t]) for t in seq.prompt_ids]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        scored = list(prompt_logprobs or [])
-        return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in scored],
-                "top_logprobs": [None] + [{decode([i]): v for i, v in list(zip(lp.top_ids, lp.top_logprobs))[:top]}
-                                          for lp in scored],
-                "text_offset": offsets}, sum(len(t) for t in tokens)
+    def _echo_logprobs_json(self, seq, prompt_logprobs: list, top: int) -> tuple[dict, int]:
+        """The echoed prompt's tokens and log-probs in completions' shape, `top` alternatives each -> (that dict, the
+        text offset after them): the first token has no log-prob (null, as OpenAI gives it)."""
+        first = self.servicer.tokenizer.decode(seq.prompt_ids[:1])
+        rest, end = self._logprobs_json(False, seq.prompt_ids[1:], prompt_logprobs, len(first), top)
+        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}, end
 
     def _prompt_logprobs_json(self, seq, prompt_logprobs: list, top: int) -> list:
         """vLLM's prompt_logprobs: null for the first prompt token, then per token {id: {logprob, rank,
@@ -409,8 +407,8 @@ class HttpFront:
             choice = {"index": i, "finish_reason": finish_reason,
                       "logprobs": self._logprobs_json(chat, ids, logprobs)[0] if wanted else None}
             if echo is not None:
-                prompt_part, offset = self._echo_logprobs_json(seq, firsts[i][1].prompt_logprobs, wanted_top)
                 if wanted:
+                    prompt_part, offset = self._echo_logprobs_json(seq, firsts[i][1].prompt_logprobs, wanted_top)
                     answer_part = self._logprobs_json(False, ids, logprobs, offset)[0]
                     choice["logprobs"] = {k: prompt_part[k] + answer_part[k] for k in prompt_part}
                 content = echo[i] + content
@@ -418,7 +416,8 @@ class HttpFront:
                 choice["message"] = {"role": "assistant", "content": content}
             else:
                 choice["text"] = content
-            if body.prompt_logprobs is not None:   # vLLM puts them in each completion choice, once in a chat
+            if body.prompt_logprobs is not None and (not chat or prompt_scores is None):
+                # vLLM puts them in each completion choice, once in a chat answer
                 prompt_scores = self._prompt_logprobs_json(seq, firsts[i][1].prompt_logprobs or [],
                                                            body.prompt_logprobs)
                 if not chat:
@@ -485,10 +484,11 @@ class HttpFront:
                         raise exc
                     if echo is not None and index not in echoed:   # its first event: the prompt goes first
                         echoed.add(index)
-                        prompt_part, offsets[index] = self._echo_logprobs_json(seq, event.prompt_logprobs,
-                                                                               echo_top)
-                        scored = event.prompt_logprobs is not None   # asked for with the answer's log-probs
-                        yield line(chunk(index, echo[index], None, logprobs=prompt_part if scored else None))
+                        prompt_part = None
+                        if event.prompt_logprobs is not None:   # asked for with the answer's log-probs
+                            prompt_part, offsets[index] = self._echo_logprobs_json(seq, event.prompt_logprobs,
+                                                                                   echo_top)
+                        yield line(chunk(index, echo[index], None, logprobs=prompt_part))
                     if event.logprobs:   # a chunk for every token with a log-prob, text or not
                         logprobs, offsets[index] = self._logprobs_json(chat, event.token_ids, event.logprobs,
                                                                        offsets[index])

@@ -355,11 +355,11 @@ class TargetRunner:
             ctx = ctx_host[b] + n
             self.model.cache.ctx_len[tr.seq.slot] = ctx
             tr.seq.pending_token = next_token
-            tokens = tr.tokens
+            accepted = [tr.tokens[i] for i in nodes[1:]]
             if tr.seq.history is not None:
-                tr.seq.history.add_output([tokens[i] for i in nodes[1:]] + [next_token])
+                tr.seq.history.add_output(accepted + [next_token])
             outputs.append(VerifyOutput(
-                seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=[tokens[i] for i in nodes[1:]],
+                seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=accepted,
                 next_token=next_token, context_len=ctx,
                 features=None if rows is None or it.seq_id in pushed else rows[b, :n],
                 features_ready=walked.rows_ready,

@@ -8,7 +8,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     SequenceBiasLogitsProcessor)
 
 from ddtree_serve.decoding.config import SamplingParams
-from ddtree_serve.decoding.logits_processing import TokenHistory, adjust_logits, path_output_counts
+from ddtree_serve.decoding.logits_processing import TokenHistory, adjust_logits, node_path_mask, path_output_counts
 from ddtree_serve.decoding.sampling import filter_logits
 
 V = 40
@@ -72,7 +72,7 @@ def test_each_tree_node_counts_the_tokens_on_its_own_root_path():
     tokens = torch.tensor([12, 5, 6, 5, 7])
     parents = torch.tensor([-1, 0, 0, 1, 2])
     history = _history(prompt=[], output=[12, 6])
-    counts = path_output_counts(history, tokens, parents)
+    counts = path_output_counts(history, tokens, node_path_mask(parents))
     expected_paths = {0: [], 1: [5], 2: [6], 3: [5, 5], 4: [6, 7]}
     for node, path in expected_paths.items():
         want = history.output_counts.clone()

@@ -24,7 +24,7 @@ from torch import Tensor
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.tree_mask import ancestor_mask
 
-__all__ = ["TokenHistory", "path_output_counts", "adjust_logits"]
+__all__ = ["TokenHistory", "node_path_mask", "path_output_counts", "adjust_logits"]
 
 
 @dataclass
@@ -54,16 +54,19 @@ class TokenHistory:
             self.emitted += len(ids)
 
 
-def path_output_counts(history: TokenHistory, tokens: Tensor, parents: Tensor) -> Tensor:
+def path_output_counts(history: TokenHistory, tokens: Tensor, path: Tensor) -> Tensor:
     """FloatTensor[T, V]: per node, the output counts it is chosen under: the history's plus the tokens of the
-    non-root nodes on its root path (itself included)."""
-    t = tokens.shape[0]
-    counts = history.output_counts.expand(t, -1).clone()
-    if t > 1:
-        anc = ancestor_mask(parents.to(tokens.device))      # anc[i, j]: j is i or one of its ancestors
-        rows, cols = anc[:, 1:].nonzero(as_tuple=True)       # the root's token is counted in the history already
-        counts.index_put_((rows, tokens[1:][cols]), torch.ones_like(rows, dtype=torch.float32), accumulate=True)
+    non-root nodes on its root path (itself included). path: BoolTensor[T, T - 1], node_path_mask's."""
+    counts = history.output_counts.expand(tokens.shape[0], -1).clone()
+    rows, cols = path.nonzero(as_tuple=True)
+    counts.index_put_((rows, tokens[1:][cols]), torch.ones_like(rows, dtype=torch.float32), accumulate=True)
     return counts
+
+
+def node_path_mask(parents: Tensor) -> Tensor:
+    """BoolTensor[T, T - 1]: [i, j] iff non-root node j + 1 is node i or one of its ancestors (the root's token
+    is the sequence's last emitted one, in its history already)."""
+    return ancestor_mask(parents)[:, 1:]
 
 
 def adjust_logits(logits: Tensor, params: SamplingParams, history: TokenHistory | None = None,
@@ -78,14 +81,13 @@ def adjust_logits(logits: Tensor, params: SamplingParams, history: TokenHistory 
     if params.logit_bias:
         ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=x.device)
         x[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=x.device)
+    path = node_path_mask(parents.to(x.device)) if tokens is not None else None
     if params.holds_back_stops:
         if history is None:
             raise ValueError("min_tokens needs the sequence's token history")
         # node i chooses output token number emitted + (its depth below the root): held back below min_tokens
-        depth = torch.zeros(x.shape[0], dtype=torch.long)
-        if tokens is not None and x.shape[0] > 1:
-            depth = ancestor_mask(parents.to(x.device))[:, 1:].sum(1).cpu()
-        held = [i for i, d in enumerate(depth.tolist()) if history.emitted + d < params.min_tokens]
+        depth = path.sum(1).tolist() if path is not None else [0] * x.shape[0]
+        held = [i for i, d in enumerate(depth) if history.emitted + d < params.min_tokens]
         if held:
             rows = torch.tensor(held, dtype=torch.long, device=x.device)
             blocked = torch.tensor(params.min_tokens_blocked, dtype=torch.long, device=x.device)
@@ -95,10 +97,10 @@ def adjust_logits(logits: Tensor, params: SamplingParams, history: TokenHistory 
         return x
     if history is None:
         raise ValueError("penalties need the sequence's token history")
-    if tokens is None:
+    if path is None:
         counts = history.output_counts.expand(x.shape[0], -1)
     else:
-        counts = path_output_counts(history, tokens.to(x.device), parents)
+        counts = path_output_counts(history, tokens.to(x.device), path)
     present = counts > 0
     if params.repetition_penalty != 1.0:
         seen = present | history.prompt_seen[None, :]
