@@ -36,6 +36,7 @@ class Chunk:
     # on the first chunk, when asked: the prompt's ids and a log-prob entry per prompt token after the first
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[dict] = field(default_factory=list)
+    stop_reason: str | int | None = None   # on the last chunk of a "stop": the stop string or stop token
 
 
 @dataclass
@@ -49,11 +50,12 @@ class Result:
     request_id: str = ""
     logprobs: list[dict] = field(default_factory=list)   # per token, when asked (Chunk.logprobs)
     prompt_logprobs: list[dict] = field(default_factory=list)   # per prompt token after the first, when asked
+    stop_reason: str | int | None = None   # with finish_reason "stop": the stop string or stop token that ended it
 
     def as_dict(self) -> dict:
         """The result as plain JSON-able data."""
         out = {"request_id": self.request_id, "token_ids": self.token_ids, "text": self.text,
-               "finish_reason": self.finish_reason, "stats": self.stats}
+               "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "stats": self.stats}
         if self.logprobs:
             out["logprobs"] = self.logprobs
         if self.prompt_logprobs:
@@ -69,15 +71,20 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                   prompt_logprobs: int | None = None, min_p: float = 0.0,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                   logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
-                  allowed_token_ids: list[int] | None = None) -> gateway_pb2.GenerateRequest:
+                  allowed_token_ids: list[int] | None = None, stop_token_ids: list[int] | None = None,
+                  include_stop_str_in_output: bool = False,
+                  skip_special_tokens: bool = True) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
     logprobs: each token's log-prob in the answer, with top_logprobs alternatives; prompt_logprobs: each prompt
-    token's (after the first), with that many alternatives; min_p, the penalties, logit_bias (token id -> bias)
-    min_tokens and allowed_token_ids as vLLM takes them."""
+    token's (after the first), with that many alternatives; min_p, the penalties, logit_bias (token id -> bias),
+    min_tokens, allowed_token_ids, stop_token_ids, include_stop_str_in_output and skip_special_tokens as vLLM
+    takes them."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
         max_tokens=max_tokens, mode=MODES[mode], budget=budget, stop=stop or [], ignore_eos=ignore_eos,
+        stop_token_ids=stop_token_ids or [], include_stop_str_in_output=include_stop_str_in_output,
+        keep_special_tokens=not skip_special_tokens,
         logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs is not None,
         prompt_top_logprobs=prompt_logprobs or 0,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed or 0,
@@ -115,7 +122,14 @@ def _chunk(msg: gateway_pb2.GenerateResponse) -> Chunk:
     return Chunk(token_ids=list(msg.token_ids), text=msg.text, finished=msg.finished,
                  finish_reason=msg.finish_reason, stats=stats_dict(msg.stats) if msg.finished else None,
                  request_id=msg.request_id, logprobs=_logprob_dicts(msg.logprobs),
-                 prompt_token_ids=list(msg.prompt_token_ids), prompt_logprobs=_logprob_dicts(msg.prompt_logprobs))
+                 prompt_token_ids=list(msg.prompt_token_ids), prompt_logprobs=_logprob_dicts(msg.prompt_logprobs),
+                 stop_reason=_stop_reason(msg))
+
+
+def _stop_reason(msg: gateway_pb2.GenerateResponse) -> str | int | None:
+    if msg.stop_string:
+        return msg.stop_string
+    return msg.stop_token_id if msg.HasField("stop_token_id") else None
 
 
 def _collect(chunks) -> Result:
@@ -126,7 +140,8 @@ def _collect(chunks) -> Result:
         logprobs.extend(c.logprobs)
         prompt.extend(c.prompt_logprobs)
         last = c
-    return Result(ids, "".join(text), last.finish_reason, last.stats or {}, last.request_id, logprobs, prompt)
+    return Result(ids, "".join(text), last.finish_reason, last.stats or {}, last.request_id, logprobs, prompt,
+                  last.stop_reason)
 
 
 def _request(prompt, request, kw) -> gateway_pb2.GenerateRequest:

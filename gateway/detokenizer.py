@@ -4,7 +4,10 @@ Each update decodes only a window of the last tokens (as TGI and vLLM do): the i
 what the ids from `prefix_offset` to `read_offset` decoded to. Decoding the whole output every step instead costs
 time in its length, on every step of every sequence (quadratic over a response, on the gateway's loop). The
 window starts one token before the new ones, so a tokenizer that drops a leading space at the start of a decode
-still shows it; a window that ends inside a multi-byte character ("\ufffd") is kept open until it completes."""
+still shows it; a window that ends inside a multi-byte character ("\ufffd") is kept open until it completes.
+
+As vLLM's: `include_stop` keeps the stop string in the text; before `min_tokens` tokens no stop string ends the
+text (one must end in a token at index min_tokens - 1 or later); `skip_special_tokens=False` decodes them too."""
 from __future__ import annotations
 
 import re
@@ -13,9 +16,15 @@ import re
 class IncrementalDetokenizer:
     """Turns committed tokens into text deltas; holds back text that might be a partial UTF-8 char or stop string."""
 
-    def __init__(self, tokenizer, stop_strings: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop_strings: list[str] | tuple[str, ...] = (), include_stop: bool = False,
+                 min_tokens: int = 0, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop_strings = [s for s in stop_strings if s]
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.skip_special_tokens = skip_special_tokens
+        self.stop_reason = ""  # the stop string that ended the text
+        self._floor = 0        # a stop string must end past this many characters (the text before min_tokens)
         # One alternation scans the new text once for all stop strings (the gateway caps their number and length).
         self._stop_re = re.compile("|".join(map(re.escape, self.stop_strings))) if self.stop_strings else None
         self._window = max((len(s) for s in self.stop_strings), default=0)
@@ -33,13 +42,13 @@ class IncrementalDetokenizer:
         window = self.ids[self._prefix_offset:]
         if not window:
             return self._stable
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
-        full = decode(window, skip_special_tokens=True)
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix = decode(self.ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+        full = decode(window, skip_special_tokens=skip)
         if full.startswith(prefix):
             text = self._stable + full[len(prefix):]
         else:   # the window's tail changed its head (a tokenizer's clean-up across the boundary): decode it all
-            text = decode(self.ids, skip_special_tokens=True)
+            text = decode(self.ids, skip_special_tokens=skip)
         if not text.endswith("\ufffd"):
             self._stable = text
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
@@ -53,11 +62,16 @@ class IncrementalDetokenizer:
         if not self.stop_strings or not tokens:
             self.ids.extend(tokens)
             return None
+        if len(self.ids) < self.min_tokens:   # the min_tokens floor moves token by token (once per request)
+            for i, token in enumerate(tokens):
+                if self.stop_hit(token):
+                    return i
+            return None
         saved = (len(self.ids), self.text, self._text_ids, self._stable, self._prefix_offset, self._read_offset)
         prev_len = len(self.text)
         self.ids.extend(tokens)
         text = self._decode()
-        if self._stop_re.search(text, max(0, prev_len - self._window)) is None:
+        if self._first_stop(text, max(0, prev_len - self._window)) is None:
             self.text, self._text_ids = text, len(self.ids)
             return None
         # Rare: a stop string appeared. Token by token from where the step began, to find the one that completed it.
@@ -75,12 +89,22 @@ class IncrementalDetokenizer:
             return False
         prev_len = len(self.text)
         self.text, self._text_ids = self._decode(), len(self.ids)
-        start = max(0, prev_len - self._window)
-        hit = self._stop_re.search(self.text, start)   # the leftmost position where any stop string begins
+        if len(self.ids) < self.min_tokens:
+            self._floor = len(self.text)
+            return False
+        hit = self._first_stop(self.text, max(0, prev_len - self._window))
         if hit:
-            self.text = self.text[:hit.start()]
+            self.text = self.text[:hit.end() if self.include_stop else hit.start()]
+            self.stop_reason = hit.group()
             self.stopped = True
         return self.stopped
+
+    def _first_stop(self, text: str, start: int) -> re.Match | None:
+        """The leftmost stop string in text[start:] that ends past the min_tokens floor."""
+        hit = self._stop_re.search(text, start)
+        while hit is not None and hit.end() <= self._floor:   # overlapping matches: retry one character on
+            hit = self._stop_re.search(text, hit.start() + 1)
+        return hit
 
     def take_text(self, final: bool = False) -> str:
         """Returns the text not yet streamed; keeps back an incomplete character or a possible stop-string start."""

@@ -58,8 +58,6 @@ _UNHONOURED: dict[str, Callable[[Any], bool]] = {
     "structured_outputs": lambda v: v is not None,
     "use_beam_search": bool,
     "bad_words": bool,
-    "include_stop_str_in_output": bool,
-    "skip_special_tokens": lambda v: v is False,   # the detokenizer always skips them
     "functions": bool,
     "tool_choice": lambda v: v not in (None, "none"),
 }
@@ -95,6 +93,8 @@ class _Common(BaseModel):
     budget: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 class ChatMessage(BaseModel):
@@ -291,6 +291,8 @@ class HttpFront:
         wanted = _logprobs_wanted(body)
         req = gateway_pb2.GenerateRequest(sampling=sampling, stop=stop, ignore_eos=body.ignore_eos,
                                           stop_token_ids=body.stop_token_ids or [], budget=body.budget or 0,
+                                          include_stop_str_in_output=body.include_stop_str_in_output,
+                                          keep_special_tokens=not body.skip_special_tokens,
                                           mode=MODE_ENUMS.get(body.mode, gateway_pb2.DECODE_MODE_DEFAULT),
                                           logprobs=wanted is not None, top_logprobs=wanted or 0)
         if body.prompt_logprobs is not None:
@@ -388,7 +390,7 @@ class HttpFront:
         rid = ("chatcmpl-" if chat else "cmpl-") + firsts[0][0].request_id
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage, body.n, echo,
+            return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage, body, echo,
                                                _logprobs_wanted(body) or 0),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         tasks = [asyncio.ensure_future(_collect(g, f)) for g, f in zip(gens, firsts)]
@@ -404,7 +406,7 @@ class HttpFront:
         wanted = wanted_top is not None
         prompt_scores = None
         for i, (seq, finish_reason, content, ids, logprobs) in enumerate(results):
-            choice = {"index": i, "finish_reason": finish_reason,
+            choice = {"index": i, "finish_reason": finish_reason, "stop_reason": _stop_reason(seq, body),
                       "logprobs": self._logprobs_json(chat, ids, logprobs)[0] if wanted else None}
             if echo is not None:
                 if wanted:
@@ -433,7 +435,7 @@ class HttpFront:
             answer["prompt_logprobs"] = prompt_scores
         return JSONResponse(answer)
 
-    async def _sse(self, gens, firsts, rid: str, created: int, chat: bool, include_usage: bool, n: int,
+    async def _sse(self, gens, firsts, rid: str, created: int, chat: bool, include_usage: bool, body: _Common,
                    echo: list[str] | None = None, echo_top: int = 0) -> AsyncIterator[str]:
         """The event stream: one chunk per engine emission of each sample (its index; with echo, the prompt's text
         first, with echo_top alternatives per token when log-probs were asked), each sample's finish reason,
@@ -498,12 +500,13 @@ class HttpFront:
                     if event.finished:
                         finished[index] = seq
                         final = chunk(index, None, event.finish_reason)
+                        final["choices"][0]["stop_reason"] = _stop_reason(seq, body)
                         final["ddtree"] = self._ddtree_stats(seq)
                         yield line(final)
                 if include_usage:
                     seqs = [finished[i] for i in range(len(gens))]
                     yield line({"id": rid, "object": obj, "created": created, "model": self.model_id,
-                                "choices": [], "usage": self._usage(seqs, n)})
+                                "choices": [], "usage": self._usage(seqs, body.n)})
             except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream, as vLLM does
                 err = api_error_for(exc)
                 log.warning("stream %s failed: %s", rid, err.message)
@@ -704,6 +707,14 @@ async def _collect(gen, first) -> tuple[Any, str, str, list[int], list]:
             ids.extend(event.token_ids)
             logprobs.extend(event.logprobs or [])
     return seq, event.finish_reason, "".join(text), ids, logprobs
+
+
+def _stop_reason(seq, body: _Common) -> str | int | None:
+    """vLLM's stop_reason: the stop string or one of the request's stop_token_ids that ended it; None for EOS."""
+    reason = seq.stop_reason
+    if isinstance(reason, int) and reason not in (body.stop_token_ids or ()):
+        return None
+    return reason
 
 
 def _logprobs_wanted(body: _Common) -> int | None:

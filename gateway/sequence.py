@@ -29,6 +29,7 @@ class StreamEvent:
     text: str
     finished: bool = False
     finish_reason: str = ""
+    stop_reason: str | int | None = None   # with finish_reason "stop": the stop string, or the stop token
     error: tuple[grpc.StatusCode, str] | None = None
     logprobs: list | None = None   # common_pb2.TokenLogprob per token_ids entry, when the request asked for them
     prompt_logprobs: list | None = None   # on the first event, when asked: common_pb2.TokenLogprob per prompt token
@@ -73,6 +74,7 @@ class Sequence:
     drafting: bool = True          # false after the drafter failed for this sequence: AR from then on
     cancelled: bool = False
     finish_reason: str = ""
+    stop_reason: str | int | None = None   # the stop string or stop token (EOS included) that ended it
     stats: SequenceStats = field(default_factory=SequenceStats)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
@@ -102,9 +104,9 @@ class Sequence:
         text_end = n if eos is None else eos   # the tokens the text sees: up to a stop token, not including it
         hit = self.detokenizer.extend(tokens[:text_end])
         if hit is not None:
-            kept, self.finish_reason = tokens[:hit + 1], "stop"
+            kept, self.finish_reason, self.stop_reason = tokens[:hit + 1], "stop", self.detokenizer.stop_reason
         elif eos is not None:
-            kept, self.finish_reason = tokens[:eos + 1], "stop"
+            kept, self.finish_reason, self.stop_reason = tokens[:eos + 1], "stop", tokens[eos]
         else:
             kept = tokens[:n]
             if kept and len(self.output_ids) + n >= self.max_tokens:
@@ -120,7 +122,8 @@ class Sequence:
         first = len(self.output_ids) == len(tokens)
         prompt = self.prompt_scores if first and self.prompt_logprobs >= 0 else None
         self.events.put_nowait(StreamEvent(token_ids=tokens, text=text, finished=bool(self.finish_reason),
-                                           finish_reason=self.finish_reason, logprobs=kept_logprobs,
+                                           finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                           logprobs=kept_logprobs,
                                            prompt_logprobs=prompt))
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:

@@ -36,6 +36,13 @@ MODE_BY_ENUM = {gateway_pb2.DECODE_MODE_DDTREE: "ddtree", gateway_pb2.DECODE_MOD
                 gateway_pb2.DECODE_MODE_AR: "ar"}
 
 
+def _stop_fields(stop_reason: str | int | None) -> dict:
+    """GenerateResponse's stop_string / stop_token_id for what ended a request."""
+    if isinstance(stop_reason, str):
+        return {"stop_string": stop_reason}
+    return {} if stop_reason is None else {"stop_token_id": stop_reason}
+
+
 @dataclass
 class GatewayConfig:
     """What `ddtree-serve gateway` was started with."""
@@ -254,16 +261,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             stops |= set(info.eos_token_ids)
         if sampling.min_tokens > request.max_tokens:
             raise ValueError(f"min_tokens ({sampling.min_tokens}) must be <= max_tokens ({request.max_tokens})")
-        if sampling.min_tokens > 0 and request.stop:
-            # vLLM also ignores stop strings before min_tokens; this gateway does not implement that hold
-            raise ValueError("min_tokens together with stop strings is not supported")
         sampling = dataclasses.replace(sampling, min_tokens_blocked=tuple(sorted(stops)) if sampling.min_tokens else ())
         sampling.validate()   # again, with the stops min_tokens holds back
         request_id = request.request_id or get_request_id() or uuid.uuid4().hex
         return Sequence(request_id=request_id, prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                         sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,
                         stop_token_ids=frozenset(stops),
-                        detokenizer=IncrementalDetokenizer(self.tokenizer, list(request.stop)),
+                        detokenizer=IncrementalDetokenizer(
+                            self.tokenizer, list(request.stop), include_stop=request.include_stop_str_in_output,
+                            min_tokens=sampling.min_tokens, skip_special_tokens=not request.keep_special_tokens),
                         logprobs=logprobs_wanted(request.logprobs, request.top_logprobs),
                         prompt_logprobs=logprobs_wanted(request.prompt_logprobs, request.prompt_top_logprobs))
 
@@ -314,7 +320,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     request_id=seq.request_id, token_ids=event.token_ids, text=event.text, finished=event.finished,
                     finish_reason=event.finish_reason, stats=self._stats(seq) if event.finished else None,
                     logprobs=event.logprobs or [], prompt_logprobs=event.prompt_logprobs if scored else [],
-                    prompt_token_ids=seq.prompt_ids if scored else [])
+                    prompt_token_ids=seq.prompt_ids if scored else [], **_stop_fields(event.stop_reason))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - map to a status like the unary methods
@@ -337,7 +343,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.GenerateResponse(request_id=seq.request_id, token_ids=ids, text="".join(text),
                                             finished=True, finish_reason=event.finish_reason, stats=self._stats(seq),
                                             logprobs=logprobs, prompt_logprobs=prompt or [],
-                                            prompt_token_ids=seq.prompt_ids if prompt is not None else [])
+                                            prompt_token_ids=seq.prompt_ids if prompt is not None else [],
+                                            **_stop_fields(event.stop_reason))
 
     @grpc_errors
     async def Tokenize(self, request, context):

@@ -74,6 +74,31 @@ def test_special_tokens_are_not_streamed(tokenizer) -> None:
     assert "".join(deltas) == "hi"
 
 
+def test_include_stop_keeps_the_stop_string_that_ended_the_text(tokenizer) -> None:
+    ids = tokenizer.encode("print(1)\nSTOP here\nmore", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop_strings=["here", "STOP"], include_stop=True)
+    deltas, stopped = stream(detok, ids)
+    assert stopped and "".join(deltas) == "print(1)\nSTOP"
+    assert detok.stop_reason == "STOP"
+
+
+def test_stop_strings_ending_before_min_tokens_are_passed_over(tokenizer) -> None:
+    ids = tokenizer.encode("ab ab ab cd", add_special_tokens=False)
+    assert [tokenizer.decode([i]) for i in ids][:4] == ["a", "b", " a", "b"]
+    detok = IncrementalDetokenizer(tokenizer, stop_strings=["ab"], min_tokens=3)
+    deltas, stopped = stream(detok, ids)
+    # the first "ab" ends in token 1, before the third token allows a stop; the second one ends the text
+    assert stopped and "".join(deltas) == "ab " and detok.stop_reason == "ab"
+    without = IncrementalDetokenizer(tokenizer, stop_strings=["ab"], min_tokens=2)
+    assert stream(without, ids)[0] == [""] * 2
+
+
+def test_special_tokens_are_shown_when_not_skipped(tokenizer) -> None:
+    ids = tokenizer.encode("hi", add_special_tokens=False) + [tokenizer.eos_token_id]
+    deltas, _ = stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=False), ids)
+    assert "".join(deltas) == "hi" + tokenizer.eos_token
+
+
 @pytest.fixture(scope="module")
 def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
@@ -136,9 +161,12 @@ def _one_at_a_time(seq, tokens: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("which", ["tiny", "smollm2"])
-def test_a_step_of_many_tokens_stops_where_token_by_token_steps_would(which, request) -> None:
+@pytest.mark.parametrize("include_stop, min_tokens", [(False, 0), (True, 0), (False, 5), (True, 3)])
+def test_a_step_of_many_tokens_stops_where_token_by_token_steps_would(which, include_stop, min_tokens,
+                                                                      request) -> None:
     """Stop strings, a stop token and the length limit, in steps of 1-16 tokens: the same tokens kept, the same
-    finish reason and the same streamed text as one token a step (one decode a step instead of one a token)."""
+    finish reason and the same streamed text as one token a step (one decode a step instead of one a token), with
+    the stop string kept or not and stop strings ignored before min_tokens or not."""
     import random
 
     from ddtree_serve.decoding.config import SamplingParams
@@ -155,7 +183,7 @@ def test_a_step_of_many_tokens_stops_where_token_by_token_steps_would(which, req
 
         def make() -> Sequence:
             return Sequence("r", [1], max_tokens, SamplingParams(), "ddtree", 64, stop_ids,
-                            IncrementalDetokenizer(tokenizer, stops))
+                            IncrementalDetokenizer(tokenizer, stops, include_stop, min_tokens))
 
         chunked, single = make(), make()
         kept_c, kept_s, text_c, text_s, i = [], [], [], [], 0
@@ -171,4 +199,5 @@ def test_a_step_of_many_tokens_stops_where_token_by_token_steps_would(which, req
             text_s.append(single.detokenizer.take_text(final=bool(single.finish_reason) or i >= len(ids)))
         assert kept_c == kept_s and chunked.output_ids == single.output_ids, (ids, stops, max_tokens)
         assert chunked.finish_reason == single.finish_reason
+        assert chunked.stop_reason == single.stop_reason
         assert "".join(text_c) == "".join(text_s)

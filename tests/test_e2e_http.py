@@ -250,6 +250,52 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_cut_the_text(oai, mode
     assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_stop_reason_names_it(oai, grpc_client, model_id):
+    args = dict(model=model_id, prompt=[5, 6, 7], max_tokens=20, temperature=0)
+    full = oai.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[5:8]
+    kept = oai.completions.create(**args, stop=[stop], extra_body={"ignore_eos": True,
+                                                                  "include_stop_str_in_output": True}).choices[0]
+    assert kept.text == full[:full.index(stop) + len(stop)] and kept.to_dict()["stop_reason"] == stop
+    over_grpc = grpc_client.generate(prompt_ids=[5, 6, 7], max_tokens=20, stop=[stop], ignore_eos=True,
+                                     include_stop_str_in_output=True)
+    assert over_grpc.text == kept.text and over_grpc.stop_reason == stop
+    streamed = oai.completions.create(**args, stop=[stop], stream=True,
+                                      extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    chunks = [c.choices[0] for c in streamed]
+    assert "".join(c.text for c in chunks) == kept.text and chunks[-1].to_dict()["stop_reason"] == stop
+
+
+def test_stop_reason_is_the_stop_token_asked_for_and_none_at_the_length_limit(oai, grpc_client, model_id):
+    stop = grpc_client.generate(prompt_ids=[5, 6, 7], max_tokens=4, ignore_eos=True).token_ids[2]
+    args = dict(model=model_id, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    by_token = oai.completions.create(**args, extra_body={"ignore_eos": True, "stop_token_ids": [stop]}).choices[0]
+    assert by_token.finish_reason == "stop" and by_token.to_dict()["stop_reason"] == stop
+    at_length = oai.completions.create(**args, extra_body={"ignore_eos": True}).choices[0]
+    assert at_length.finish_reason == "length" and at_length.to_dict()["stop_reason"] is None
+
+
+def test_min_tokens_passes_over_a_stop_string_the_answer_would_end_on_early(oai, model_id):
+    args = dict(model=model_id, prompt=[5, 6, 7], max_tokens=20, temperature=0)
+    full = oai.completions.create(**args, extra_body={"ignore_eos": True})
+    stop = full.choices[0].text[:2]   # ends within the first two tokens
+    early = oai.completions.create(**args, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    held = oai.completions.create(**args, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 20}).choices[0]
+    assert early.text == "" and early.finish_reason == "stop"
+    assert held.text == full.choices[0].text and held.finish_reason == "length"
+
+
+def test_special_tokens_show_in_the_text_unless_skipped(oai, stack, model_id):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stack.model)
+    args = dict(model=model_id, prompt=[5, 6, 7], max_tokens=3, temperature=0)
+    body = {"ignore_eos": True, "allowed_token_ids": [tok.eos_token_id]}
+    shown = oai.completions.create(**args, extra_body={**body, "skip_special_tokens": False}).choices[0].text
+    assert shown == tok.eos_token * 3
+    assert oai.completions.create(**args, extra_body=body).choices[0].text == ""
+
+
 def test_n_seeded_samples_are_n_choices_each_the_single_request_of_its_seed(oai, model_id):
     """n samples of one request: choice i is what the request alone gives with seed + i (so they differ and each
     is reproducible); usage counts the prompt once and every sample's tokens."""
@@ -388,7 +434,6 @@ def test_a_client_leaving_an_n_sample_stream_frees_every_sample(oai, stack, mode
     ({"extra_body": {"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2}}, openai.BadRequestError,
      "allowed_token_ids are all stop tokens"),
     ({"extra_body": {"allowed_token_ids": [5, 10**7]}}, openai.BadRequestError, "allowed_token_ids must lie in"),
-    ({"stop": ["x"], "extra_body": {"min_tokens": 2}}, openai.BadRequestError, "min_tokens together with stop"),
 ])
 def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fragment):
     args = {"model": model_id, "messages": CHAT, "max_tokens": 8, **kwargs}
