@@ -72,19 +72,19 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                   logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
                   allowed_token_ids: list[int] | None = None, stop_token_ids: list[int] | None = None,
-                  include_stop_str_in_output: bool = False,
-                  skip_special_tokens: bool = True) -> gateway_pb2.GenerateRequest:
+                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                  bad_words: list[str] | None = None) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
     logprobs: each token's log-prob in the answer, with top_logprobs alternatives; prompt_logprobs: each prompt
     token's (after the first), with that many alternatives; min_p, the penalties, logit_bias (token id -> bias),
-    min_tokens, allowed_token_ids, stop_token_ids, include_stop_str_in_output and skip_special_tokens as vLLM
-    takes them."""
+    min_tokens, allowed_token_ids, stop_token_ids, include_stop_str_in_output, skip_special_tokens and bad_words
+    as vLLM takes them."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
         max_tokens=max_tokens, mode=MODES[mode], budget=budget, stop=stop or [], ignore_eos=ignore_eos,
         stop_token_ids=stop_token_ids or [], include_stop_str_in_output=include_stop_str_in_output,
-        keep_special_tokens=not skip_special_tokens,
+        keep_special_tokens=not skip_special_tokens, bad_words=bad_words or [],
         logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs is not None,
         prompt_top_logprobs=prompt_logprobs or 0,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed or 0,

@@ -57,7 +57,6 @@ _UNHONOURED: dict[str, Callable[[Any], bool]] = {
     "guided_grammar": lambda v: v is not None,
     "structured_outputs": lambda v: v is not None,
     "use_beam_search": bool,
-    "bad_words": bool,
     "functions": bool,
     "tool_choice": lambda v: v not in (None, "none"),
 }
@@ -86,6 +85,7 @@ class _Common(BaseModel):
     min_p: float | None = None
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None   # vLLM's: each prompt token's {id: {logprob, rank, decoded_token}}
     # ddtree-serve extensions (pass them in the openai client's extra_body)
     top_k: int | None = None
@@ -293,6 +293,7 @@ class HttpFront:
                                           stop_token_ids=body.stop_token_ids or [], budget=body.budget or 0,
                                           include_stop_str_in_output=body.include_stop_str_in_output,
                                           keep_special_tokens=not body.skip_special_tokens,
+                                          bad_words=body.bad_words or [],
                                           mode=MODE_ENUMS.get(body.mode, gateway_pb2.DECODE_MODE_DEFAULT),
                                           logprobs=wanted is not None, top_logprobs=wanted or 0)
         if body.prompt_logprobs is not None:

@@ -23,6 +23,7 @@ from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
 from gateway import limits
 from gateway.backends import BackendPair, PairAddress
+from gateway.bad_words import bad_word_token_ids, check_bad_words
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine import EngineConfig, PairEngine
 from gateway.scheduler import AdmissionLimits, PairQueue, Scheduler
@@ -243,6 +244,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the "
                              f"model's context limit of {self.max_seq_len} tokens")
         sampling = sampling_from_proto(request.sampling)
+        if request.bad_words:
+            check_bad_words(list(request.bad_words))
+            words = await self._tokenize(bad_word_token_ids, self.tokenizer, list(request.bad_words))
+            sampling = dataclasses.replace(sampling, bad_words=tuple(dict.fromkeys(
+                sampling.bad_words + tuple(map(tuple, words)))))
+            sampling.validate()
         sampling.check_vocab(info.vocab_size)
         if request.mode == gateway_pb2.DECODE_MODE_DEFAULT:
             mode = self.cfg.mode

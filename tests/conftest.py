@@ -112,10 +112,29 @@ class FrequencyPresencePenalty(transformers.LogitsProcessor):
         return scores
 
 
+class VllmBadWords(transformers.LogitsProcessor):
+    """vLLM's bad_words, one token at a time: a word's last token is -inf where the generated tokens (not the
+    prompt, unlike transformers' NoBadWordsLogitsProcessor) end with the rest of it."""
+
+    def __init__(self, prompt_len: int, bad_words):
+        self.prompt_len, self.bad_words = prompt_len, [list(w) for w in bad_words]
+
+    def __call__(self, input_ids, scores):
+        for row in range(scores.shape[0]):
+            output = input_ids[row, self.prompt_len:].tolist()
+            for word in self.bad_words:
+                prefix = word[:-1]
+                if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+                    scores[row, word[-1]] = float("-inf")
+        return scores
+
+
 def adjusted_generate_kwargs(sampling: SamplingParams, prompt_len: int) -> dict:
     """generate() keyword arguments that apply sampling's logit bias and penalties in our order: the bias, the
     repetition penalty, then the frequency and presence penalties."""
     processors = [FrequencyPresencePenalty(prompt_len, sampling.frequency_penalty, sampling.presence_penalty)]
+    if sampling.bad_words:
+        processors.insert(0, VllmBadWords(prompt_len, sampling.bad_words))
     if sampling.holds_back_stops:
         processors.insert(0, transformers.MinNewTokensLengthLogitsProcessor(
             prompt_len, sampling.min_tokens, list(sampling.min_tokens_blocked)))

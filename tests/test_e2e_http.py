@@ -430,6 +430,8 @@ def test_a_client_leaving_an_n_sample_stream_frees_every_sample(oai, stack, mode
     ({"logit_bias": {"5": 101}}, openai.BadRequestError, "logit_bias values must be in [-100, 100]"),
     ({"logit_bias": {"99999999": 1}}, openai.BadRequestError, "logit_bias token ids must lie in"),
     ({"extra_body": {"min_tokens": 9}}, openai.BadRequestError, "min_tokens (9) must be <= max_tokens (8)"),
+    ({"extra_body": {"bad_words": ["  "]}}, openai.BadRequestError, "bad_words must be non-blank"),
+    ({"extra_body": {"bad_words": ["a"] * 129}}, openai.BadRequestError, "at most 128 bad_words"),
     ({"extra_body": {"allowed_token_ids": []}}, openai.BadRequestError, "allowed_token_ids must be a non-empty"),
     ({"extra_body": {"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2}}, openai.BadRequestError,
      "allowed_token_ids are all stop tokens"),
@@ -445,7 +447,7 @@ def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fra
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"extra_body": {"bad_words": ["prime"]}}, "bad_words"),
+    ({"extra_body": {"guided_regex": "[0-9]+"}}, "guided_regex"),
     ({"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
 ])
 def test_a_field_that_would_change_the_answer_and_is_not_implemented_is_refused_by_name(oai, model_id, kwargs, field):
@@ -494,6 +496,24 @@ def test_allowed_token_ids_confine_a_sampled_answer_to_them(oai, grpc_client, mo
     http = oai.completions.create(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=24, temperature=1.0, seed=5,
                                   extra_body={"ignore_eos": True, "allowed_token_ids": [30, 31, 32]})
     assert http.choices[0].text == out.text
+
+
+def test_bad_words_never_appear_and_answer_as_the_grpc_api_with_the_same_words(oai, grpc_client, stack, model_id):
+    from transformers import AutoTokenizer
+
+    from gateway.bad_words import bad_word_token_ids
+
+    tok = AutoTokenizer.from_pretrained(stack.model)
+    plain = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=16, ignore_eos=True).token_ids
+    # a word of the plain answer that is one of its tokens as vLLM tokenizes it
+    words = (tok.decode([t]).strip() for t in plain[1:])
+    word = next(w for w in words if w and len(ids := tok.encode(w, add_special_tokens=False)) == 1 and ids[0] in plain)
+    banned = {ids[0] for ids in bad_word_token_ids(tok, [word]) if len(ids) == 1}
+    steered = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=16, ignore_eos=True, bad_words=[word])
+    assert steered.token_ids != plain and not banned & set(steered.token_ids)
+    http = oai.completions.create(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert http.choices[0].text == steered.text
 
 
 def test_a_logit_bias_of_100_makes_the_greedy_answer_that_token(oai, grpc_client, model_id):

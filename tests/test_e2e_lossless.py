@@ -58,7 +58,8 @@ def test_concurrent_mixed_requests_equal_transformers_greedy(checkpoints, kind):
 def test_adjusted_greedy_requests_equal_transformers_with_the_same_processors(checkpoints):
     """Through the three services, every mode: logit bias, repetition, frequency and presence penalties give the
     answer transformers' greedy generate() gives with the same processors (not the unadjusted one); min_tokens
-    holds a stop token back (transformers' min_new_tokens over it) where the plain answer would stop at once."""
+    holds a stop token back (transformers' min_new_tokens over it) where the plain answer would stop at once;
+    bad words taken from the plain answer (one, two and three tokens) steer it as they steer transformers."""
     target, drafter = checkpoints("qwen3")
     cases = [(6, "ddtree", 16), (13, "ddtree", 0), (8, "dflash", 0), (10, "ar", 0)]
     prompts = prompts_for(target, [n for n, *_ in cases], seed=23)
@@ -74,11 +75,26 @@ def test_adjusted_greedy_requests_equal_transformers_with_the_same_processors(ch
         req = make_request(prompt, 48, mode, budget, stop_token_ids=[stop])
         req.sampling.min_tokens = 12
         requests.append(req)
+    bad_cases = [("ddtree", 0), ("dflash", 0)]
+    bad_sampling = []
+    for prompt, (mode, budget) in zip(prompts[2:], bad_cases):
+        plain = reference_greedy(target, prompt, 48)
+        sampling = SamplingParams(bad_words=(tuple(plain[3:5]), (plain[9],), tuple(plain[14:17])))
+        req = make_request(prompt, 48, mode, budget)
+        req.sampling.CopyFrom(sampling_proto(sampling))
+        requests.append(req)
+        bad_sampling.append(sampling)
     stack = start_stack(target, drafter)
     try:
         results = run_streams(stack.gateway, requests)
     finally:
         stack.stop()
+    for prompt, sampling, (mode, _), result in zip(prompts[2:], bad_sampling, bad_cases,
+                                                   results[len(cases) + len(stop_cases):]):
+        expected = reference_greedy(target, prompt, 48, sampling=sampling)
+        assert result["token_ids"] == expected, f"bad_words mode={mode}"
+        assert expected[:4] == reference_greedy(target, prompt, 48)[:4] and expected[4:] != reference_greedy(
+            target, prompt, 48)[4:]
     for prompt, (_, mode, budget), result in zip(prompts, cases, results):
         expected = reference_greedy(target, prompt, 48, sampling=ADJUSTED_SAMPLING)
         assert result["token_ids"] == expected, f"mode={mode} budget={budget}"

@@ -120,20 +120,26 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
         assert {c.name: c.empty_keys for c in caches if c.empty_keys} == {}
 
 
-def test_cuda_penalised_biased_greedy_through_graphs_equals_eager_and_transformers(checkpoints):
-    """Logit bias and penalties applied to the captured verify's logits, each node under its own path: random trees
-    along transformers' answer (with the same processors, float32, on the GPU) reproduce it exactly, graphed and
-    eagerly, and it differs from the unadjusted answer."""
+@pytest.mark.parametrize("adjustment", ["bias_and_penalties", "bad_words"])
+def test_cuda_penalised_biased_greedy_through_graphs_equals_eager_and_transformers(checkpoints, adjustment):
+    """Logit bias and penalties (or bad words of one to three tokens, taken from the plain answer) applied to the
+    captured verify's logits, each node under its own path: random trees along transformers' answer (with the same
+    processors, float32, on the GPU) reproduce it exactly, graphed and eagerly, and it differs from the unadjusted
+    answer."""
     target, _ = checkpoints("qwen3")
     prompt = prompts_for(target, [9], seed=4)[0]
     vocab = reference_model(str(target)).config.get_text_config().vocab_size
-    truth = hf_greedy_on("cuda", target, prompt, 96, sampling=ADJUSTED_SAMPLING)
+    sampling = ADJUSTED_SAMPLING
+    if adjustment == "bad_words":
+        plain = hf_greedy_on("cuda", target, prompt, 48)
+        sampling = SamplingParams(bad_words=(tuple(plain[3:5]), (plain[10],), tuple(plain[20:23])))
+    truth = hf_greedy_on("cuda", target, prompt, 96, sampling=sampling)
 
     def run(enforce_eager: bool) -> tuple[list[int], int, TargetRunner]:
         runner = TargetRunner(TargetConfig(model_dir=str(target), device="cuda", dtype=torch.float32, max_batch=2,
                                            max_seq_len=256, max_tree_nodes=65, enforce_eager=enforce_eager,
                                            prefill_verify_chunks=PREFILL_VERIFY_CHUNKS))
-        (out,) = runner.prefill([PrefillItem("a", prompt, ADJUSTED_SAMPLING)])
+        (out,) = runner.prefill([PrefillItem("a", prompt, sampling)])
         tokens, rng, deepest = [out.next_token], random.Random(2), 1
         while len(tokens) < 48:
             tree, parents = random_tree_along(tokens[-1], truth[len(tokens):], rng, rng.randint(1, 40), vocab)

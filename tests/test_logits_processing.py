@@ -171,3 +171,80 @@ def test_allowed_tokens_that_min_tokens_all_holds_back_are_refused():
     with pytest.raises(ValueError, match="allowed_token_ids are all stop tokens"):
         SamplingParams(min_tokens=3, min_tokens_blocked=(2, 7), allowed_token_ids=(2,)).validate()
     SamplingParams(min_tokens=3, min_tokens_blocked=(2, 7), allowed_token_ids=(2, 5)).validate()
+
+
+def _vllm_bans(bad_words, output: list[int]) -> set[int]:
+    """vLLM's rule for one sequence, written plainly: a word's last token is banned when the output (generated
+    tokens only) ends with the rest of it."""
+    return {w[-1] for w in bad_words if len(w) - 1 <= len(output) and list(w[:-1]) == output[len(output) - len(w) + 1:]}
+
+
+def test_a_one_token_bad_word_is_never_chosen_and_needs_no_history():
+    out = adjust_logits(_logits(3, seed=6), SamplingParams.from_wire(0.0, 1.0, 0, None, bad_words=[[4], [9]]))
+    assert torch.isneginf(out[:, [4, 9]]).all() and torch.isfinite(out[:, [0, 1, 2, 3, 5]]).all()
+
+
+def test_each_tree_node_bans_a_bad_words_last_token_iff_its_own_output_ends_with_the_rest():
+    #        0(root: 12)
+    #       /        \
+    #    1(5)        2(6)
+    #     |            \
+    #    3(7)          4(5)
+    #     |
+    #    5(5)
+    tokens = torch.tensor([12, 5, 6, 7, 5, 5])
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3])
+    bad = ((12, 5, 9), (5, 8), (6, 5, 3), (30, 12, 6, 11), (7, 5, 7, 2))
+    params = SamplingParams.from_wire(0.0, 1.0, 0, None, bad_words=[list(w) for w in bad])
+    history = _history(prompt=[5], output=[30, 12])
+    x = _logits(len(tokens), seed=7)
+    out = adjust_logits(x, params, history, tokens, parents)
+    paths = {0: [], 1: [5], 2: [6], 3: [5, 7], 4: [6, 5], 5: [5, 7, 5]}
+    for node, path in paths.items():
+        want = _vllm_bans(bad, [30, 12] + path)
+        assert set(torch.isneginf(out[node]).nonzero().flatten().tolist()) == want, node
+        alone = adjust_logits(x[node: node + 1], params, _history([5], [30, 12] + path))
+        assert torch.equal(out[node: node + 1], alone)
+    assert _vllm_bans(bad, [30, 12, 5]) == {9, 8} and _vllm_bans(bad, [30, 12, 6]) == {11}
+
+
+def test_a_bad_words_prefix_in_the_prompt_bans_nothing():
+    params = SamplingParams.from_wire(0.0, 1.0, 0, None, bad_words=[[3, 4]])
+    out = adjust_logits(_logits(1), params, _history(prompt=[1, 3], output=[]))
+    assert torch.isfinite(out).all()
+    assert torch.isneginf(adjust_logits(_logits(1), params, _history(prompt=[1], output=[3])))[0, 4]
+
+
+def test_the_history_keeps_as_many_output_tokens_as_the_longest_prefix_can_use():
+    from ddtree_serve.decoding.config import MAX_BAD_WORD_TOKENS
+
+    output = [i % V for i in range(100)]
+    h = _history([], output)
+    assert h.tail == output[-(MAX_BAD_WORD_TOKENS - 1):] and h.emitted == 100
+
+
+def test_a_row_of_allowed_tokens_that_bad_words_would_empty_keeps_them():
+    params = SamplingParams.from_wire(0.0, 1.0, 0, None, allowed_token_ids=[2, 3], bad_words=[[1, 2], [1, 3], [3]])
+    x = _logits(1, seed=8)
+    out = adjust_logits(x, params, _history([], [1]))   # 2 and 3 both banned after 1: nothing left
+    assert torch.equal(torch.isfinite(out[0]).nonzero().flatten(), torch.tensor([2, 3]))
+    out = adjust_logits(x, params, _history([], [0]))   # only the one-token word holds
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [2]
+
+
+@pytest.mark.parametrize("words, fragment", [
+    ([[i] for i in range(257)], "at most 256"),
+    ([list(range(33))], "1 to 32 token ids"),
+    ([[]], "1 to 32 token ids"),
+    ([[2, -1]], "1 to 32 token ids"),
+])
+def test_bad_words_out_of_bounds_are_refused(words, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        SamplingParams.from_wire(0.0, 1.0, 0, None, bad_words=words)
+
+
+def test_bad_words_outside_the_vocabulary_or_banning_every_allowed_token_are_refused():
+    with pytest.raises(ValueError, match=r"bad_words token ids must lie in \[0, 40\)"):
+        SamplingParams.from_wire(0.0, 1.0, 0, None, bad_words=[[1, V]]).check_vocab(V)
+    with pytest.raises(ValueError, match="allowed_token_ids are all bad words"):
+        SamplingParams.from_wire(0.0, 1.0, 0, None, allowed_token_ids=[4], bad_words=[[4]])

@@ -168,6 +168,22 @@ def test_min_tokens_greedy_tree_verify_equals_hf_generate_with_min_new_tokens(ch
     assert generated["m"][:N_NEW] == truth[:N_NEW]
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_bad_words_greedy_tree_verify_equals_hf_generate_with_vllms_bad_words(arch, checkpoints, references):
+    """Bad words of one, two and three tokens taken from the plain answer: random trees along transformers' answer
+    under vLLM's rule (generated tokens only) reproduce it, and it leaves the plain answer where a word completes."""
+    runner = _runner(checkpoints[arch])
+    prompt = _prompt(11, seed=60)
+    plain = hf_greedy(references[arch], prompt, N_NEW)
+    params = SamplingParams(bad_words=(tuple(plain[2:4]), (plain[7],), tuple(plain[10:13])))
+    truth = hf_greedy(references[arch], prompt, N_NEW + 16, params)
+    assert truth[:3] == plain[:3] and truth[3] != plain[3]
+    (out,) = runner.prefill([PrefillItem("w", prompt, params)])
+    generated = {"w": [out.next_token]}
+    assert max(_verify_along(runner, generated, {"w": truth}, random.Random(4))) >= 4
+    assert generated["w"][:N_NEW] == truth[:N_NEW]
+
+
 def test_a_logit_bias_outside_the_vocabulary_is_refused_at_prefill(checkpoints):
     runner = _runner(checkpoints["qwen3"])
     with pytest.raises(ValueError, match="logit_bias"):

@@ -11,6 +11,10 @@ MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_ALLOWED_TOKEN_IDS = 16384   # a request's allowed_token_ids (a bound on what one request makes each step carry)
+# A request's bad_words as token sequences (each word gives one or two: with and without a leading space, as vLLM
+# tokenizes them) and each sequence's length: they bound the host work of matching every tree node's context.
+MAX_BAD_WORD_SEQUENCES = 256
+MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,17 @@ class SamplingParams:
     min_tokens: int = 0
     min_tokens_blocked: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] = ()   # non-empty: every other token's logit is -inf (vLLM's)
+    # vLLM's bad_words as token sequences: a sequence's last token is -inf wherever the output so far ends with the
+    # rest of it (a one-token sequence: everywhere)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def from_wire(cls, temperature: float, top_p: float, top_k: int, seed: int | None, *, min_p: float = 0.0,
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                   logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
                   min_tokens_blocked: list[int] | tuple[int, ...] = (),
-                  allowed_token_ids: list[int] | tuple[int, ...] = ()) -> "SamplingParams":
+                  allowed_token_ids: list[int] | tuple[int, ...] = (),
+                  bad_words: list[list[int]] | tuple[tuple[int, ...], ...] = ()) -> "SamplingParams":
         """Request fields -> validated params: 0 turns top_p and the repetition penalty off, NaN is refused, tiny
         temperatures are greedy."""
         temperature, top_p = float(temperature), float(top_p)
@@ -57,7 +65,8 @@ class SamplingParams:
                      repetition_penalty=1.0 if repetition_penalty == 0 else repetition_penalty, logit_bias=bias,
                      min_tokens=int(min_tokens),
                      min_tokens_blocked=tuple(sorted({int(t) for t in min_tokens_blocked})),
-                     allowed_token_ids=tuple(sorted({int(t) for t in allowed_token_ids})))
+                     allowed_token_ids=tuple(sorted({int(t) for t in allowed_token_ids})),
+                     bad_words=tuple(dict.fromkeys(tuple(int(t) for t in w) for w in bad_words)))
         params.validate()
         return params
 
@@ -70,7 +79,8 @@ class SamplingParams:
         """True when the logits are changed before the choice (a bias or a penalty): the choice then depends on the
         sequence's tokens, not on the logits alone."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1.0 or self.holds_back_stops or bool(self.allowed_token_ids)
+            or self.repetition_penalty != 1.0 or self.holds_back_stops or bool(self.allowed_token_ids) \
+            or bool(self.bad_words)
 
     @property
     def holds_back_stops(self) -> bool:
@@ -110,6 +120,13 @@ class SamplingParams:
                 set(self.allowed_token_ids) <= set(self.min_tokens_blocked):
             # every token would be -inf for the first min_tokens choices: nothing could be generated
             raise ValueError("allowed_token_ids are all stop tokens, which min_tokens holds back")
+        if len(self.bad_words) > MAX_BAD_WORD_SEQUENCES:
+            raise ValueError(f"bad_words make at most {MAX_BAD_WORD_SEQUENCES} token sequences, got {len(self.bad_words)}")
+        for word in self.bad_words:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS or any(t < 0 for t in word):
+                raise ValueError(f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} token ids >= 0, got {len(word)}")
+        if self.allowed_token_ids and set(self.allowed_token_ids) <= {w[0] for w in self.bad_words if len(w) == 1}:
+            raise ValueError("allowed_token_ids are all bad words")
         ids = [t for t, _ in self.logit_bias]
         if ids != sorted(set(ids)):
             raise ValueError("logit_bias token ids must be distinct, in ascending order")
@@ -121,7 +138,7 @@ class SamplingParams:
                                  f"got {bias} for token {token}")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError when logit_bias, allowed_token_ids or min_tokens_blocked names a token outside
+        """Raises ValueError when logit_bias, allowed_token_ids, min_tokens_blocked or bad_words names a token outside
         [0, vocab_size)."""
         if self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size}), got {self.logit_bias[-1][0]}")
@@ -129,6 +146,8 @@ class SamplingParams:
             raise ValueError(f"allowed_token_ids must lie in [0, {vocab_size}), got {self.allowed_token_ids[-1]}")
         if self.min_tokens_blocked and max(self.min_tokens_blocked) >= vocab_size:
             raise ValueError(f"min_tokens_blocked ids must lie in [0, {vocab_size}), got {max(self.min_tokens_blocked)}")
+        if self.bad_words and max(max(w) for w in self.bad_words) >= vocab_size:
+            raise ValueError(f"bad_words token ids must lie in [0, {vocab_size})")
 
 
 def default_budget(device: str) -> int:

@@ -1,8 +1,10 @@
-"""Logit adjustments that depend on the sequence's tokens: logit_bias, min_tokens and the repetition, frequency
-and presence penalties, applied to every node of a draft tree under that node's own context.
+"""Logit adjustments that depend on the sequence's tokens: logit_bias, min_tokens, bad_words and the repetition,
+frequency and presence penalties, applied to every node of a draft tree under that node's own context.
 
-Semantics follow vLLM (and transformers for what it has): tokens outside allowed_token_ids are set to -inf,
-the bias is added (transformers' `sequence_bias` for one-token sequences); min_tokens sets the stop tokens' logits to -inf while fewer than
+Semantics follow vLLM (and transformers for what it has): tokens outside allowed_token_ids are set to -inf, then
+each bad word's last token where the output so far ends with the rest of it (vLLM matches generated tokens only,
+not the prompt; should that leave a row of allowed_token_ids with no finite logit, that row keeps its bad words:
+something must be chosen), the bias is added (transformers' `sequence_bias` for one-token sequences); min_tokens sets the stop tokens' logits to -inf while fewer than
 min_tokens tokens precede the node's choice (transformers' `min_new_tokens` over those ids); then the repetition
 penalty divides positive logits and multiplies negative ones of every token seen in the prompt or the output
 (transformers' `repetition_penalty`); then the
@@ -16,15 +18,16 @@ target would have chosen one token at a time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.config import MAX_BAD_WORD_TOKENS, SamplingParams
 from ddtree_serve.decoding.tree_mask import ancestor_mask
 
-__all__ = ["TokenHistory", "node_path_mask", "path_output_counts", "adjust_logits"]
+__all__ = ["TokenHistory", "node_path_mask", "path_output_counts", "bad_word_bans", "adjust_logits"]
 
 
 @dataclass
@@ -34,6 +37,7 @@ class TokenHistory:
     prompt_seen: Tensor     # BoolTensor[V]
     output_counts: Tensor   # FloatTensor[V] (float32: counts stay exact far past any context length)
     emitted: int = 0        # tokens emitted so far
+    tail: list[int] = field(default_factory=list)   # the last emitted ones, as many as a bad word's prefix can be
 
     @classmethod
     def empty(cls, vocab_size: int, device: torch.device | str) -> "TokenHistory":
@@ -52,6 +56,7 @@ class TokenHistory:
             idx = torch.tensor(ids, dtype=torch.long).to(self.output_counts.device)
             self.output_counts.index_put_((idx,), torch.ones_like(idx, dtype=torch.float32), accumulate=True)
             self.emitted += len(ids)
+            self.tail = (self.tail + list(ids))[-(MAX_BAD_WORD_TOKENS - 1):]
 
 
 def path_output_counts(history: TokenHistory, tokens: Tensor, path: Tensor) -> Tensor:
@@ -69,6 +74,58 @@ def node_path_mask(parents: Tensor) -> Tensor:
     return ancestor_mask(parents)[:, 1:]
 
 
+def bad_word_bans(bad_words: tuple[tuple[int, ...], ...], tail: list[int], rows: int,
+                  tokens: list[int] | None = None, parents: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """(rows, token ids) whose logits bad_words set to -inf: each multi-token word's last token in every row whose
+    output so far (tail: the history's last tokens; in a tree, followed by the node's root path, root excluded)
+    ends with the rest of the word. One-token words are not listed: they hold in every row."""
+    by_prefix: dict[int, dict[tuple[int, ...], list[int]]] = defaultdict(lambda: defaultdict(list))
+    for word in bad_words:
+        if len(word) > 1:
+            by_prefix[len(word) - 1][word[:-1]].append(word[-1])
+    if not by_prefix:
+        return [], []
+    longest = max(by_prefix)
+    out_rows, out_ids = [], []
+    for row in range(rows):
+        path = []   # the node's own root path, newest first, as far as the longest prefix needs
+        node = row if tokens is not None else 0
+        while node > 0 and len(path) < longest:
+            path.append(tokens[node])
+            node = parents[node]
+        context = (tail + path[::-1])[-longest:]
+        for k, words in by_prefix.items():
+            if len(context) >= k:
+                banned = words.get(tuple(context[-k:]))
+                if banned:
+                    out_rows += [row] * len(banned)
+                    out_ids += banned
+    return out_rows, out_ids
+
+
+def _ban_bad_words(x: Tensor, params: SamplingParams, history: TokenHistory | None, tokens: Tensor | None,
+                   parents: Tensor | None) -> Tensor:
+    """x with the bad words' tokens at -inf where each applies (a row of allowed tokens left with none keeps x)."""
+    single = [w[0] for w in params.bad_words if len(w) == 1]
+    multi = len(single) < len(params.bad_words)
+    if multi and history is None:
+        raise ValueError("bad_words of several tokens need the sequence's token history")
+    banned = x.clone()
+    if single:
+        banned[:, torch.tensor(single, dtype=torch.long, device=x.device)] = float("-inf")
+    if multi:
+        rows, ids = bad_word_bans(params.bad_words, history.tail, x.shape[0],
+                                  None if tokens is None else tokens.tolist(),
+                                  None if parents is None else parents.tolist())
+        if rows:
+            banned[torch.tensor(rows, dtype=torch.long, device=x.device),
+                   torch.tensor(ids, dtype=torch.long, device=x.device)] = float("-inf")
+    if params.allowed_token_ids:   # only then can a row lose every finite logit
+        dead = torch.isneginf(banned).all(dim=1, keepdim=True)
+        banned = torch.where(dead, x, banned)
+    return banned
+
+
 def adjust_logits(logits: Tensor, params: SamplingParams, history: TokenHistory | None = None,
                   tokens: Tensor | None = None, parents: Tensor | None = None) -> Tensor:
     """FloatTensor[T, V]: logits[T, V] of one tree (or of T independent rows with tokens None) with the bias, the
@@ -78,6 +135,8 @@ def adjust_logits(logits: Tensor, params: SamplingParams, history: TokenHistory 
     if params.allowed_token_ids:
         keep = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=x.device)
         x = torch.full_like(x, float("-inf")).index_copy_(1, keep, x.index_select(1, keep))
+    if params.bad_words:
+        x = _ban_bad_words(x, params, history, tokens, parents)
     if params.logit_bias:
         ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=x.device)
         x[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=x.device)

@@ -16,7 +16,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
                                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                                     repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
                                     min_tokens=p.min_tokens, min_tokens_blocked=list(p.min_tokens_blocked),
-                                    allowed_token_ids=list(p.allowed_token_ids))
+                                    allowed_token_ids=list(p.allowed_token_ids),
+                                    bad_words=[list(w.ids) for w in p.bad_words])
 
 
 def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -27,7 +28,8 @@ def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
                                      frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
                                      logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
                                      min_tokens_blocked=list(p.min_tokens_blocked),
-                                     allowed_token_ids=list(p.allowed_token_ids))
+                                     allowed_token_ids=list(p.allowed_token_ids),
+                                     bad_words=[common_pb2.TokenSequence(ids=w) for w in p.bad_words])
 
 
 def logprobs_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
