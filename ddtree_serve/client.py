@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -73,12 +74,14 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                   logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
                   allowed_token_ids: list[int] | None = None, stop_token_ids: list[int] | None = None,
                   include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                  bad_words: list[str] | None = None) -> gateway_pb2.GenerateRequest:
+                  bad_words: list[str] | None = None, chat_template_kwargs: dict | None = None,
+                  continue_final_message: bool = False) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
     logprobs: each token's log-prob in the answer, with top_logprobs alternatives; prompt_logprobs: each prompt
     token's (after the first), with that many alternatives; min_p, the penalties, logit_bias (token id -> bias),
     min_tokens, allowed_token_ids, stop_token_ids, include_stop_str_in_output, skip_special_tokens and bad_words
-    as vLLM takes them."""
+    as vLLM takes them; chat_template_kwargs (e.g. {"enable_thinking": False}) and continue_final_message shape
+    the chat prompt as in vLLM."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
@@ -94,11 +97,11 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                                            min_tokens=min_tokens, allowed_token_ids=allowed_token_ids or []))
     if prompt_ids is not None:
         req.token_ids.ids.extend(prompt_ids)
-    elif messages is not None:
-        for m in messages:
+    elif messages is not None or chat:
+        for m in messages if messages is not None else [{"role": "user", "content": prompt or ""}]:
             req.chat.messages.add(role=m["role"], content=m["content"])
-    elif chat:
-        req.chat.messages.add(role="user", content=prompt or "")
+        req.chat.continue_final_message = continue_final_message
+        req.chat.template_kwargs_json = json.dumps(chat_template_kwargs) if chat_template_kwargs else ""
     else:
         req.text = prompt or ""
     return req

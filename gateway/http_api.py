@@ -104,7 +104,15 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_Common):
+class _ChatOptions(BaseModel):
+    """vLLM's chat-template options."""
+
+    chat_template_kwargs: dict[str, Any] | None = None   # the template's switches, e.g. {"enable_thinking": false}
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False   # the answer continues the last (assistant) message
+
+
+class ChatCompletionRequest(_Common, _ChatOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: Any = None
@@ -118,7 +126,7 @@ class CompletionRequest(_Common):
     best_of: int | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ChatOptions):
     """vLLM's /tokenize: a text prompt, or chat messages rendered with the model's chat template."""
 
     model_config = ConfigDict(extra="allow")
@@ -620,8 +628,7 @@ class HttpFront:
             raise ApiError(400, "tools are not supported", param="tools")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         req = self._request(body, max_tokens, None)
-        for m in body.messages:
-            req.chat.messages.add(role=m.role, content=_content_text(m.content))
+        req.chat.CopyFrom(_chat_messages(body.messages, body))
         await self._finish_prompt(req, max_tokens)
         return await self._run([req], chat=True, body=body)
 
@@ -632,8 +639,7 @@ class HttpFront:
             raise ApiError(400, "give either prompt or messages", param="prompt")
         servicer = self.servicer
         if body.messages is not None:
-            messages = [{"role": m.role, "content": _content_text(m.content)} for m in body.messages]
-            ids = await servicer._tokenize(servicer._render_chat, messages)
+            ids = await servicer._chat_ids(_chat_messages(body.messages, body))
         else:
             limit = servicer.max_seq_len * MAX_CHARS_PER_TOKEN
             if len(body.prompt) > limit:
@@ -682,6 +688,20 @@ class HttpFront:
                     req.prompt_top_logprobs = max(wanted, req.prompt_top_logprobs)
             reqs.append(req)
         return await self._run(reqs, chat=False, body=body, echoes=echoes if body.echo else None)
+
+
+def _chat_messages(messages: list[ChatMessage], options: _ChatOptions) -> gateway_pb2.ChatMessages:
+    """The messages and the chat options as the gateway's ChatMessages."""
+    if options.add_generation_prompt and options.continue_final_message:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       param="continue_final_message")
+    chat = gateway_pb2.ChatMessages(continue_final_message=options.continue_final_message,
+                                    no_generation_prompt=not options.add_generation_prompt,
+                                    template_kwargs_json=json.dumps(options.chat_template_kwargs)
+                                    if options.chat_template_kwargs else "")
+    for m in messages:
+        chat.messages.add(role=m.role, content=_content_text(m.content))
+    return chat
 
 
 def _samples(req: gateway_pb2.GenerateRequest, n: int) -> list[gateway_pb2.GenerateRequest]:

@@ -5,6 +5,9 @@ size, so an oversized or hostile request is refused in well under a second while
 """
 from __future__ import annotations
 
+import json
+import re
+
 import grpc
 
 # gRPC refuses larger public messages itself (RESOURCE_EXHAUSTED) before any of our code runs. 4 MiB is gRPC's own
@@ -64,6 +67,41 @@ def check_chat_messages(messages: list[dict], specials: list[str]) -> None:
             if s in m["content"]:
                 raise ValueError(f"message {i} contains the control token {s!r}; special tokens are not accepted "
                                  "in chat messages")
+
+
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARG_CHARS = 1024
+# apply_chat_template's own arguments and the template's fixed inputs: a request may not set them this way
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "pad_token", "unk_token",
+    "raise_exception",
+})
+_TEMPLATE_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def chat_template_kwargs(text: str) -> dict:
+    """A request's chat-template switches (a JSON object, "" for none) as apply_chat_template keywords: at most 16,
+    named like template variables, not apply_chat_template's own arguments, each a JSON scalar."""
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"chat_template_kwargs is not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs must be a JSON object")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs, got {len(kwargs)}")
+    for name, value in kwargs.items():
+        if not _TEMPLATE_KWARG_NAME.fullmatch(name) or name in _RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"chat_template_kwargs may not set {name[:64]!r}")
+        if not (value is None or isinstance(value, (bool, int, float))
+                or (isinstance(value, str) and len(value) <= MAX_TEMPLATE_KWARG_CHARS)):
+            raise ValueError(f"chat_template_kwargs[{name!r}] must be a boolean, a number, null or a string of at "
+                             f"most {MAX_TEMPLATE_KWARG_CHARS} characters")
+    return kwargs
 
 
 class _Undecodable:

@@ -205,8 +205,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
         elif kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            ids = await self._tokenize(self._render_chat, messages) if messages else []
+            ids = await self._chat_ids(request.chat)
         elif kind == "text":
             if request.apply_chat_template:
                 ids = (await self._tokenize(self._render_chat, [{"role": "user", "content": request.text}])
@@ -223,14 +222,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:8]}")
         return ids
 
+    async def _chat_ids(self, chat: gateway_pb2.ChatMessages) -> list[int]:
+        """Token ids of chat messages through the chat template, with the request's chat options."""
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        if not messages:
+            return []
+        options = dict(add_generation_prompt=not (chat.no_generation_prompt or chat.continue_final_message),
+                       continue_final_message=chat.continue_final_message,
+                       **limits.chat_template_kwargs(chat.template_kwargs_json))
+        return await self._tokenize(self._render_chat, messages, options)
+
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def _render_chat(self, messages: list[dict], options: dict | None = None) -> list[int]:
+        """Token ids of messages through the chat template; options: apply_chat_template keywords (default: an
+        assistant turn opened for the answer)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         limits.check_chat_messages(messages, self.specials)
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        options = options or {"add_generation_prompt": True}
+        if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     async def _make_sequence(self, request) -> Sequence:

@@ -524,6 +524,53 @@ def test_a_logit_bias_of_100_makes_the_greedy_answer_that_token(oai, grpc_client
     assert http.choices[0].text == forced.text
 
 
+def test_chat_template_kwargs_reach_the_template_and_the_answer_is_that_prompts(oai, grpc_client, stack, model_id):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stack.model)
+    want = tok.apply_chat_template(CHAT, add_generation_prompt=True, enable_thinking=False, tokenize=False)
+    status, rendered = _post(stack, "/tokenize", {"model": model_id, "messages": CHAT,
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and "</think>" in want
+    assert rendered["tokens"] == tok(want, add_special_tokens=False).input_ids
+    chat = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=8, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    plain = oai.completions.create(model=model_id, prompt=rendered["tokens"], max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage.prompt_tokens == rendered["count"]
+    over_grpc = grpc_client.generate(messages=CHAT, max_tokens=8, chat_template_kwargs={"enable_thinking": False})
+    assert over_grpc.text == plain.choices[0].text and over_grpc.stats["prompt_tokens"] == rendered["count"]
+
+
+def test_continue_final_message_leaves_the_assistants_turn_open(oai, stack, model_id):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stack.model)
+    messages = CHAT + [{"role": "assistant", "content": "The prime is"}]
+    want = tok.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert want.endswith("The prime is")
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    status, rendered = _post(stack, "/tokenize", {"model": model_id, "messages": messages, **options})
+    assert status == 200 and rendered["tokens"] == tok(want, add_special_tokens=False).input_ids
+    chat = oai.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body=options)
+    plain = oai.completions.create(model=model_id, prompt=rendered["tokens"], max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"continue_final_message": True}, "cannot both be true"),
+    ({"chat_template_kwargs": {"tools": "x"}}, "may not set 'tools'"),
+    ({"chat_template_kwargs": {"enable_thinking": {"a": 1}}}, "must be a boolean, a number, null or a string"),
+    ({"chat_template_kwargs": {f"k{i}": 1 for i in range(17)}}, "at most 16"),
+    ({"add_generation_prompt": False, "continue_final_message": True}, "last message to be the assistant's"),
+])
+def test_bad_chat_options_get_a_400_that_says_why(oai, model_id, extra, fragment):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, extra_body=extra)
+    assert fragment in info.value.body["message"]
+
+
 def test_a_wrong_api_key_is_refused_while_health_and_metrics_stay_open(stack, model_id):
     bad = openai.OpenAI(base_url=stack.http_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -121,7 +121,8 @@ class SamplingParams:
             # every token would be -inf for the first min_tokens choices: nothing could be generated
             raise ValueError("allowed_token_ids are all stop tokens, which min_tokens holds back")
         if len(self.bad_words) > MAX_BAD_WORD_SEQUENCES:
-            raise ValueError(f"bad_words make at most {MAX_BAD_WORD_SEQUENCES} token sequences, got {len(self.bad_words)}")
+            raise ValueError(f"bad_words make at most {MAX_BAD_WORD_SEQUENCES} token sequences, "
+                             f"got {len(self.bad_words)}")
         for word in self.bad_words:
             if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS or any(t < 0 for t in word):
                 raise ValueError(f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} token ids >= 0, got {len(word)}")

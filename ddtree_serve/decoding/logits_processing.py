@@ -4,12 +4,11 @@ frequency and presence penalties, applied to every node of a draft tree under th
 Semantics follow vLLM (and transformers for what it has): tokens outside allowed_token_ids are set to -inf, then
 each bad word's last token where the output so far ends with the rest of it (vLLM matches generated tokens only,
 not the prompt; should that leave a row of allowed_token_ids with no finite logit, that row keeps its bad words:
-something must be chosen), the bias is added (transformers' `sequence_bias` for one-token sequences); min_tokens sets the stop tokens' logits to -inf while fewer than
-min_tokens tokens precede the node's choice (transformers' `min_new_tokens` over those ids); then the repetition
-penalty divides positive logits and multiplies negative ones of every token seen in the prompt or the output
-(transformers' `repetition_penalty`); then the
-frequency penalty subtracts penalty x count and the presence penalty subtracts penalty once, for each token of the
-output so far. Temperature, top-k, top-p and min_p come after (sampling.py).
+something must be chosen), the bias is added (transformers' `sequence_bias` for one-token sequences); min_tokens
+sets the stop tokens' logits to -inf while fewer than min_tokens tokens precede the node's choice (transformers'
+`min_new_tokens` over those ids); then the repetition penalty divides positive logits and multiplies negative ones
+of every token seen in the prompt or the output (transformers' `repetition_penalty`); then the frequency penalty
+subtracts penalty x count and the presence penalty subtracts penalty once, for each token of the output so far. Temperature, top-k, top-p and min_p come after (sampling.py).
 
 In a tree, node i's logits predict the token after node i, so its output so far is the sequence's emitted tokens
 (which include the pending root) plus the tokens of the non-root nodes on the path from the root to i. Choosing
