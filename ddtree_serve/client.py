@@ -75,13 +75,15 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                   allowed_token_ids: list[int] | None = None, stop_token_ids: list[int] | None = None,
                   include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                   bad_words: list[str] | None = None, chat_template_kwargs: dict | None = None,
-                  continue_final_message: bool = False) -> gateway_pb2.GenerateRequest:
+                  continue_final_message: bool = False,
+                  structured_output: tuple[str, str] | None = None) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
     logprobs: each token's log-prob in the answer, with top_logprobs alternatives; prompt_logprobs: each prompt
     token's (after the first), with that many alternatives; min_p, the penalties, logit_bias (token id -> bias),
     min_tokens, allowed_token_ids, stop_token_ids, include_stop_str_in_output, skip_special_tokens and bad_words
     as vLLM takes them; chat_template_kwargs (e.g. {"enable_thinking": False}) and continue_final_message shape
-    the chat prompt as in vLLM."""
+    the chat prompt as in vLLM; structured_output: (kind, spec) of a grammar the answer keeps to: ("json", a JSON
+    schema's text), ("json_object", ""), ("regex", r), ("choice", a JSON list of strings) or ("grammar", EBNF)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
@@ -95,6 +97,8 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                                            frequency_penalty=frequency_penalty,
                                            repetition_penalty=repetition_penalty, logit_bias=logit_bias or {},
                                            min_tokens=min_tokens, allowed_token_ids=allowed_token_ids or []))
+    if structured_output is not None:
+        req.guide.kind, req.guide.spec = structured_output
     if prompt_ids is not None:
         req.token_ids.ids.extend(prompt_ids)
     elif messages is not None or chat:

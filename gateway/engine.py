@@ -134,7 +134,9 @@ class PairEngine(BackgroundTask):
                                    more=s.prefilled + n < len(s.prompt_ids), draft_top_k=self._draft_top_k(s),
                                    logprobs=s.logprobs >= 0, top_logprobs=max(s.logprobs, 0),
                                    prompt_logprobs=s.prompt_logprobs >= 0,
-                                   prompt_top_logprobs=max(s.prompt_logprobs, 0))
+                                   prompt_top_logprobs=max(s.prompt_logprobs, 0),
+                                   guide=common_pb2.Guide(kind=s.guide.kind, spec=s.guide.spec)
+                                   if s.guide is not None and s.prefilled == 0 else None)
             for s, n in chunks])
         try:
             response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
@@ -144,9 +146,14 @@ class PairEngine(BackgroundTask):
             await self._fail(failed, exc.code(), f"target prefill failed ({exc.code().name})")
             return
         by_id = {r.seq_id: r for r in response.results}
+        refused = [s for s, _ in chunks if by_id[s.seq_id].error]
+        for s in refused:   # nothing of it was admitted; the batch's others went on
+            await self._fail([s], grpc.StatusCode.INVALID_ARGUMENT, by_id[s.seq_id].error)
         now = time.perf_counter()
         for s, n in chunks:
             r = by_id[s.seq_id]
+            if r.error:
+                continue
             s.prefilled += n
             s.context_len = r.context_len
             if s.prompt_logprobs >= 0:

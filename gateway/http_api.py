@@ -50,12 +50,6 @@ MAX_PROMPTS = 64   # prompts of one /v1/completions request (each its own sequen
 # "does this value ask for it": such a request gets a 400 naming the field, never an answer that ignored it (unknown
 # fields that change nothing, such as user or metadata, are accepted and ignored).
 _UNHONOURED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type", "text") == "text"),
-    "guided_json": lambda v: v is not None,
-    "guided_regex": lambda v: v is not None,
-    "guided_choice": lambda v: v is not None,
-    "guided_grammar": lambda v: v is not None,
-    "structured_outputs": lambda v: v is not None,
     "use_beam_search": bool,
     "functions": bool,
     "tool_choice": lambda v: v not in (None, "none"),
@@ -86,6 +80,13 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     prompt_logprobs: int | None = None   # vLLM's: each prompt token's {id: {logprob, rank, decoded_token}}
     # ddtree-serve extensions (pass them in the openai client's extra_body)
     top_k: int | None = None
@@ -306,6 +307,9 @@ class HttpFront:
                                           logprobs=wanted is not None, top_logprobs=wanted or 0)
         if body.prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_top_logprobs = True, body.prompt_logprobs
+        guide = _guide(body)
+        if guide is not None:
+            req.guide.CopyFrom(guide)
         req.max_tokens = max_tokens if max_tokens is not None else (default_max or 0)
         return req
 
@@ -728,6 +732,43 @@ async def _collect(gen, first) -> tuple[Any, str, str, list[int], list]:
             ids.extend(event.token_ids)
             logprobs.extend(event.logprobs or [])
     return seq, event.finish_reason, "".join(text), ids, logprobs
+
+
+def _guide(body: _Common) -> common_pb2.Guide | None:
+    """The body's structured output as a Guide (None: free text); a 400 when it is malformed or given twice."""
+    found = []
+    fmt = body.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        if fmt.get("type") == "json_object":
+            found.append(("response_format", "json_object", ""))
+        elif fmt.get("type") == "json_schema" and isinstance((fmt.get("json_schema") or {}).get("schema"), dict):
+            found.append(("response_format", "json", json.dumps(fmt["json_schema"]["schema"])))
+        else:
+            raise ApiError(400, "response_format must be text, json_object, or json_schema with a json_schema.schema "
+                                "object", param="response_format")
+    vllm = {k: v for k, v in (body.structured_outputs or {}).items() if v is not None and v is not False}
+    for legacy in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{legacy}")
+        if value is not None:
+            vllm[legacy] = value
+    if vllm.get("json_object"):
+        found.append(("structured_outputs", "json_object", ""))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = vllm.get(kind)
+        if value is None:
+            continue
+        if kind in ("json", "choice") and not isinstance(value, str):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise ApiError(400, f"structured output {kind} must be a string", param="structured_outputs")
+        found.append(("structured_outputs", kind, value))
+    unknown = set(vllm) - {"json", "regex", "choice", "grammar", "json_object"}
+    if unknown:
+        raise ApiError(400, f"structured_outputs {sorted(unknown)[0]!r} is not supported", param="structured_outputs")
+    if len(found) > 1:
+        raise ApiError(400, "give one structured output: response_format, structured_outputs or guided_* name "
+                            f"{len(found)}", param=found[1][0])
+    return common_pb2.Guide(kind=found[0][1], spec=found[0][2]) if found else None
 
 
 def _stop_reason(seq, body: _Common) -> str | int | None:

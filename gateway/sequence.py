@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.guides import GuideSpec
 from gateway.detokenizer import IncrementalDetokenizer
 
 MODES = ("ddtree", "dflash", "ar")
@@ -65,6 +66,7 @@ class Sequence:
     logprobs: int = -1             # >= 0: each token's log-prob and this many alternatives (the target reports them)
     prompt_logprobs: int = -1      # >= 0: each prompt token's log-prob and this many alternatives, on the first event
     prompt_scores: list = field(default_factory=list)   # the target's prompt log-probs, gathered chunk by chunk
+    guide: GuideSpec | None = None   # structured output: the grammar the target keeps every token inside
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

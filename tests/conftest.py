@@ -143,9 +143,48 @@ def adjusted_generate_kwargs(sampling: SamplingParams, prompt_len: int) -> dict:
             "logits_processor": transformers.LogitsProcessorList(processors)}
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None) -> list[int]:
-    """model.generate() greedy, new tokens only; with sampling, its logit bias and penalties applied."""
+class GrammarLogits(transformers.LogitsProcessor):
+    """Structured output one token at a time: each generated token is accepted by a fresh xgrammar matcher of the
+    compiled grammar, and every token the grammar does not allow next is -inf, until the grammar has ended."""
+
+    def __init__(self, compiled, prompt_len: int):
+        import xgrammar as xgr
+
+        self.xgr, self.matcher, self.prompt_len = xgr, xgr.GrammarMatcher(compiled), prompt_len
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] > self.prompt_len and not self.matcher.is_terminated():
+            assert self.matcher.accept_token(int(input_ids[0, -1]))
+        if not self.matcher.is_terminated():
+            bitmask = self.xgr.allocate_token_bitmask(1, scores.shape[-1])
+            self.matcher.fill_next_token_bitmask(bitmask, 0)
+            allowed = [t for t in range(scores.shape[-1]) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+            masked = torch.full_like(scores, float("-inf"))
+            masked[:, allowed] = scores[:, allowed]
+            scores = masked
+        return scores
+
+
+def compile_guide(model_dir: str | Path, kind: str, spec: str = ""):
+    """The target's compiled grammar for a guide over the checkpoint at model_dir (its tokenizer, its vocabulary)."""
+    from ddtree_serve.decoding.guides import GuideSpec
+    from target_svc.grammar_compiler import GrammarCompiler
+
+    config = transformers.AutoConfig.from_pretrained(model_dir).get_text_config()
+    eos = transformers.GenerationConfig.from_pretrained(model_dir).eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return GrammarCompiler(model_dir, config.vocab_size, eos, threads=1).compile(GuideSpec(kind, spec))
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+              guide=None) -> list[int]:
+    """model.generate() greedy, new tokens only; with sampling, its logit bias and penalties applied; with guide
+    (a compiled grammar), kept to it."""
     extra = adjusted_generate_kwargs(sampling, len(prompt_ids)) if sampling is not None else {}
+    if guide is not None:
+        processors = extra.get("logits_processor", transformers.LogitsProcessorList())
+        processors.insert(0, GrammarLogits(guide, len(prompt_ids)))
+        extra["logits_processor"] = processors
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=0, **extra)

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from ddtree_serve.plumbing.messages import draft_arrays
-from ddtree_serve.proto import (drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2,
-                                target_pb2_grpc)
+from ddtree_serve.proto import (common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc,
+                                target_pb2, target_pb2_grpc)
 from launch.local_stack import LocalStack
 from tests.conftest import make_request, prompts_for, reference_greedy, run_streams, start_stack
 
@@ -57,6 +57,8 @@ BAD_REQUESTS = {
     "prompt + max_tokens over the limit": lambda: make_request([5] * 200, 100),
     "oversized budget": lambda: make_request([1, 2, 3], 8, mode="ddtree", budget=100_000),
     "empty text": lambda: gateway_pb2.GenerateRequest(text="", max_tokens=8),
+    "guide that does not parse": lambda: make_request([1, 2, 3], 8, guide=common_pb2.Guide(kind="json", spec="{")),
+    "guide of an unknown kind": lambda: make_request([1, 2, 3], 8, guide=common_pb2.Guide(kind="yaml")),
 }
 
 
@@ -105,6 +107,26 @@ def test_malformed_tree_is_invalid_argument_on_the_target(stack):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         asyncio.run(call())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_guide_that_does_not_compile_refuses_its_own_prefill_item_and_the_batch_runs_on(stack):
+    s, _ = stack
+
+    async def call():
+        async with s.internal_channel("target") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            reply = await stub.Prefill(target_pb2.PrefillRequest(items=[
+                target_pb2.PrefillItem(seq_id="guided-bad", prompt_ids=[5, 6, 7],
+                                       guide=common_pb2.Guide(kind="regex", spec="[0-9")),
+                target_pb2.PrefillItem(seq_id="guided-ok", prompt_ids=[5, 6, 7],
+                                       guide=common_pb2.Guide(kind="choice", spec='["yes", "no"]'))]), timeout=60)
+            await stub.Release(target_pb2.ReleaseRequest(seq_ids=["guided-bad", "guided-ok"]), timeout=30)
+            return {r.seq_id: r for r in reply.results}
+
+    results = asyncio.run(call())
+    assert "invalid structured output regex" in results["guided-bad"].error
+    assert results["guided-ok"].error == "" and results["guided-ok"].context_len == 3
+    assert results["guided-ok"].next_token >= 0
 
 
 def _received_feature_bytes(metrics_port: int) -> float:

@@ -446,9 +446,8 @@ def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fra
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"extra_body": {"guided_regex": "[0-9]+"}}, "guided_regex"),
-    ({"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
+    ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
+    ({"tool_choice": "auto"}, "tool_choice"),
 ])
 def test_a_field_that_would_change_the_answer_and_is_not_implemented_is_refused_by_name(oai, model_id, kwargs, field):
     with pytest.raises(openai.BadRequestError) as info:
@@ -514,6 +513,60 @@ def test_bad_words_never_appear_and_answer_as_the_grpc_api_with_the_same_words(o
     http = oai.completions.create(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=16, temperature=0,
                                   extra_body={"ignore_eos": True, "bad_words": [word]})
     assert http.choices[0].text == steered.text
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+                                   {"guided_choice": ["yes", "no", "maybe"]}])
+def test_a_choice_answers_exactly_one_of_its_strings(oai, model_id, extra):
+    reply = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=16, temperature=0, extra_body=extra)
+    assert reply.choices[0].message.content in ("yes", "no", "maybe") and reply.choices[0].finish_reason == "stop"
+
+
+def test_a_regex_answer_matches_it_and_sampling_keeps_to_it_too(oai, model_id):
+    for seed in (1, 2, 3):
+        reply = oai.completions.create(model=model_id, prompt="Three digits:", max_tokens=16, temperature=1.0,
+                                       seed=seed, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+        assert re.fullmatch("[0-9]{3}", reply.choices[0].text) and reply.choices[0].finish_reason == "stop"
+
+
+def test_a_json_schema_answer_keeps_to_the_schema_as_the_grpc_api_does(oai, grpc_client, stack, model_id):
+    import xgrammar as xgr
+
+    from tests.conftest import compile_guide
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    over_grpc = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=48,
+                                     structured_output=("json", json.dumps(schema)))
+    matcher = xgr.GrammarMatcher(compile_guide(stack.model, "json", json.dumps(schema)))
+    assert all(matcher.accept_token(t) for t in over_grpc.token_ids)   # every token stays inside the grammar
+    if over_grpc.finish_reason == "stop":
+        assert set(json.loads(over_grpc.text)) == {"ok", "n"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    http = oai.completions.create(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=48, temperature=0,
+                                  extra_body={"response_format": fmt})
+    assert http.choices[0].text == over_grpc.text
+    chat = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=48, temperature=0, response_format=fmt)
+    chat_grpc = grpc_client.generate(messages=CHAT, max_tokens=48, structured_output=("json", json.dumps(schema)))
+    assert chat.choices[0].message.content == chat_grpc.text
+    free = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=48)
+    assert free.text != over_grpc.text
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"structured_outputs": {"regex": "[0-9"}}, "invalid structured output regex"),
+    ({"guided_json": "{not json"}, "invalid structured output json"),
+    ({"structured_outputs": {"choice": []}}, "choice must be a list"),
+    ({"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]}, "give one structured output"),
+    ({"response_format": {"type": "json_schema"}}, "response_format must be text, json_object, or json_schema"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "'structural_tag' is not supported"),
+    ({"guided_regex": "a+", "min_tokens": 2}, "not supported together with min_tokens"),
+    ({"guided_regex": "a+", "bad_words": ["a"]}, "not supported together with bad_words"),
+])
+def test_bad_structured_outputs_get_a_400_that_says_why(oai, model_id, extra, fragment):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, extra_body=extra)
+    assert fragment in info.value.body["message"]
 
 
 def test_a_logit_bias_of_100_makes_the_greedy_answer_that_token(oai, grpc_client, model_id):

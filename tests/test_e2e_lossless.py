@@ -10,8 +10,9 @@ import pytest
 
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.plumbing.messages import sampling_proto
-from tests.conftest import (ADJUSTED_SAMPLING, make_request, prompts_for, reference_greedy, run_streams,
-                            start_stack)
+from ddtree_serve.proto import common_pb2
+from tests.conftest import (ADJUSTED_SAMPLING, compile_guide, hf_greedy, make_request, prompts_for, reference_greedy,
+                            reference_model, run_streams, start_stack)
 
 pytestmark = pytest.mark.slow
 
@@ -55,11 +56,16 @@ def test_concurrent_mixed_requests_equal_transformers_greedy(checkpoints, kind):
             assert stats.draft_tokens >= stats.steps
 
 
+GUIDE_SCHEMA = ('{"type": "object", "properties": {"title": {"type": "string"}, "pages": {"type": "integer"}}, '
+                '"required": ["title", "pages"]}')
+
+
 def test_adjusted_greedy_requests_equal_transformers_with_the_same_processors(checkpoints):
     """Through the three services, every mode: logit bias, repetition, frequency and presence penalties give the
     answer transformers' greedy generate() gives with the same processors (not the unadjusted one); min_tokens
     holds a stop token back (transformers' min_new_tokens over it) where the plain answer would stop at once;
-    bad words taken from the plain answer (one, two and three tokens) steer it as they steer transformers."""
+    bad words taken from the plain answer (one, two and three tokens) steer it as they steer transformers; a JSON
+    schema's grammar keeps every mode to transformers' answer under the same grammar, token by token."""
     target, drafter = checkpoints("qwen3")
     cases = [(6, "ddtree", 16), (13, "ddtree", 0), (8, "dflash", 0), (10, "ar", 0)]
     prompts = prompts_for(target, [n for n, *_ in cases], seed=23)
@@ -84,11 +90,19 @@ def test_adjusted_greedy_requests_equal_transformers_with_the_same_processors(ch
         req.sampling.CopyFrom(sampling_proto(sampling))
         requests.append(req)
         bad_sampling.append(sampling)
+    guide_modes = ["ddtree", "dflash", "ar"]
+    for prompt, mode in zip(prompts[1:], guide_modes):
+        requests.append(make_request(prompt, 48, mode, guide=common_pb2.Guide(kind="json", spec=GUIDE_SCHEMA)))
     stack = start_stack(target, drafter)
     try:
         results = run_streams(stack.gateway, requests)
     finally:
         stack.stop()
+    compiled = compile_guide(target, "json", GUIDE_SCHEMA)
+    for prompt, mode, result in zip(prompts[1:], guide_modes, results[-len(guide_modes):]):
+        expected = hf_greedy(reference_model(str(target)), prompt, 48, guide=compiled)
+        assert result["token_ids"] == expected, f"guide mode={mode}"
+        assert expected != reference_greedy(target, prompt, 48)
     for prompt, sampling, (mode, _), result in zip(prompts[2:], bad_sampling, bad_cases,
                                                    results[len(cases) + len(stop_cases):]):
         expected = reference_greedy(target, prompt, 48, sampling=sampling)

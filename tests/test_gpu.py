@@ -10,25 +10,30 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+import transformers
 
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.decoding.ddtree import build_ddtree_batch
 from ddtree_serve.proto import gateway_pb2_grpc
 from drafter_svc.runner import DraftItem, DrafterConfig, DrafterRunner
 from target_svc.runner import PREFILL_VERIFY_CHUNKS, PrefillItem, TargetConfig, TargetRunner, VerifyItem
-from tests.conftest import (ADJUSTED_SAMPLING, adjusted_generate_kwargs, make_request, prompts_for, reference_model,
-                            run_streams, start_stack)
+from tests.conftest import (ADJUSTED_SAMPLING, GrammarLogits, adjusted_generate_kwargs, compile_guide, make_request,
+                            prompts_for, reference_model, run_streams, start_stack)
 from tests.fixtures.trees import random_tree_along
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU_SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}, '
+              '"required": ["name", "n"]}')
 
 
 def hf_greedy_on(device: str, model_dir, prompt: list[int], n: int, dtype=torch.float32,
-                 sampling: SamplingParams | None = None) -> list[int]:
+                 sampling: SamplingParams | None = None, guide=None) -> list[int]:
     """transformers' greedy generate() on `device`, from a fresh copy (the cached CPU oracle stays untouched); with
-    sampling, its logit bias and penalties applied."""
+    sampling, its logit bias and penalties applied; with guide (a compiled grammar), kept to it."""
     model = copy.deepcopy(reference_model(str(model_dir))).to(device=device, dtype=dtype)
     extra = adjusted_generate_kwargs(sampling, len(prompt)) if sampling is not None else {}
+    if guide is not None:
+        extra["logits_processor"] = transformers.LogitsProcessorList([GrammarLogits(guide, len(prompt))])
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=n,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
@@ -120,12 +125,12 @@ def test_cuda_graph_steps_equal_eager_steps(checkpoints, dtype):
         assert {c.name: c.empty_keys for c in caches if c.empty_keys} == {}
 
 
-@pytest.mark.parametrize("adjustment", ["bias_and_penalties", "bad_words"])
+@pytest.mark.parametrize("adjustment", ["bias_and_penalties", "bad_words", "json_schema"])
 def test_cuda_penalised_biased_greedy_through_graphs_equals_eager_and_transformers(checkpoints, adjustment):
-    """Logit bias and penalties (or bad words of one to three tokens, taken from the plain answer) applied to the
-    captured verify's logits, each node under its own path: random trees along transformers' answer (with the same
-    processors, float32, on the GPU) reproduce it exactly, graphed and eagerly, and it differs from the unadjusted
-    answer."""
+    """Logit bias and penalties (or bad words of one to three tokens, taken from the plain answer, or a JSON
+    schema's grammar) applied to the captured verify's logits, each node under its own path: random trees along
+    transformers' answer (with the same processors, float32, on the GPU) reproduce it exactly, graphed and eagerly,
+    and it differs from the unadjusted answer."""
     target, _ = checkpoints("qwen3")
     prompt = prompts_for(target, [9], seed=4)[0]
     vocab = reference_model(str(target)).config.get_text_config().vocab_size
@@ -133,13 +138,17 @@ def test_cuda_penalised_biased_greedy_through_graphs_equals_eager_and_transforme
     if adjustment == "bad_words":
         plain = hf_greedy_on("cuda", target, prompt, 48)
         sampling = SamplingParams(bad_words=(tuple(plain[3:5]), (plain[10],), tuple(plain[20:23])))
-    truth = hf_greedy_on("cuda", target, prompt, 96, sampling=sampling)
+    guide = None
+    if adjustment == "json_schema":
+        pytest.importorskip("xgrammar")
+        sampling, guide = SamplingParams(), compile_guide(target, "json", GPU_SCHEMA)
+    truth = hf_greedy_on("cuda", target, prompt, 96, sampling=sampling, guide=guide)
 
     def run(enforce_eager: bool) -> tuple[list[int], int, TargetRunner]:
         runner = TargetRunner(TargetConfig(model_dir=str(target), device="cuda", dtype=torch.float32, max_batch=2,
                                            max_seq_len=256, max_tree_nodes=65, enforce_eager=enforce_eager,
                                            prefill_verify_chunks=PREFILL_VERIFY_CHUNKS))
-        (out,) = runner.prefill([PrefillItem("a", prompt, sampling)])
+        (out,) = runner.prefill([PrefillItem("a", prompt, sampling, guide=guide)])
         tokens, rng, deepest = [out.next_token], random.Random(2), 1
         while len(tokens) < 48:
             tree, parents = random_tree_along(tokens[-1], truth[len(tokens):], rng, rng.randint(1, 40), vocab)

@@ -184,6 +184,29 @@ def test_bad_words_greedy_tree_verify_equals_hf_generate_with_vllms_bad_words(ar
     assert generated["w"][:N_NEW] == truth[:N_NEW]
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("kind, spec", [
+    ("json", '{"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", '
+             '"items": {"type": "string"}}}, "required": ["name", "tags"]}'),
+    ("regex", "[a-z]+( [a-z]+)*[.]"),
+])
+def test_guided_greedy_tree_verify_equals_hf_generate_token_by_token_under_the_grammar(arch, kind, spec, checkpoints,
+                                                                                      references):
+    """Each tree node's logits masked with what the grammar allows after its own root path: random trees along
+    transformers' answer under the same grammar reproduce it, and it is not the free answer."""
+    from tests.conftest import compile_guide
+
+    guide = compile_guide(checkpoints[arch], kind, spec)
+    runner = _runner(checkpoints[arch])
+    prompt = _prompt(10, seed=70)
+    truth = hf_greedy(references[arch], prompt, N_NEW + 16, guide=guide)
+    assert truth[:N_NEW] != hf_greedy(references[arch], prompt, N_NEW)
+    (out,) = runner.prefill([PrefillItem("g", prompt, guide=guide)])
+    generated = {"g": [out.next_token]}
+    assert max(_verify_along(runner, generated, {"g": truth}, random.Random(5))) >= 3
+    assert generated["g"][:N_NEW] == truth[:N_NEW]
+
+
 def test_a_logit_bias_outside_the_vocabulary_is_refused_at_prefill(checkpoints):
     runner = _runner(checkpoints["qwen3"])
     with pytest.raises(ValueError, match="logit_bias"):

@@ -1,0 +1,133 @@
+"""Structured outputs: a grammar (a JSON schema, any JSON object, a regex, a list of choices or an EBNF grammar)
+that every generated token must keep the text inside of, as vLLM's `structured_outputs` and OpenAI's
+`response_format` ask.
+
+The grammar is xgrammar's. In a draft tree each node's logits are masked with the tokens the grammar allows after
+that node's own path (xgrammar walks the tree, accepting and rolling back tokens), so the target's choice at every
+node is the one it would make generating token by token under the grammar: speculative decoding stays lossless.
+Once the grammar has ended (it accepted a stop token) nothing is masked any more.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_GUIDE_CHARS = 64 * 1024   # a schema, regex, grammar or choice list (the grammar's compile cost grows with it)
+MAX_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class GuideSpec:
+    """What the output must match: kind is one of GUIDE_KINDS; spec is the JSON schema's text, the regex, the EBNF
+    grammar, or the choices as a JSON list of strings ("" for json_object)."""
+
+    kind: str
+    spec: str = ""
+
+    def grammar(self):
+        """The xgrammar Grammar (ValueError with the parser's message when the spec is not valid)."""
+        import xgrammar as xgr
+
+        if self.kind not in GUIDE_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(GUIDE_KINDS)}, got {self.kind!r}")
+        if len(self.spec) > MAX_GUIDE_CHARS:
+            raise ValueError(f"a structured output's {self.kind} is at most {MAX_GUIDE_CHARS} characters")
+        try:
+            if self.kind == "json_object":
+                return xgr.Grammar.builtin_json_grammar()
+            if self.kind == "json":
+                json.loads(self.spec)
+                return xgr.Grammar.from_json_schema(self.spec)
+            if self.kind == "regex":
+                return xgr.Grammar.from_regex(self.spec)
+            if self.kind == "grammar":
+                return xgr.Grammar.from_ebnf(self.spec)
+            return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(self.spec)))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            message = str(exc).split(": ", 1)[-1] if "/project/" in str(exc) else str(exc)
+            raise ValueError(f"invalid structured output {self.kind}: {message}") from None
+
+
+def choice_ebnf(choices) -> str:
+    """An EBNF grammar whose sentences are exactly the given strings."""
+    if not (isinstance(choices, list) and 1 <= len(choices) <= MAX_CHOICES
+            and all(isinstance(c, str) and c for c in choices)):
+        raise ValueError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """BoolTensor[T, V] of xgrammar's int32 bitmask [T, ceil(V / 32)] (bit j of word w: token 32 w + j)."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+class SequenceGuide:
+    """One sequence's grammar state: the tokens allowed next, for one row or every node of a draft tree."""
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self._xgr = xgr
+
+    @property
+    def ended(self) -> bool:
+        """True once the grammar accepted a stop token: nothing is masked after that."""
+        return self.matcher.is_terminated()
+
+    def row_mask(self) -> Tensor | None:
+        """BoolTensor[1, V]: the tokens allowed next (None once ended)."""
+        if self.ended:
+            return None
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        return unpack_bitmask(bitmask, self.vocab_size)
+
+    def tree_mask(self, tokens: list[int], parents: list[int]) -> Tensor | None:
+        """BoolTensor[T, V]: per node, the tokens allowed after its root path (the root's token is the last one
+        accepted). A node whose own token its parent does not allow keeps every token: it can never be accepted
+        (the parent's choice is masked), so its row is never used; a node past the grammar's end keeps every token
+        too. None once ended."""
+        if self.ended:
+            return None
+        n = len(tokens)
+        first_child, next_sibling, last_child = [-1] * n, [-1] * n, [-1] * n
+        for i in range(1, n):
+            p = parents[i]
+            if last_child[p] < 0:
+                first_child[p] = i
+            else:
+                next_sibling[last_child[p]] = i
+            last_child[p] = i
+        bitmask = self._xgr.allocate_token_bitmask(n, self.vocab_size)
+        self.matcher.traverse_draft_tree(torch.tensor(first_child, dtype=torch.int64),
+                                         torch.tensor(next_sibling, dtype=torch.int64),
+                                         torch.tensor(tokens, dtype=torch.int64), bitmask)
+        mask = unpack_bitmask(bitmask, self.vocab_size)
+        # The walk leaves nodes it does not enter (a token the grammar refuses, or one after its end) with no token
+        # allowed; a refused node is never accepted and after the end nothing is masked: both rows allow everything
+        # (an all -inf row would make a sample fail).
+        mask[~mask.any(dim=1)] = True
+        return mask
+
+    def accept(self, tokens: list[int]) -> None:
+        """Advances the grammar over committed tokens (each one the mask allowed; none after it ended)."""
+        for token in tokens:
+            if self.ended:
+                return
+            if not self.matcher.accept_token(token):
+                raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
+
+
+def apply_guide_mask(logits: Tensor, mask: Tensor | None) -> Tensor:
+    """logits with the tokens the mask leaves out at -inf (mask None: unchanged)."""
+    if mask is None:
+        return logits
+    return logits.masked_fill(~mask.to(logits.device, non_blocking=True), float("-inf"))

@@ -1,0 +1,137 @@
+"""Structured outputs: the grammar's masks over a draft tree equal, node by node, the masks of generating each
+node's root path token by token; specs are checked before anything runs."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree_serve.decoding.guides import GuideSpec, SequenceGuide, choice_ebnf, unpack_bitmask
+from tests.fixtures import make_tiny_tokenizer
+
+xgr = pytest.importorskip("xgrammar")
+
+SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+                     "required": ["name", "n"], "additionalProperties": False})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_tokenizer(Path(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id])
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+def _compiled(compiler, spec: GuideSpec):
+    return compiler.compile_grammar(spec.grammar())
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_the_bitmask_unpacks_bit_j_of_word_w_as_token_32w_plus_j():
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 3
+    bitmask[1, 1] = 1 << 5
+    mask = unpack_bitmask(bitmask, 40)
+    assert mask.shape == (2, 40) and mask[0].nonzero().flatten().tolist() == [3]
+    assert mask[1].nonzero().flatten().tolist() == [37]
+    assert unpack_bitmask(torch.full((1, 2), -1, dtype=torch.int32), 40).all()
+
+
+def _path_mask(compiled, prefix: list[int], vocab: int) -> torch.Tensor | None:
+    guide = SequenceGuide(compiled, vocab)
+    for token in prefix:
+        if guide.ended or not guide.matcher.accept_token(token):
+            return None
+    return guide.row_mask()
+
+
+@pytest.mark.parametrize("text", ['{"name": "ab", "n": 12}', '{"name": "", "n": -30}'])
+def test_each_tree_nodes_mask_is_the_mask_after_its_own_root_path(tokenizer, compiler, text):
+    compiled = _compiled(compiler, GuideSpec("json", SCHEMA))
+    vocab = len(tokenizer)
+    valid = _encode(tokenizer, text)
+    rng = random.Random(0)
+    for trial in range(12):
+        cut = rng.randint(1, len(valid) - 2)
+        accepted, rest = valid[:cut], valid[cut:]
+        # a tree along the valid continuation, with random siblings hanging off it
+        tokens, parents, spine = [accepted[-1]], [-1], 0
+        for token in rest[:6]:
+            tokens.append(token)
+            parents.append(spine)
+            spine = len(tokens) - 1
+            for _ in range(rng.randint(0, 2)):
+                tokens.append(rng.randrange(vocab))
+                parents.append(rng.randrange(len(tokens) - 1))
+        guide = SequenceGuide(compiled, vocab)
+        guide.accept(accepted)
+        tree = guide.tree_mask(tokens, parents)
+        for node in range(len(tokens)):
+            path, i = [], node
+            while i > 0:
+                path.append(tokens[i])
+                i = parents[i]
+            want = _path_mask(compiled, accepted + path[::-1], vocab)
+            if want is not None:   # a node its path makes invalid is never accepted: its row is not used
+                assert torch.equal(tree[node: node + 1], want), (trial, node)
+        assert torch.equal(guide.row_mask(), _path_mask(compiled, accepted, vocab))   # the walk rolled back
+
+
+def test_a_choice_allows_exactly_its_strings_then_only_the_stop_token(tokenizer, compiler):
+    compiled = _compiled(compiler, GuideSpec("choice", json.dumps(["yes", "no"])))
+    guide = SequenceGuide(compiled, len(tokenizer))
+    guide.accept(_encode(tokenizer, "yes"))
+    assert guide.row_mask()[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    guide.accept([tokenizer.eos_token_id])
+    assert guide.ended and guide.row_mask() is None and guide.tree_mask([5, 6], [-1, 0]) is None
+
+
+def test_a_refused_token_is_an_error_not_a_silent_drift(tokenizer, compiler):
+    guide = SequenceGuide(_compiled(compiler, GuideSpec("regex", "[0-9]+")), len(tokenizer))
+    with pytest.raises(RuntimeError, match="refused token"):
+        guide.accept(_encode(tokenizer, "x"))
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    (GuideSpec("json", "{not json"), "invalid structured output json"),
+    (GuideSpec("json", '{"type": "bogus"}'), "invalid structured output json"),
+    (GuideSpec("regex", "[0-9"), "invalid structured output regex"),
+    (GuideSpec("grammar", "root ::= "), "invalid structured output grammar"),
+    (GuideSpec("choice", "[]"), "choice must be a list of 1 to 256"),
+    (GuideSpec("choice", '["a", 3]'), "choice must be a list"),
+    (GuideSpec("yaml", "x"), "kind must be one of"),
+    (GuideSpec("regex", "a" * (64 * 1024 + 1)), "at most 65536 characters"),
+])
+def test_bad_specs_are_refused_with_a_reason(spec, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        spec.grammar()
+
+
+def test_choices_are_quoted_so_any_string_is_literal():
+    ebnf = choice_ebnf(['a "b"', "x\\y", "caf\u00e9", "|"])
+    xgr.Grammar.from_ebnf(ebnf)
+    assert ebnf.count(" | ") == 3
+
+
+def test_nodes_the_walk_does_not_enter_allow_every_token(tokenizer, compiler):
+    """A node with a token its parent refuses, and a node after the grammar's end: rows that allow everything
+    (never an all -inf row a sample would fail on)."""
+    digit, letter, eos = _encode(tokenizer, "7")[0], _encode(tokenizer, "x")[0], tokenizer.eos_token_id
+    root = _encode(tokenizer, "5")[0]
+    guide = SequenceGuide(_compiled(compiler, GuideSpec("regex", "[0-9][0-9]")), len(tokenizer))
+    guide.accept([root])
+    #  0(root) - 1(digit) - 2(eos) - 3(x)      and 0 - 4(x) - 5(digit)
+    mask = guide.tree_mask([root, digit, eos, letter, letter, digit], [-1, 0, 1, 2, 0, 4])
+    assert mask[0, digit] and not mask[0, letter] and not mask[0, eos]
+    assert mask[1].nonzero().flatten().tolist() == [eos]
+    assert mask[2].all() and mask[3].all() and mask[4].all() and mask[5].all()
