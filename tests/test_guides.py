@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_serve.decoding.guides import GuideSpec, SequenceGuide, choice_ebnf, unpack_bitmask
+from ddtree_serve.decoding.guides import GuideSpec, SequenceGuide, apply_guide_mask, choice_ebnf, unpack_bitmask
 from tests.fixtures import make_tiny_tokenizer
 
 xgr = pytest.importorskip("xgrammar")
@@ -52,7 +52,7 @@ def _path_mask(compiled, prefix: list[int], vocab: int) -> torch.Tensor | None:
     for token in prefix:
         if guide.ended or not guide.matcher.accept_token(token):
             return None
-    return guide.row_mask()
+    return unpack_bitmask(guide.row_mask(), vocab)
 
 
 @pytest.mark.parametrize("text", ['{"name": "ab", "n": 12}', '{"name": "", "n": -30}'])
@@ -75,7 +75,7 @@ def test_each_tree_nodes_mask_is_the_mask_after_its_own_root_path(tokenizer, com
                 parents.append(rng.randrange(len(tokens) - 1))
         guide = SequenceGuide(compiled, vocab)
         guide.accept(accepted)
-        tree = guide.tree_mask(tokens, parents)
+        tree = unpack_bitmask(guide.tree_mask(tokens, parents), vocab)
         for node in range(len(tokens)):
             path, i = [], node
             while i > 0:
@@ -84,14 +84,14 @@ def test_each_tree_nodes_mask_is_the_mask_after_its_own_root_path(tokenizer, com
             want = _path_mask(compiled, accepted + path[::-1], vocab)
             if want is not None:   # a node its path makes invalid is never accepted: its row is not used
                 assert torch.equal(tree[node: node + 1], want), (trial, node)
-        assert torch.equal(guide.row_mask(), _path_mask(compiled, accepted, vocab))   # the walk rolled back
+        assert torch.equal(unpack_bitmask(guide.row_mask(), vocab), _path_mask(compiled, accepted, vocab))
 
 
 def test_a_choice_allows_exactly_its_strings_then_only_the_stop_token(tokenizer, compiler):
     compiled = _compiled(compiler, GuideSpec("choice", json.dumps(["yes", "no"])))
     guide = SequenceGuide(compiled, len(tokenizer))
     guide.accept(_encode(tokenizer, "yes"))
-    assert guide.row_mask()[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    assert unpack_bitmask(guide.row_mask(), len(tokenizer))[0].nonzero().flatten().tolist() == [tokenizer.eos_token_id]
     guide.accept([tokenizer.eos_token_id])
     assert guide.ended and guide.row_mask() is None and guide.tree_mask([5, 6], [-1, 0]) is None
 
@@ -131,7 +131,17 @@ def test_nodes_the_walk_does_not_enter_allow_every_token(tokenizer, compiler):
     guide = SequenceGuide(_compiled(compiler, GuideSpec("regex", "[0-9][0-9]")), len(tokenizer))
     guide.accept([root])
     #  0(root) - 1(digit) - 2(eos) - 3(x)      and 0 - 4(x) - 5(digit)
-    mask = guide.tree_mask([root, digit, eos, letter, letter, digit], [-1, 0, 1, 2, 0, 4])
+    mask = unpack_bitmask(guide.tree_mask([root, digit, eos, letter, letter, digit], [-1, 0, 1, 2, 0, 4]),
+                          len(tokenizer))
     assert mask[0, digit] and not mask[0, letter] and not mask[0, eos]
     assert mask[1].nonzero().flatten().tolist() == [eos]
     assert mask[2].all() and mask[3].all() and mask[4].all() and mask[5].all()
+
+
+def test_applying_a_bitmask_leaves_allowed_logits_and_sets_the_rest_to_minus_inf():
+    logits = torch.randn(2, 40)
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[0, 0], bitmask[1, 1] = 0b101, 1 << 7   # row 0: tokens 0 and 2; row 1: token 39
+    out = apply_guide_mask(logits, bitmask)
+    assert torch.isfinite(out).nonzero().tolist() == [[0, 0], [0, 2], [1, 39]]
+    assert out[0, 2] == logits[0, 2] and apply_guide_mask(logits, None) is logits

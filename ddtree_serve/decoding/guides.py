@@ -61,8 +61,9 @@ def choice_ebnf(choices) -> str:
 
 
 def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
-    """BoolTensor[T, V] of xgrammar's int32 bitmask [T, ceil(V / 32)] (bit j of word w: token 32 w + j)."""
-    shifts = torch.arange(32, dtype=torch.int32)
+    """BoolTensor[T, V] of xgrammar's int32 bitmask [T, ceil(V / 32)] (bit j of word w: token 32 w + j), on the
+    bitmask's device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
@@ -83,15 +84,16 @@ class SequenceGuide:
         return self.matcher.is_terminated()
 
     def row_mask(self) -> Tensor | None:
-        """BoolTensor[1, V]: the tokens allowed next (None once ended)."""
+        """The tokens allowed next as a bitmask (IntTensor[1, ceil(V / 32)], unpack_bitmask's layout; None once
+        ended)."""
         if self.ended:
             return None
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         self.matcher.fill_next_token_bitmask(bitmask, 0)
-        return unpack_bitmask(bitmask, self.vocab_size)
+        return bitmask
 
     def tree_mask(self, tokens: list[int], parents: list[int]) -> Tensor | None:
-        """BoolTensor[T, V]: per node, the tokens allowed after its root path (the root's token is the last one
+        """A bitmask IntTensor[T, ceil(V / 32)]: per node, the tokens allowed after its root path (the root's token is the last one
         accepted). A node whose own token its parent does not allow keeps every token: it can never be accepted
         (the parent's choice is masked), so its row is never used; a node past the grammar's end keeps every token
         too. None once ended."""
@@ -110,12 +112,11 @@ class SequenceGuide:
         self.matcher.traverse_draft_tree(torch.tensor(first_child, dtype=torch.int64),
                                          torch.tensor(next_sibling, dtype=torch.int64),
                                          torch.tensor(tokens, dtype=torch.int64), bitmask)
-        mask = unpack_bitmask(bitmask, self.vocab_size)
         # The walk leaves nodes it does not enter (a token the grammar refuses, or one after its end) with no token
         # allowed; a refused node is never accepted and after the end nothing is masked: both rows allow everything
         # (an all -inf row would make a sample fail).
-        mask[~mask.any(dim=1)] = True
-        return mask
+        bitmask[(bitmask == 0).all(dim=1)] = -1
+        return bitmask
 
     def accept(self, tokens: list[int]) -> None:
         """Advances the grammar over committed tokens (each one the mask allowed; none after it ended)."""
@@ -126,8 +127,10 @@ class SequenceGuide:
                 raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
 
 
-def apply_guide_mask(logits: Tensor, mask: Tensor | None) -> Tensor:
-    """logits with the tokens the mask leaves out at -inf (mask None: unchanged)."""
-    if mask is None:
+def apply_guide_mask(logits: Tensor, bitmask: Tensor | None) -> Tensor:
+    """logits[T, V] with the tokens the bitmask leaves out at -inf (None: unchanged). The bitmask goes to the
+    logits' device packed (V / 8 bytes a row) and is unpacked there."""
+    if bitmask is None:
         return logits
-    return logits.masked_fill(~mask.to(logits.device, non_blocking=True), float("-inf"))
+    mask = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+    return logits.masked_fill(~mask, float("-inf"))
