@@ -11,8 +11,8 @@ if ! command -v prometheus >/dev/null 2>&1; then
 fi
 . .venv/bin/activate
 # Triton, for its interpreter: the kernel tests run our Triton kernels (tree WY core, tree layout, K/V write, tree
-# attention, weight-only matmul) on the CPU against their PyTorch references. Not in setup.sh: serving on a CPU does
-# not need it, and on a GPU machine it comes with torch (or the gpu extra). Pinned: the tests patch 3.6's interpreter.
+# attention, weight-only matmul) on the CPU against their PyTorch references. setup.sh installs it with xgrammar on
+# Linux x86-64; elsewhere it is installed here. Pinned: the tests patch 3.6's interpreter.
 if ! python -c "import triton" 2>/dev/null; then
   echo "test: installing triton 3.6.0 (its interpreter runs the kernel tests on the CPU)" >&2
   python -m pip install -q --disable-pip-version-check "triton==3.6.0" 2>&1 | grep -v "^WARNING: Location" || true
