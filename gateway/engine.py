@@ -12,7 +12,7 @@ import numpy as np
 
 from ddtree_serve.decoding.ddtree import MAX_TOP_K
 from ddtree_serve.plumbing.background import BackgroundTask
-from ddtree_serve.plumbing.messages import draft_arrays, sampling_proto
+from ddtree_serve.plumbing.messages import draft_arrays, guide_proto, sampling_proto
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
 from gateway.scheduler import PairQueue, batch_budget_ceiling, plan_prefill_chunks, step_budgets
@@ -135,7 +135,7 @@ class PairEngine(BackgroundTask):
                                    logprobs=s.logprobs >= 0, top_logprobs=max(s.logprobs, 0),
                                    prompt_logprobs=s.prompt_logprobs >= 0,
                                    prompt_top_logprobs=max(s.prompt_logprobs, 0),
-                                   guide=common_pb2.Guide(kind=s.guide.kind, spec=s.guide.spec)
+                                   guide=guide_proto(s.guide)
                                    if s.guide is not None and s.prefilled == 0 else None)
             for s, n in chunks])
         try:

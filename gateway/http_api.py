@@ -22,9 +22,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ddtree_serve.decoding.logprobs import MAX_TOP_LOGPROBS
+from ddtree_serve.plumbing.messages import guide_proto
 from ddtree_serve.proto import common_pb2, gateway_pb2
 from ddtree_serve.plumbing.rpc import status_for
 from gateway.limits import MAX_CHARS_PER_TOKEN
+from gateway.tool_calls import HermesStream, ToolCall, check_tools, forced_calls, forced_guide, parse_hermes
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +53,7 @@ MAX_PROMPTS = 64   # prompts of one /v1/completions request (each its own sequen
 # fields that change nothing, such as user or metadata, are accepted and ignored).
 _UNHONOURED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": bool,
-    "functions": bool,
-    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": bool,   # the tools' predecessor: send tools
 }
 
 
@@ -103,6 +104,9 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None                  # a tool message: the call it answers
+    name: str | None = None
 
 
 class _ChatOptions(BaseModel):
@@ -116,7 +120,9 @@ class _ChatOptions(BaseModel):
 class ChatCompletionRequest(_Common, _ChatOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    tools: Any = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None   # false: tool_choice required makes one call
     top_logprobs: int | None = None
 
 
@@ -135,6 +141,7 @@ class TokenizeRequest(_ChatOptions):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
 
 
@@ -428,7 +435,11 @@ class HttpFront:
                     choice["logprobs"] = {k: prompt_part[k] + answer_part[k] for k in prompt_part}
                 content = echo[i] + content
             if chat:
+                content, calls = _answer_calls(_tool_mode(body), body, content)
                 choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [c.as_json() for c in calls]
+                    choice["finish_reason"] = "tool_calls" if finish_reason == "stop" else finish_reason
             else:
                 choice["text"] = content
             if body.prompt_logprobs is not None and (not chat or prompt_scores is None):
@@ -456,9 +467,11 @@ class HttpFront:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False,
-                  logprobs: dict | None = None) -> dict:
+                  logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
                 choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
             else:
                 choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
@@ -485,6 +498,26 @@ class HttpFront:
                 events.put_nowait((index, None, None, exc))
 
         pumps = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
+        mode = _tool_mode(body)
+        splitters = [HermesStream() for _ in gens] if mode == "auto" else None
+        forced_text: dict[int, list[str]] = {i: [] for i in range(len(gens))}   # mode "forced": held to the end
+        called: set[int] = set()   # samples that made tool calls
+
+        def tool_split(index: int, text: str, finished: bool) -> tuple[str, list[dict]]:
+            """The content to stream now and the tool-call deltas completed now, of one sample's new text."""
+            if mode == "auto":
+                splitter = splitters[index]
+                first = splitter.calls
+                content, calls = splitter.feed(text, final=finished)
+                return content, [c.as_json(first + k) for k, c in enumerate(calls)]
+            if mode == "forced":
+                forced_text[index].append(text)
+                if not finished:
+                    return "", []
+                whole = "".join(forced_text[index])
+                calls = forced_calls(whole, body.tool_choice)
+                return ("" if calls else whole), [c.as_json(k) for k, c in enumerate(calls)]
+            return text, []
         try:
             try:
                 if chat:
@@ -504,15 +537,19 @@ class HttpFront:
                             prompt_part, offsets[index] = self._echo_logprobs_json(seq, event.prompt_logprobs,
                                                                                    echo_top)
                         yield line(chunk(index, echo[index], None, logprobs=prompt_part))
+                    text, calls = tool_split(index, event.text, event.finished) if chat else (event.text, [])
+                    if calls:
+                        called.add(index)
                     if event.logprobs:   # a chunk for every token with a log-prob, text or not
                         logprobs, offsets[index] = self._logprobs_json(chat, event.token_ids, event.logprobs,
                                                                        offsets[index])
-                        yield line(chunk(index, event.text, None, logprobs=logprobs))
-                    elif event.text:
-                        yield line(chunk(index, event.text, None))
+                        yield line(chunk(index, text, None, logprobs=logprobs, tool_calls=calls))
+                    elif text or calls:
+                        yield line(chunk(index, text, None, tool_calls=calls))
                     if event.finished:
                         finished[index] = seq
-                        final = chunk(index, None, event.finish_reason)
+                        reason = event.finish_reason
+                        final = chunk(index, None, "tool_calls" if index in called and reason == "stop" else reason)
                         final["choices"][0]["stop_reason"] = _stop_reason(seq, body)
                         final["ddtree"] = self._ddtree_stats(seq)
                         yield line(final)
@@ -628,11 +665,21 @@ class HttpFront:
         """Chat: the messages rendered with the model's chat template."""
         self._check_ready()
         self._check_common(body)
-        if body.tools:
-            raise ApiError(400, "tools are not supported", param="tools")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         req = self._request(body, max_tokens, None)
         req.chat.CopyFrom(_chat_messages(body.messages, body))
+        if body.tools or body.tool_choice not in (None, "none"):
+            try:
+                functions = check_tools(body.tools or [], body.tool_choice)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="tools") from None
+            req.chat.tools_json = json.dumps(body.tools or [])
+            forced = forced_guide(functions, body.tool_choice, parallel=body.parallel_tool_calls is not False)
+            if forced is not None:
+                if req.HasField("guide"):
+                    raise ApiError(400, "tool_choice required or named holds the answer to tool calls: not with a "
+                                        "structured output", param="tool_choice")
+                req.guide.CopyFrom(guide_proto(forced))
         await self._finish_prompt(req, max_tokens)
         return await self._run([req], chat=True, body=body)
 
@@ -643,7 +690,10 @@ class HttpFront:
             raise ApiError(400, "give either prompt or messages", param="prompt")
         servicer = self.servicer
         if body.messages is not None:
-            ids = await servicer._chat_ids(_chat_messages(body.messages, body))
+            chat = _chat_messages(body.messages, body)
+            if body.tools:
+                chat.tools_json = json.dumps(body.tools)
+            ids = await servicer._chat_ids(chat)
         else:
             limit = servicer.max_seq_len * MAX_CHARS_PER_TOKEN
             if len(body.prompt) > limit:
@@ -704,8 +754,29 @@ def _chat_messages(messages: list[ChatMessage], options: _ChatOptions) -> gatewa
                                     template_kwargs_json=json.dumps(options.chat_template_kwargs)
                                     if options.chat_template_kwargs else "")
     for m in messages:
-        chat.messages.add(role=m.role, content=_content_text(m.content))
+        chat.messages.add(role=m.role, content=_content_text(m.content), name=m.name or "",
+                          tool_call_id=m.tool_call_id or "",
+                          tool_calls_json=json.dumps(m.tool_calls) if m.tool_calls else "")
     return chat
+
+
+def _tool_mode(body: _Common) -> str | None:
+    """How a chat answer's tool calls are read: "auto" (the Hermes blocks in the text), "forced" (the whole answer
+    is the calls' JSON) or None (no tools, or tool_choice none)."""
+    if not isinstance(body, ChatCompletionRequest) or not body.tools or body.tool_choice == "none":
+        return None
+    return "auto" if body.tool_choice in (None, "auto") else "forced"
+
+
+def _answer_calls(mode: str | None, body, content: str) -> tuple[str | None, list[ToolCall]]:
+    """(the message content, its tool calls) of a whole chat answer."""
+    if mode == "auto":
+        content, calls = parse_hermes(content)
+        return content or (None if calls else content), calls
+    if mode == "forced":
+        calls = forced_calls(content, body.tool_choice)
+        return (None if calls else content), calls
+    return content, []
 
 
 def _samples(req: gateway_pb2.GenerateRequest, n: int) -> list[gateway_pb2.GenerateRequest]:
@@ -747,6 +818,7 @@ def _guide(body: _Common) -> common_pb2.Guide | None:
             raise ApiError(400, "response_format must be text, json_object, or json_schema with a json_schema.schema "
                                 "object", param="response_format")
     vllm = {k: v for k, v in (body.structured_outputs or {}).items() if v is not None and v is not False}
+    compact = bool(vllm.pop("disable_any_whitespace", False))
     for legacy in ("json", "regex", "choice", "grammar"):
         value = getattr(body, f"guided_{legacy}")
         if value is not None:
@@ -768,7 +840,7 @@ def _guide(body: _Common) -> common_pb2.Guide | None:
     if len(found) > 1:
         raise ApiError(400, "give one structured output: response_format, structured_outputs or guided_* name "
                             f"{len(found)}", param=found[1][0])
-    return common_pb2.Guide(kind=found[0][1], spec=found[0][2]) if found else None
+    return common_pb2.Guide(kind=found[0][1], spec=found[0][2], compact_json=compact) if found else None
 
 
 def _stop_reason(seq, body: _Common) -> str | int | None:

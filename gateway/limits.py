@@ -30,7 +30,8 @@ def check_prompt_size(request, max_seq_len: int) -> None:
     if kind == "text":
         chars = len(request.text)
     elif kind == "chat":
-        chars = sum(len(m.content) + len(m.role) for m in request.chat.messages)
+        chars = sum(len(m.content) + len(m.role) + len(m.tool_calls_json) for m in request.chat.messages)
+        chars += len(request.chat.tools_json)
     else:
         return
     limit = max_seq_len * MAX_CHARS_PER_TOKEN
@@ -58,15 +59,47 @@ def special_token_strings(tokenizer) -> list[str]:
     return sorted((s for s in specials if s), key=len, reverse=True)
 
 
+def check_no_control_tokens(where: str, text: str, specials: list[str]) -> None:
+    """Refuses a control token typed into text the chat template renders (role injection)."""
+    for s in specials:
+        if s in text:
+            raise ValueError(f"{where} contains the control token {s!r}; special tokens are not accepted in chat "
+                             "messages")
+
+
 def check_chat_messages(messages: list[dict], specials: list[str]) -> None:
     """Refuses a control token typed into a message (role injection through the chat template), and odd roles."""
     for i, m in enumerate(messages):
         if m["role"] not in CHAT_ROLES:
             raise ValueError(f"message {i}: role must be one of {sorted(CHAT_ROLES)}, got {m['role'][:32]!r}")
-        for s in specials:
-            if s in m["content"]:
-                raise ValueError(f"message {i} contains the control token {s!r}; special tokens are not accepted "
-                                 "in chat messages")
+        check_no_control_tokens(f"message {i}", m["content"], specials)
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if key in m:
+                check_no_control_tokens(f"message {i}", json.dumps(m[key]), specials)
+
+
+def json_list(text: str, name: str) -> list:
+    """A JSON list a request carries as text (ValueError when it is not one)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a JSON list")
+    return value
+
+
+def chat_message(m) -> dict:
+    """A ChatMessage as the chat template takes it: role and content, and an assistant's tool calls, a tool
+    message's call id and a name where given."""
+    message = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        message["tool_calls"] = json_list(m.tool_calls_json, "tool_calls")
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
 
 
 MAX_TEMPLATE_KWARGS = 16

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import shutil
 import tempfile
@@ -18,7 +19,7 @@ from transformers import AutoTokenizer
 from ddtree_serve.decoding import ddtree_native
 from ddtree_serve.decoding.config import default_batch_budgets, default_budget
 from ddtree_serve.decoding.guides import GuideSpec
-from ddtree_serve.plumbing.messages import logprobs_wanted, sampling_from_proto
+from ddtree_serve.plumbing.messages import guide_from_proto, logprobs_wanted, sampling_from_proto
 from ddtree_serve.plumbing.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
@@ -225,12 +226,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _chat_ids(self, chat: gateway_pb2.ChatMessages) -> list[int]:
         """Token ids of chat messages through the chat template, with the request's chat options."""
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        messages = [limits.chat_message(m) for m in chat.messages]
         if not messages:
             return []
         options = dict(add_generation_prompt=not (chat.no_generation_prompt or chat.continue_final_message),
                        continue_final_message=chat.continue_final_message,
                        **limits.chat_template_kwargs(chat.template_kwargs_json))
+        if chat.tools_json:
+            options["tools"] = limits.json_list(chat.tools_json, "tools")
         return await self._tokenize(self._render_chat, messages, options)
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -243,6 +246,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError("this model's tokenizer has no chat template")
         limits.check_chat_messages(messages, self.specials)
         options = options or {"add_generation_prompt": True}
+        if "tools" in options:
+            limits.check_no_control_tokens("tools", json.dumps(options["tools"]), self.specials)
         if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
             raise ValueError("continue_final_message needs the last message to be the assistant's")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
@@ -308,7 +313,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                            ("bad_words", sampling.bad_words)):
             if used:
                 raise ValueError(f"structured outputs are not supported together with {name}")
-        spec = GuideSpec(request.guide.kind, request.guide.spec)
+        spec = guide_from_proto(request.guide)
         await self._tokenize(spec.grammar)
         return spec
 

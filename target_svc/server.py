@@ -11,9 +11,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from ddtree_serve.decoding.guides import GuideSpec
 from ddtree_serve.plumbing import auth
-from ddtree_serve.plumbing.messages import logprobs_proto, logprobs_wanted, sampling_from_proto
+from ddtree_serve.plumbing.messages import guide_from_proto, logprobs_proto, logprobs_wanted, sampling_from_proto
 from ddtree_serve.plumbing.metrics import TargetMetrics
 from ddtree_serve.plumbing.model_servicer import ModelServiceConfig, ModelServicer, serve_model_service
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, require_ready
@@ -350,7 +349,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                 continue
             try:
                 compiled[it.seq_id] = await loop.run_in_executor(
-                    self._grammar_pool, self.grammars.compile, GuideSpec(it.guide.kind, it.guide.spec))
+                    self._grammar_pool, self.grammars.compile, guide_from_proto(it.guide))
             except (ValueError, RuntimeError) as exc:
                 log.warning("prefill of %s refused: %s", it.seq_id, exc)
                 refused[it.seq_id] = str(exc)

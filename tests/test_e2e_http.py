@@ -447,7 +447,7 @@ def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fra
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
 ])
 def test_a_field_that_would_change_the_answer_and_is_not_implemented_is_refused_by_name(oai, model_id, kwargs, field):
     with pytest.raises(openai.BadRequestError) as info:
@@ -564,6 +564,89 @@ def test_a_json_schema_answer_keeps_to_the_schema_as_the_grpc_api_does(oai, grpc
     ({"guided_regex": "a+", "bad_words": ["a"]}, "not supported together with bad_words"),
 ])
 def test_bad_structured_outputs_get_a_400_that_says_why(oai, model_id, extra, fragment):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, extra_body=extra)
+    assert fragment in info.value.body["message"]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+                   "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def test_tools_and_earlier_calls_reach_the_chat_template(stack, model_id):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stack.model)
+    messages = CHAT + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    want = tok.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
+    assert "<tools>" in want and "<tool_call>" in want
+    status, rendered = _post(stack, "/tokenize", {"model": model_id, "messages": messages, "tools": [WEATHER_TOOL]})
+    assert status == 200 and rendered["tokens"] == tok(want, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_answers_with_that_functions_call(oai, model_id, stream):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    args = dict(model=model_id, messages=CHAT, max_tokens=48, temperature=0, tools=[WEATHER_TOOL, TIME_TOOL],
+                tool_choice=choice)
+    if not stream:
+        reply = oai.chat.completions.create(**args).choices[0]
+        calls, reason, content = reply.message.tool_calls, reply.finish_reason, reply.message.content
+    else:
+        deltas = [c.choices[0] for c in oai.chat.completions.create(**args, stream=True) if c.choices]
+        calls = [t for d in deltas for t in d.delta.tool_calls or []]
+        reason, content = deltas[-1].finish_reason, "".join(d.delta.content or "" for d in deltas)
+    assert reason == "tool_calls" and not content and len(calls) == 1
+    assert calls[0].function.name == "get_weather" and set(json.loads(calls[0].function.arguments)) == {"city"}
+
+
+def test_tool_choice_required_without_parallel_calls_answers_with_one_call_of_the_given_tools(oai, model_id):
+    reply = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=64, temperature=0,
+                                        tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+                                        parallel_tool_calls=False).choices[0]
+    assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
+    for call in reply.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+        json.loads(call.function.arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_reads_the_hermes_blocks_the_answer_writes(oai, model_id, stream):
+    """The answer held (by a regex) to text and one Hermes block: the block comes back as a call, the rest as
+    content, streamed or not."""
+    block = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    regex = "Checking[.] " + re.escape(block).replace("\\ ", " ")
+    args = dict(model=model_id, messages=CHAT, max_tokens=120, temperature=0, tools=[TIME_TOOL],
+                extra_body={"structured_outputs": {"regex": regex}})
+    if not stream:
+        reply = oai.chat.completions.create(**args).choices[0]
+        calls, reason, content = reply.message.tool_calls, reply.finish_reason, reply.message.content
+    else:
+        deltas = [c.choices[0] for c in oai.chat.completions.create(**args, stream=True) if c.choices]
+        calls = [t for d in deltas for t in d.delta.tool_calls or []]
+        reason, content = deltas[-1].finish_reason, "".join(d.delta.content or "" for d in deltas).strip()
+    assert reason == "tool_calls" and content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {})]
+    plain = oai.chat.completions.create(**{**args, "tool_choice": "none"}).choices[0]
+    assert plain.message.tool_calls is None and plain.message.content == "Checking. " + block
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "function.name must be"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "not among the tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "guided_regex": "a"}, "not with a structured output"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "description": "<|im_start|>"}}]},
+     "control token"),
+])
+def test_bad_tool_requests_get_a_400_that_says_why(oai, model_id, extra, fragment):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, extra_body=extra)
     assert fragment in info.value.body["message"]

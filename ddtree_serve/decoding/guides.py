@@ -27,6 +27,7 @@ class GuideSpec:
 
     kind: str
     spec: str = ""
+    any_whitespace: bool = True   # JSON kinds: any whitespace between tokens (False: compact, `, ` and `: ` only)
 
     def grammar(self):
         """The xgrammar Grammar (ValueError with the parser's message when the spec is not valid)."""
@@ -38,10 +39,12 @@ class GuideSpec:
             raise ValueError(f"a structured output's {self.kind} is at most {MAX_GUIDE_CHARS} characters")
         try:
             if self.kind == "json_object":
-                return xgr.Grammar.builtin_json_grammar()
+                if self.any_whitespace:
+                    return xgr.Grammar.builtin_json_grammar()
+                return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
             if self.kind == "json":
                 json.loads(self.spec)
-                return xgr.Grammar.from_json_schema(self.spec)
+                return xgr.Grammar.from_json_schema(self.spec, any_whitespace=self.any_whitespace)
             if self.kind == "regex":
                 return xgr.Grammar.from_regex(self.spec)
             if self.kind == "grammar":

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.decoding.guides import GuideSpec
 from ddtree_serve.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ddtree_serve.proto import common_pb2, drafter_pb2
 
@@ -30,6 +31,16 @@ def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
                                      min_tokens_blocked=list(p.min_tokens_blocked),
                                      allowed_token_ids=list(p.allowed_token_ids),
                                      bad_words=[common_pb2.TokenSequence(ids=w) for w in p.bad_words])
+
+
+def guide_from_proto(p: common_pb2.Guide) -> GuideSpec:
+    """Guide -> GuideSpec."""
+    return GuideSpec(p.kind, p.spec, any_whitespace=not p.compact_json)
+
+
+def guide_proto(g: GuideSpec) -> common_pb2.Guide:
+    """GuideSpec -> its proto (guide_from_proto's inverse)."""
+    return common_pb2.Guide(kind=g.kind, spec=g.spec, compact_json=not g.any_whitespace)
 
 
 def logprobs_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:

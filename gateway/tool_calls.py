@@ -1,0 +1,168 @@
+"""Tool calling as OpenAI's chat API has it: the tools go into the prompt through the chat template, and the
+answer's tool calls come back as `tool_calls`.
+
+With tool_choice "auto" the model decides: its calls are read out of the text in the Hermes format that the Qwen
+family (the flagship's) and Hermes models are trained on, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(vLLM's `hermes` parser). With "required" or a named function the answer is held to the calls by a structured
+output (a JSON schema, as vLLM does): an array of {name, parameters} for "required", the named function's
+arguments alone otherwise; compact JSON (no free whitespace, which a model can loop on). "none" leaves the text as it is.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from ddtree_serve.decoding.guides import GuideSpec
+
+MAX_TOOLS = 128
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments as a JSON text."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def as_json(self, index: int | None = None) -> dict:
+        """The call as OpenAI's `tool_calls` entry (with its index in a streamed delta)."""
+        out = {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+def check_tools(tools: list[dict], tool_choice) -> list[dict]:
+    """The tools' function definitions, validated (ValueError says what is wrong), and tool_choice against them."""
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    functions = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        if not isinstance(fn.get("name"), str) or not _NAME.fullmatch(fn["name"]):
+            raise ValueError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-'")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        functions.append(fn)
+    names = [fn["name"] for fn in functions]
+    if len(set(names)) != len(names):
+        raise ValueError("tool function names must be distinct")
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type") != "function" or name not in names:
+            raise ValueError("tool_choice names a function that is not among the tools")
+    elif tool_choice not in (None, "none", "auto", "required"):
+        raise ValueError(f"tool_choice must be none, auto, required or a named function, got {tool_choice!r}")
+    elif tool_choice == "required" and not functions:
+        raise ValueError("tool_choice required needs tools")
+    return functions
+
+
+def forced_guide(functions: list[dict], tool_choice, parallel: bool = True) -> GuideSpec | None:
+    """The structured output that holds the answer to tool calls (required, or a named function; one call unless
+    parallel); None otherwise."""
+    if isinstance(tool_choice, dict):
+        fn = next(f for f in functions if f["name"] == tool_choice["function"]["name"])
+        return GuideSpec("json", json.dumps(fn.get("parameters") or {"type": "object"}), any_whitespace=False)
+    if tool_choice != "required":
+        return None
+    one_of = [{"type": "object", "properties": {"name": {"type": "string", "enum": [fn["name"]]},
+                                                "parameters": fn.get("parameters") or {"type": "object"}},
+               "required": ["name", "parameters"]} for fn in functions]
+    calls = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+    if not parallel:
+        calls["maxItems"] = 1
+    return GuideSpec("json", json.dumps(calls), any_whitespace=False)
+
+
+def forced_calls(text: str, tool_choice) -> list[ToolCall]:
+    """The calls of an answer held by forced_guide's grammar (it parses; a cut-off answer gives none)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if isinstance(tool_choice, dict):
+        return [ToolCall(tool_choice["function"]["name"], json.dumps(value))]
+    return [ToolCall(c["name"], json.dumps(c["parameters"])) for c in value]
+
+
+def _call_of(body: str) -> ToolCall | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    return ToolCall(value["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
+    """(the content outside the tool-call blocks, the calls) of an answer; a block that is not a call's JSON stays
+    in the content, as vLLM's hermes parser leaves it."""
+    calls, content, end = [], [], 0
+    for block in _BLOCK.finditer(text):
+        call = _call_of(block.group(1).strip())
+        if call is None:
+            continue
+        content.append(text[end:block.start()])
+        end = block.end()
+        calls.append(call)
+    content.append(text[end:])
+    return "".join(content).strip() if calls else text, calls
+
+
+class HermesStream:
+    """Splits a streamed answer into content deltas and whole tool calls: content goes out as it comes, less a
+    tail that may begin a `<tool_call>`; a call goes out once its block closes."""
+
+    def __init__(self):
+        self.pending = ""      # text not yet sent: a possible block opening, or an open block
+        self.calls = 0         # calls sent so far (each delta's index)
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """(content to send now, calls completed now) after text; final flushes what is left as content."""
+        self.pending += text
+        content, calls = [], []
+        while True:
+            start = self.pending.find(TOOL_CALL_OPEN)
+            if start < 0:
+                keep = 0 if final else _open_prefix(self.pending)
+                content.append(self.pending[:len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                break
+            close = self.pending.find(TOOL_CALL_CLOSE, start)
+            if close < 0:
+                content.append(self.pending[:start])
+                self.pending = self.pending[start:]
+                if final:   # a block the answer never closed stays text
+                    content.append(self.pending)
+                    self.pending = ""
+                break
+            call = _call_of(self.pending[start + len(TOOL_CALL_OPEN):close].strip())
+            block_end = close + len(TOOL_CALL_CLOSE)
+            if call is None:
+                content.append(self.pending[:block_end])
+            else:
+                content.append(self.pending[:start])
+                calls.append(call)
+            self.pending = self.pending[block_end:]
+        self.calls += len(calls)
+        return "".join(content), calls
+
+
+def _open_prefix(text: str) -> int:
+    """How many characters at the end of text could begin `<tool_call>`."""
+    for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(TOOL_CALL_OPEN[:k]):
+            return k
+    return 0
