@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from ddtree_serve.decoding import ddtree_native
 from ddtree_serve.decoding.config import default_batch_budgets, default_budget
 from ddtree_serve.decoding.guides import GuideSpec
-from ddtree_serve.plumbing.messages import guide_from_proto, logprobs_wanted, sampling_from_proto
+from ddtree_serve.plumbing.messages import guide_from_proto, guide_proto, logprobs_wanted, sampling_from_proto
 from ddtree_serve.plumbing.request_context import get_request_id, set_request_id
 from ddtree_serve.proto import gateway_pb2, gateway_pb2_grpc, target_pb2
 from ddtree_serve.plumbing.rpc import RequestError, grpc_errors, metrics_hooks, require_ready, run_service
@@ -35,6 +35,7 @@ from gateway.watch import PairWatch
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+GUIDE_COMPILE_TIMEOUT_S = 60.0   # a structured output's grammar, compiled by each target at admission
 MODE_BY_ENUM = {gateway_pb2.DECODE_MODE_DDTREE: "ddtree", gateway_pb2.DECODE_MODE_DFLASH: "dflash",
                 gateway_pb2.DECODE_MODE_AR: "ar"}
 
@@ -315,6 +316,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise ValueError(f"structured outputs are not supported together with {name}")
         spec = guide_from_proto(request.guide)
         await self._tokenize(spec.grammar)
+        # compiled by the targets now, in this request's own time: their Prefill then finds it ready
+        await asyncio.gather(*(pair.target.PrepareGuide(guide_proto(spec), timeout=GUIDE_COMPILE_TIMEOUT_S)
+                               for pair in self.pairs))
         return spec
 
     # ---- public RPCs --------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from ddtree_serve.decoding.guides import GuideSpec
@@ -15,10 +16,13 @@ log = logging.getLogger(__name__)
 class GrammarCompiler:
     """Compiles GuideSpecs for this target (thread-safe; xgrammar caches compiled grammars)."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: list[int], threads: int = 2):
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: list[int], threads: int = 2,
+                 cache_size: int = 256):
         self.model_dir, self.vocab_size, self.eos_token_ids, self.threads = model_dir, vocab_size, eos_token_ids, threads
         self._compiler = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[GuideSpec, object] = OrderedDict()   # least recently used first
+        self._cache_size = cache_size
 
     def available(self) -> bool:
         """True when guides can be compiled here: xgrammar imports and the checkpoint has a tokenizer."""
@@ -39,6 +43,22 @@ class GrammarCompiler:
                 log.info("structured outputs: grammar compiler ready (vocabulary %d)", self.vocab_size)
             return self._compiler
 
+    def compiled(self, spec: GuideSpec):
+        """The grammar compiled already (by prepare or compile), or None."""
+        with self._lock:
+            found = self._compiled.get(spec)
+            if found is not None:
+                self._compiled.move_to_end(spec)
+            return found
+
     def compile(self, spec: GuideSpec):
-        """The compiled grammar (ValueError with the reason when the spec is not valid)."""
-        return self._get().compile_grammar(spec.grammar())
+        """The compiled grammar, from the cache when there (ValueError with the reason when the spec is not valid)."""
+        found = self.compiled(spec)
+        if found is not None:
+            return found
+        compiled = self._get().compile_grammar(spec.grammar())
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)
+        return compiled

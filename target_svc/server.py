@@ -334,6 +334,19 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         return target_pb2.PrefillResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes))
 
+    @grpc_errors
+    async def PrepareGuide(self, request, context):
+        require_ready(self.ready)
+        if self.grammars is None:
+            raise ValueError("structured outputs are not available on this target (xgrammar or the checkpoint's "
+                             "tokenizer is missing)")
+        spec = guide_from_proto(request)
+        if self.grammars.compiled(spec) is not None:
+            return target_pb2.PrepareGuideResponse(compile_seconds=0.0)
+        t0 = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.grammars.compile, spec)
+        return target_pb2.PrepareGuideResponse(compile_seconds=time.perf_counter() - t0)
+
     async def _compile_guides(self, items) -> tuple[dict[str, object], dict[str, str]]:
         """The compiled grammars of the items that start a guided sequence, off the model thread, and the refused
         items' reasons by seq id (a bad grammar refuses its own item, never the batch)."""

@@ -129,6 +129,21 @@ def test_a_guide_that_does_not_compile_refuses_its_own_prefill_item_and_the_batc
     assert results["guided-ok"].next_token >= 0
 
 
+def test_a_guide_is_compiled_once_ahead_of_its_prefill_and_a_bad_one_is_invalid_argument(stack):
+    s, _ = stack
+
+    async def call(guide):
+        async with s.internal_channel("target") as channel:
+            return await target_pb2_grpc.TargetServiceStub(channel).PrepareGuide(guide, timeout=60)
+
+    guide = common_pb2.Guide(kind="regex", spec="[a-f]{5}")
+    first, again = asyncio.run(call(guide)), asyncio.run(call(guide))
+    assert first.compile_seconds > 0 and again.compile_seconds == 0
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(call(common_pb2.Guide(kind="grammar", spec="root ::= ")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "invalid structured output" in info.value.details()
+
+
 def _received_feature_bytes(metrics_port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
