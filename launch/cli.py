@@ -455,6 +455,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="subtract this times each token's output count from its logit (0: off)")
     p.add_argument("--min-tokens", type=_int_in(0), default=0,
                    help="generate at least this many tokens before EOS or a stop token may come")
+    guide = p.add_mutually_exclusive_group()
+    guide.add_argument("--json-schema", metavar="SCHEMA", default=None,
+                       help="structured output: the answer is JSON of this schema (JSON text, or @FILE)")
+    guide.add_argument("--json-object", action="store_true", help="structured output: the answer is a JSON object")
+    guide.add_argument("--regex", default=None, help="structured output: the answer matches this regex")
+    guide.add_argument("--choice", action="append", default=None,
+                       help="structured output: the answer is one of these strings (repeatable)")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats), not a stream")
 

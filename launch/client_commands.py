@@ -24,8 +24,21 @@ ADJUST_FLAGS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_pe
 
 
 def adjust_args(args) -> dict:
-    """The parsed --min-p, penalty and --min-tokens flags as build_request's keyword arguments."""
-    return {name: getattr(args, name) for name in ADJUST_FLAGS}
+    """The parsed --min-p, penalty, --min-tokens and structured-output flags as build_request's keyword
+    arguments."""
+    out = {name: getattr(args, name) for name in ADJUST_FLAGS}
+    if getattr(args, "json_schema", None):
+        schema = args.json_schema
+        if schema.startswith("@"):
+            schema = Path(schema[1:]).read_text()
+        out["structured_output"] = ("json", schema)
+    elif getattr(args, "json_object", False):
+        out["structured_output"] = ("json_object", "")
+    elif getattr(args, "regex", None):
+        out["structured_output"] = ("regex", args.regex)
+    elif getattr(args, "choice", None):
+        out["structured_output"] = ("choice", json.dumps(args.choice))
+    return out
 
 
 async def generate_once(address: str, request, timeout_s: float = 600.0, on_text=None) -> dict:

@@ -133,6 +133,27 @@ def test_min_p_the_penalties_and_min_tokens_reach_the_request():
         (0.25, 1.5, -0.5, 0.75, 5)
 
 
+@pytest.mark.parametrize("flags, kind, spec", [
+    (["--json-schema", '{"type": "object"}'], "json", '{"type": "object"}'),
+    (["--json-object"], "json_object", ""),
+    (["--regex", "[0-9]+"], "regex", "[0-9]+"),
+    (["--choice", "yes", "--choice", "no"], "choice", '["yes", "no"]'),
+])
+def test_structured_output_flags_reach_the_request_as_its_guide(flags, kind, spec):
+    args = cli.build_parser().parse_args(["generate", *flags, "hi"])
+    req = cli.build_request("hi", None, 8, 0.0, None, None, 0, True, **client_commands.adjust_args(args))
+    assert (req.guide.kind, req.guide.spec) == (kind, spec)
+
+
+def test_a_json_schema_flag_reads_a_file_after_an_at_sign(tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "array"}')
+    args = cli.build_parser().parse_args(["generate", "--json-schema", f"@{schema}", "hi"])
+    assert client_commands.adjust_args(args)["structured_output"] == ("json", '{"type": "array"}')
+    with pytest.raises(SystemExit):   # one structured output at a time
+        cli.build_parser().parse_args(["generate", "--regex", "a", "--json-object", "hi"])
+
+
 def test_the_default_budget_is_small_on_cpu_and_large_on_gpu():
     assert default_budget("cpu") == 16
     assert default_budget("cuda") == default_budget("cuda:1") == 64
