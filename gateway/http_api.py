@@ -465,6 +465,9 @@ class HttpFront:
         first, with echo_top alternatives per token when log-probs were asked), each sample's finish reason,
         optional usage, then [DONE]."""
         obj = "chat.completion.chunk" if chat else "text_completion"
+        # vLLM's continuous_usage_stats: every chunk carries its sample's token counts so far
+        continuous = include_usage and bool((body.stream_options or {}).get("continuous_usage_stats"))
+        sample_seqs = [first[0] for first in firsts]
 
         def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False,
                   logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
@@ -477,7 +480,7 @@ class HttpFront:
                 choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
             payload = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
             if include_usage:
-                payload["usage"] = None
+                payload["usage"] = self._usage([sample_seqs[index]], 1) if continuous else None
             return payload
 
         def line(payload: dict) -> str:

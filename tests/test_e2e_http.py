@@ -361,6 +361,14 @@ def _post(stack, path: str, body: dict, key: str = API_KEY) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+def test_continuous_usage_stats_count_each_chunks_tokens_so_far(oai, model_id):
+    stream = oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=12, temperature=0, stream=True,
+                                    stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                    extra_body={"ignore_eos": True})
+    counts = [c.usage.completion_tokens for c in stream if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 12 and all(c > 0 for c in counts)
+
+
 def test_tokenize_counts_what_the_completions_endpoints_see_and_detokenize_inverts_it(oai, stack, model_id):
     text = "the quick brown fox"
     status, tok = _post(stack, "/tokenize", {"model": model_id, "prompt": text})
