@@ -599,18 +599,22 @@ def test_tools_and_earlier_calls_reach_the_chat_template(stack, model_id):
     assert status == 200 and rendered["tokens"] == tok(want, add_special_tokens=False).input_ids
 
 
+def _tool_answer(oai, args: dict, stream: bool) -> tuple[list, str, str | None]:
+    """(tool calls, finish reason, content) of a chat answer, whole or gathered from its stream."""
+    if not stream:
+        reply = oai.chat.completions.create(**args).choices[0]
+        return reply.message.tool_calls, reply.finish_reason, reply.message.content
+    deltas = [c.choices[0] for c in oai.chat.completions.create(**args, stream=True) if c.choices]
+    calls = [t for d in deltas for t in d.delta.tool_calls or []]
+    return calls, deltas[-1].finish_reason, "".join(d.delta.content or "" for d in deltas)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_tool_choice_answers_with_that_functions_call(oai, model_id, stream):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     args = dict(model=model_id, messages=CHAT, max_tokens=48, temperature=0, tools=[WEATHER_TOOL, TIME_TOOL],
                 tool_choice=choice)
-    if not stream:
-        reply = oai.chat.completions.create(**args).choices[0]
-        calls, reason, content = reply.message.tool_calls, reply.finish_reason, reply.message.content
-    else:
-        deltas = [c.choices[0] for c in oai.chat.completions.create(**args, stream=True) if c.choices]
-        calls = [t for d in deltas for t in d.delta.tool_calls or []]
-        reason, content = deltas[-1].finish_reason, "".join(d.delta.content or "" for d in deltas)
+    calls, reason, content = _tool_answer(oai, args, stream)
     assert reason == "tool_calls" and not content and len(calls) == 1
     assert calls[0].function.name == "get_weather" and set(json.loads(calls[0].function.arguments)) == {"city"}
 
@@ -633,14 +637,8 @@ def test_auto_tool_choice_reads_the_hermes_blocks_the_answer_writes(oai, model_i
     regex = "Checking[.] " + re.escape(block).replace("\\ ", " ")
     args = dict(model=model_id, messages=CHAT, max_tokens=120, temperature=0, tools=[TIME_TOOL],
                 extra_body={"structured_outputs": {"regex": regex}})
-    if not stream:
-        reply = oai.chat.completions.create(**args).choices[0]
-        calls, reason, content = reply.message.tool_calls, reply.finish_reason, reply.message.content
-    else:
-        deltas = [c.choices[0] for c in oai.chat.completions.create(**args, stream=True) if c.choices]
-        calls = [t for d in deltas for t in d.delta.tool_calls or []]
-        reason, content = deltas[-1].finish_reason, "".join(d.delta.content or "" for d in deltas).strip()
-    assert reason == "tool_calls" and content == "Checking."
+    calls, reason, content = _tool_answer(oai, args, stream)
+    assert reason == "tool_calls" and content.strip() == "Checking."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {})]
     plain = oai.chat.completions.create(**{**args, "tool_choice": "none"}).choices[0]
     assert plain.message.tool_calls is None and plain.message.content == "Checking. " + block
