@@ -342,10 +342,21 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                              "tokenizer is missing)")
         spec = guide_from_proto(request)
         if self.grammars.compiled(spec) is not None:
+            self._observe_grammar("cached")
             return target_pb2.PrepareGuideResponse(compile_seconds=0.0)
         t0 = time.perf_counter()
-        await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.grammars.compile, spec)
-        return target_pb2.PrepareGuideResponse(compile_seconds=time.perf_counter() - t0)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.grammars.compile, spec)
+        except (ValueError, RuntimeError):
+            self._observe_grammar("invalid")
+            raise
+        seconds = time.perf_counter() - t0
+        self._observe_grammar("compiled", seconds)
+        return target_pb2.PrepareGuideResponse(compile_seconds=seconds)
+
+    def _observe_grammar(self, result: str, seconds: float | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_grammar(result, seconds)
 
     async def _compile_guides(self, items) -> tuple[dict[str, object], dict[str, str]]:
         """The compiled grammars of the items that start a guided sequence, off the model thread, and the refused

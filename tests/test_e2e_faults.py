@@ -136,12 +136,20 @@ def test_a_guide_is_compiled_once_ahead_of_its_prefill_and_a_bad_one_is_invalid_
         async with s.internal_channel("target") as channel:
             return await target_pb2_grpc.TargetServiceStub(channel).PrepareGuide(guide, timeout=60)
 
+    def prepared() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_ports['target']}/metrics", timeout=10).read()
+        return {line.split('result="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.decode().splitlines() if line.startswith("ddtree_target_grammars_prepared_total{")}
+
+    before = prepared()
     guide = common_pb2.Guide(kind="regex", spec="[a-f]{5}")
     first, again = asyncio.run(call(guide)), asyncio.run(call(guide))
     assert first.compile_seconds > 0 and again.compile_seconds == 0
     with pytest.raises(grpc.aio.AioRpcError) as info:
         asyncio.run(call(common_pb2.Guide(kind="grammar", spec="root ::= ")))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "invalid structured output" in info.value.details()
+    after = prepared()
+    assert {k: after[k] - before.get(k, 0) for k in after} == {"compiled": 1, "cached": 1, "invalid": 1}
 
 
 def _received_feature_bytes(metrics_port: int) -> float:

@@ -332,6 +332,13 @@ class TargetMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
                                    "Verify graph buckets of the warm-up, by state (pending, captured, eager).",
                                    ["model_name", "state"], registry=r)
         self.set_graph_buckets(0, 0, 0)
+        # Structured outputs' grammars, prepared at admission (target_svc/grammar_compiler.py)
+        self.grammar_compile_seconds = Histogram("ddtree_target_grammar_compile_seconds",
+                                                 "Structured-output grammar compiles, seconds (cache hits not "
+                                                 "counted).", ["model_name"], buckets=STEP_BUCKETS, registry=r)
+        self.grammars_prepared = Counter("ddtree_target_grammars_prepared_total",
+                                         "Structured-output grammars asked for, by result (compiled, cached, "
+                                         "invalid).", ["model_name", "result"], registry=r)
         self.verify_pushes = Counter("ddtree_target_verify_feature_pushes_total",
                                      "Verified sequences' feature pushes, by when they went (early: while the verify "
                                      "ran, transport/shared.py; after_verify: once its results were on the host).",
@@ -343,6 +350,12 @@ class TargetMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
             self.verify_pushes.labels(self.model_name, "early").inc(early)
         if after_verify:
             self.verify_pushes.labels(self.model_name, "after_verify").inc(after_verify)
+
+    def observe_grammar(self, result: str, seconds: float | None = None) -> None:
+        """One grammar asked for: result "compiled" (taking seconds), "cached" or "invalid"."""
+        self.grammars_prepared.labels(self.model_name, result).inc()
+        if seconds is not None:
+            self.grammar_compile_seconds.labels(self.model_name).observe(seconds)
 
     def set_graph_buckets(self, pending: int, captured: int, eager: int) -> None:
         """The warm-up's progress: buckets still to capture, captured, and left eager (capture ran out of memory)."""
