@@ -316,9 +316,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise ValueError(f"structured outputs are not supported together with {name}")
         spec = guide_from_proto(request.guide)
         await self._tokenize(spec.grammar)
-        # compiled by the targets now, in this request's own time: their Prefill then finds it ready
-        await asyncio.gather(*(pair.target.PrepareGuide(guide_proto(spec), timeout=GUIDE_COMPILE_TIMEOUT_S)
-                               for pair in self.pairs))
+        # Compiled by the targets now, in this request's own time: their Prefill then finds it ready. A target that
+        # cannot answer now compiles it at the Prefill instead, if it serves this request at all.
+        answers = await asyncio.gather(*(pair.target.PrepareGuide(guide_proto(spec), timeout=GUIDE_COMPILE_TIMEOUT_S)
+                                         for pair in self.pairs if pair.target_ok), return_exceptions=True)
+        failures = [a for a in answers if isinstance(a, BaseException)]
+        refused = [f for f in failures
+                   if isinstance(f, grpc.aio.AioRpcError) and f.code() == grpc.StatusCode.INVALID_ARGUMENT]
+        if refused or (failures and len(failures) == len(answers)):
+            raise (refused or failures)[0]
         return spec
 
     # ---- public RPCs --------------------------------------------------------------------------------------
