@@ -3,7 +3,8 @@
 A goodness-of-fit test on a tiny vocabulary: many independently seeded sequences each take a prefill token and
 one speculative step through the real runners and tree builders; the empirical joint of the first two generated
 tokens, and of the second and third, are compared with the exact distributions computed from the target, also
-with a logit bias, the three penalties and min-p (each token's distribution depends on the tokens before it).
+with a logit bias, the three penalties and min-p (each token's distribution depends on the tokens before it), and
+under a grammar (each token's distribution is the target's over the tokens the grammar allows there).
 """
 from __future__ import annotations
 
@@ -51,6 +52,17 @@ ADJUSTED = dict(repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=
                 logit_bias=((2, 1.5), (5, -1.0)))
 
 
+# One character a token: the first three tokens come from {a, b, c}, then {a, d, e, h}, then {b, c, f, g}.
+GRAMMAR_ALLOWS = ([0, 1, 2], [0, 3, 4, 7], [1, 2, 5, 6])
+
+
+def compiled_grammar():
+    """The grammar of GRAMMAR_ALLOWS over the 8-token vocabulary 'a'..'h' (xgrammar, raw one-character tokens)."""
+    xgr = pytest.importorskip("xgrammar")
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(list("abcdefgh"), stop_token_ids=[]), max_threads=1)
+    return compiler.compile_grammar("root ::= [abc] [adeh] [bcfg] [a-h]*")
+
+
 def _params(adjusted: bool, **kw) -> SamplingParams:
     return SamplingParams(temperature=TEMPERATURE, **(ADJUSTED if adjusted else {}), **kw)
 
@@ -66,20 +78,27 @@ def _next_token_probs(logits: torch.Tensor, contexts: list[list[int]], params: S
     return torch.stack(rows).double()
 
 
-def exact_distributions(model, adjusted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_distributions(model, adjusted: bool = False, guided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """p(t1, t2) and p(t2, t3), each [V, V], under the target at TEMPERATURE (with ADJUSTED's bias, penalties and
-    min-p)."""
+    min-p; or masked to GRAMMAR_ALLOWS at each position)."""
     params = _params(adjusted)
     pairs = list(itertools.product(range(VOCAB), repeat=2))
     contexts = [[PROMPT], [PROMPT + [a] for a in range(VOCAB)], [PROMPT + [a, b] for a, b in pairs]]
     with torch.no_grad():
-        p1, p2, p3 = (_next_token_probs(model(torch.tensor(c)).logits[:, -1].float(), c, params) for c in contexts)
+        logits = [model(torch.tensor(c)).logits[:, -1].float() for c in contexts]
+    if guided:
+        for rows, allowed in zip(logits, GRAMMAR_ALLOWS):
+            banned = torch.ones(VOCAB, dtype=torch.bool)
+            banned[allowed] = False
+            rows[:, banned] = float("-inf")
+    p1, p2, p3 = (_next_token_probs(rows, c, params) for rows, c in zip(logits, contexts))
     joint12 = p1[0][:, None] * p2
     joint23 = (joint12[:, :, None] * p3.reshape(VOCAB, VOCAB, VOCAB)).sum(0)
     return joint12, joint23
 
 
-def speculative_samples(target_dir, drafter_dir, mode: str, adjusted: bool = False) -> tuple[list[list[int]], int]:
+def speculative_samples(target_dir, drafter_dir, mode: str, adjusted: bool = False,
+                        guide=None) -> tuple[list[list[int]], int]:
     """First three generated tokens of DRAWS sequences (prefill token, then speculative steps), and drafts accepted."""
     target = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cpu", dtype=torch.float32, max_batch=BATCH,
                                        max_seq_len=64, max_tree_nodes=65))
@@ -90,7 +109,7 @@ def speculative_samples(target_dir, drafter_dir, mode: str, adjusted: bool = Fal
     for start in range(0, DRAWS, BATCH):
         ids = [f"s{start + i}" for i in range(BATCH)]
         params = [_params(adjusted, seed=1000 + start + i) for i in range(BATCH)]
-        outs = target.prefill([PrefillItem(s, PROMPT, p, True) for s, p in zip(ids, params)])
+        outs = target.prefill([PrefillItem(s, PROMPT, p, True, guide=guide) for s, p in zip(ids, params)])
         generated = {o.seq_id: [o.next_token] for o in outs}
         ctx = {o.seq_id: o.context_len for o in outs}
         for o in outs:
@@ -115,9 +134,13 @@ def speculative_samples(target_dir, drafter_dir, mode: str, adjusted: bool = Fal
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value, pooling cells whose expected count is below 5 into one."""
-    expected = probs.flatten() * counts.sum()
-    counts = counts.flatten().double()
+    """Pearson chi-square p-value, pooling cells whose expected count is below 5 into one; 0 if an impossible cell
+    (probability 0) was drawn, and impossible cells left out otherwise."""
+    possible = probs.flatten() > 0
+    if counts.flatten()[~possible].sum() > 0:
+        return 0.0
+    expected = probs.flatten()[possible] * counts.sum()
+    counts = counts.flatten()[possible].double()
     small = expected < 5
     obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts[~small]
     exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected[~small]
@@ -133,6 +156,23 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, mode, ad
         assert (joint12 - exact_distributions(model)[0]).abs().max() > 0.02
     samples, accepted = speculative_samples(target_dir, drafter_dir, mode, adjusted)
     assert accepted > DRAWS // 10  # drafts really were accepted, so the walk is what is being tested
+    counts12 = torch.zeros(VOCAB, VOCAB)
+    counts23 = torch.zeros(VOCAB, VOCAB)
+    for t1, t2, t3 in samples:
+        counts12[t1, t2] += 1
+        counts23[t2, t3] += 1
+    assert chi2_pvalue(counts12, joint12) > 1e-3
+    assert chi2_pvalue(counts23, joint23) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["dflash", "ddtree"])
+def test_sampled_tokens_under_a_grammar_follow_the_targets_distribution_over_what_it_allows(tiny_vocab_pair, mode):
+    target_dir, drafter_dir, model = tiny_vocab_pair
+    joint12, joint23 = exact_distributions(model, guided=True)
+    samples, accepted = speculative_samples(target_dir, drafter_dir, mode, guide=compiled_grammar())
+    assert accepted > DRAWS // 20   # drafts the grammar allows were accepted: the masked walk is being tested
+    assert all(t1 in GRAMMAR_ALLOWS[0] and t2 in GRAMMAR_ALLOWS[1] and t3 in GRAMMAR_ALLOWS[2]
+               for t1, t2, t3 in samples)
     counts12 = torch.zeros(VOCAB, VOCAB)
     counts23 = torch.zeros(VOCAB, VOCAB)
     for t1, t2, t3 in samples:
