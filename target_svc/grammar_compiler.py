@@ -14,10 +14,11 @@ log = logging.getLogger(__name__)
 
 
 class GrammarCompiler:
-    """Compiles GuideSpecs for this target (thread-safe; xgrammar caches compiled grammars)."""
+    """Compiles GuideSpecs for this target (thread-safe), keeping the last cache_size (a compiled grammar holds
+    per-token masks: megabytes at a 152k vocabulary, so the cache is bounded)."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: list[int], threads: int = 2,
-                 cache_size: int = 256):
+                 cache_size: int = 64):
         self.model_dir, self.vocab_size, self.eos_token_ids, self.threads = model_dir, vocab_size, eos_token_ids, threads
         self._compiler = None
         self._lock = threading.Lock()

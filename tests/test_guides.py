@@ -145,3 +145,16 @@ def test_applying_a_bitmask_leaves_allowed_logits_and_sets_the_rest_to_minus_inf
     out = apply_guide_mask(logits, bitmask)
     assert torch.isfinite(out).nonzero().tolist() == [[0, 0], [0, 2], [1, 39]]
     assert out[0, 2] == logits[0, 2] and apply_guide_mask(logits, None) is logits
+
+
+def test_the_targets_compiler_keeps_the_last_grammars_only(tmp_path):
+    from target_svc.grammar_compiler import GrammarCompiler
+
+    make_tiny_tokenizer(tmp_path)
+    compiler = GrammarCompiler(tmp_path, 320, [0], threads=1, cache_size=2)
+    specs = [GuideSpec("regex", f"[a-c]{{{n}}}") for n in (1, 2, 3)]
+    first = compiler.compile(specs[0])
+    assert compiler.compile(specs[0]) is first and compiler.compiled(specs[1]) is None
+    compiler.compile(specs[1])
+    compiler.compile(specs[2])
+    assert compiler.compiled(specs[0]) is None and compiler.compiled(specs[2]) is not None
