@@ -76,14 +76,17 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                   include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                   bad_words: list[str] | None = None, chat_template_kwargs: dict | None = None,
                   continue_final_message: bool = False,
-                  structured_output: tuple[str, str] | None = None) -> gateway_pb2.GenerateRequest:
+                  structured_output: tuple[str, str] | None = None,
+                  tools: list[dict] | None = None) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
     logprobs: each token's log-prob in the answer, with top_logprobs alternatives; prompt_logprobs: each prompt
     token's (after the first), with that many alternatives; min_p, the penalties, logit_bias (token id -> bias),
     min_tokens, allowed_token_ids, stop_token_ids, include_stop_str_in_output, skip_special_tokens and bad_words
     as vLLM takes them; chat_template_kwargs (e.g. {"enable_thinking": False}) and continue_final_message shape
     the chat prompt as in vLLM; structured_output: (kind, spec) of a grammar the answer keeps to: ("json", a JSON
-    schema's text), ("json_object", ""), ("regex", r), ("choice", a JSON list of strings) or ("grammar", EBNF)."""
+    schema's text), ("json_object", ""), ("regex", r), ("choice", a JSON list of strings) or ("grammar", EBNF);
+    tools (OpenAI's list) and messages' tool_calls / tool_call_id / name go to the chat template (the text comes
+    back as the model writes it: the HTTP API is the one that reads tool calls out of it)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
@@ -103,7 +106,10 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
         req.token_ids.ids.extend(prompt_ids)
     elif messages is not None or chat:
         for m in messages if messages is not None else [{"role": "user", "content": prompt or ""}]:
-            req.chat.messages.add(role=m["role"], content=m["content"])
+            req.chat.messages.add(role=m["role"], content=m.get("content") or "", name=m.get("name") or "",
+                                  tool_call_id=m.get("tool_call_id") or "",
+                                  tool_calls_json=json.dumps(m["tool_calls"]) if m.get("tool_calls") else "")
+        req.chat.tools_json = json.dumps(tools) if tools else ""
         req.chat.continue_final_message = continue_final_message
         req.chat.template_kwargs_json = json.dumps(chat_template_kwargs) if chat_template_kwargs else ""
     else:

@@ -585,7 +585,7 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
     "type": "object", "properties": {}, "additionalProperties": False}}}
 
 
-def test_tools_and_earlier_calls_reach_the_chat_template(stack, model_id):
+def test_tools_and_earlier_calls_reach_the_chat_template(stack, grpc_client, model_id):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(stack.model)
@@ -597,6 +597,8 @@ def test_tools_and_earlier_calls_reach_the_chat_template(stack, model_id):
     assert "<tools>" in want and "<tool_call>" in want
     status, rendered = _post(stack, "/tokenize", {"model": model_id, "messages": messages, "tools": [WEATHER_TOOL]})
     assert status == 200 and rendered["tokens"] == tok(want, add_special_tokens=False).input_ids
+    over_grpc = grpc_client.generate(messages=messages, tools=[WEATHER_TOOL], max_tokens=2)
+    assert over_grpc.stats["prompt_tokens"] == rendered["count"]
 
 
 def _tool_answer(oai, args: dict, stream: bool) -> tuple[list, str, str | None]:
