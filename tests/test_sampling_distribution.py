@@ -147,6 +147,17 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
+def assert_fits(samples: list[list[int]], joint12: torch.Tensor, joint23: torch.Tensor) -> None:
+    """The samples' joints of (t1, t2) and (t2, t3) fit the exact ones (chi-square p > 1e-3)."""
+    counts12 = torch.zeros(VOCAB, VOCAB)
+    counts23 = torch.zeros(VOCAB, VOCAB)
+    for t1, t2, t3 in samples:
+        counts12[t1, t2] += 1
+        counts23[t2, t3] += 1
+    assert chi2_pvalue(counts12, joint12) > 1e-3
+    assert chi2_pvalue(counts23, joint23) > 1e-3
+
+
 @pytest.mark.parametrize("mode, adjusted", [("dflash", False), ("ddtree", False), ("dflash", True), ("ddtree", True)],
                          ids=["dflash", "ddtree", "dflash-penalised", "ddtree-penalised"])
 def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, mode, adjusted):
@@ -156,13 +167,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_vocab_pair, mode, ad
         assert (joint12 - exact_distributions(model)[0]).abs().max() > 0.02
     samples, accepted = speculative_samples(target_dir, drafter_dir, mode, adjusted)
     assert accepted > DRAWS // 10  # drafts really were accepted, so the walk is what is being tested
-    counts12 = torch.zeros(VOCAB, VOCAB)
-    counts23 = torch.zeros(VOCAB, VOCAB)
-    for t1, t2, t3 in samples:
-        counts12[t1, t2] += 1
-        counts23[t2, t3] += 1
-    assert chi2_pvalue(counts12, joint12) > 1e-3
-    assert chi2_pvalue(counts23, joint23) > 1e-3
+    assert_fits(samples, joint12, joint23)
 
 
 @pytest.mark.parametrize("mode", ["dflash", "ddtree"])
@@ -173,13 +178,7 @@ def test_sampled_tokens_under_a_grammar_follow_the_targets_distribution_over_wha
     assert accepted > DRAWS // 20   # drafts the grammar allows were accepted: the masked walk is being tested
     assert all(t1 in GRAMMAR_ALLOWS[0] and t2 in GRAMMAR_ALLOWS[1] and t3 in GRAMMAR_ALLOWS[2]
                for t1, t2, t3 in samples)
-    counts12 = torch.zeros(VOCAB, VOCAB)
-    counts23 = torch.zeros(VOCAB, VOCAB)
-    for t1, t2, t3 in samples:
-        counts12[t1, t2] += 1
-        counts23[t2, t3] += 1
-    assert chi2_pvalue(counts12, joint12) > 1e-3
-    assert chi2_pvalue(counts23, joint23) > 1e-3
+    assert_fits(samples, joint12, joint23)
 
 
 def test_goodness_of_fit_rejects_a_wrong_distribution(tiny_vocab_pair):
