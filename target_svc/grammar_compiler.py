@@ -12,6 +12,8 @@ from ddtree_serve.decoding.guides import GuideSpec
 
 log = logging.getLogger(__name__)
 
+UNAVAILABLE = "structured outputs are not available on this target (xgrammar or the checkpoint's tokenizer is missing)"
+
 
 class GrammarCompiler:
     """Compiles GuideSpecs for this target (thread-safe), keeping the last cache_size (a compiled grammar holds
@@ -19,7 +21,8 @@ class GrammarCompiler:
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: list[int], threads: int = 2,
                  cache_size: int = 64):
-        self.model_dir, self.vocab_size, self.eos_token_ids, self.threads = model_dir, vocab_size, eos_token_ids, threads
+        self.model_dir, self.vocab_size, self.eos_token_ids = model_dir, vocab_size, eos_token_ids
+        self.threads = threads
         self._compiler = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict[GuideSpec, object] = OrderedDict()   # least recently used first

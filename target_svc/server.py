@@ -22,7 +22,7 @@ from ddtree_serve.proto import common_pb2, drafter_pb2, drafter_pb2_grpc, target
 from ddtree_serve.transport import TRANSPORTS, FeatureRows, FeatureSender, make_sender
 from ddtree_serve.transport.base import EarlyRows
 from ddtree_serve.transport.nccl_protocol import NcclSetupError, device_uuid, missing_nccl_package, nccl_refusal
-from target_svc.grammar_compiler import GrammarCompiler
+from target_svc.grammar_compiler import UNAVAILABLE as GRAMMARS_UNAVAILABLE, GrammarCompiler
 from target_svc.kernel_warmup import WarmupSpec, default_passes, run_passes
 from target_svc.memory_plan import GIB, MemoryPlan
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
@@ -338,8 +338,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     async def PrepareGuide(self, request, context):
         require_ready(self.ready)
         if self.grammars is None:
-            raise ValueError("structured outputs are not available on this target (xgrammar or the checkpoint's "
-                             "tokenizer is missing)")
+            raise ValueError(GRAMMARS_UNAVAILABLE)
         spec = guide_from_proto(request)
         if self.grammars.compiled(spec) is not None:
             self._observe_grammar("cached")
@@ -359,8 +358,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             self.metrics.observe_grammar(result, seconds)
 
     async def _compile_guides(self, items) -> tuple[dict[str, object], dict[str, str]]:
-        """The compiled grammars of the items that start a guided sequence, off the model thread, and the refused
-        items' reasons by seq id (a bad grammar refuses its own item, never the batch)."""
+        """The compiled grammars of the items that start a guided sequence (usually compiled already by PrepareGuide;
+        otherwise off the model thread), and the refused items' reasons by seq id (a bad grammar refuses its own
+        item, never the batch)."""
         wanted = [it for it in items if it.HasField("guide") and it.start == 0]
         if not wanted:
             return {}, {}
@@ -368,12 +368,15 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         compiled, refused = {}, {}
         for it in wanted:
             if self.grammars is None:
-                refused[it.seq_id] = "structured outputs are not available on this target (xgrammar or the " \
-                                     "checkpoint's tokenizer is missing)"
+                refused[it.seq_id] = GRAMMARS_UNAVAILABLE
+                continue
+            spec = guide_from_proto(it.guide)
+            ready = self.grammars.compiled(spec)
+            if ready is not None:
+                compiled[it.seq_id] = ready
                 continue
             try:
-                compiled[it.seq_id] = await loop.run_in_executor(
-                    self._grammar_pool, self.grammars.compile, guide_from_proto(it.guide))
+                compiled[it.seq_id] = await loop.run_in_executor(self._grammar_pool, self.grammars.compile, spec)
             except (ValueError, RuntimeError) as exc:
                 log.warning("prefill of %s refused: %s", it.seq_id, exc)
                 refused[it.seq_id] = str(exc)

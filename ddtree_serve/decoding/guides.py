@@ -96,8 +96,8 @@ class SequenceGuide:
         return bitmask
 
     def tree_mask(self, tokens: list[int], parents: list[int]) -> Tensor | None:
-        """A bitmask IntTensor[T, ceil(V / 32)]: per node, the tokens allowed after its root path (the root's token is the last one
-        accepted). A node whose own token its parent does not allow keeps every token: it can never be accepted
+        """A bitmask IntTensor[T, ceil(V / 32)]: per node, the tokens allowed after its root path (the root's token is
+        the last one accepted). A node whose own token its parent does not allow keeps every token: it can never be accepted
         (the parent's choice is masked), so its row is never used; a node past the grammar's end keeps every token
         too. None once ended."""
         if self.ended:

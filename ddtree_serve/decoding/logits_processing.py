@@ -8,7 +8,8 @@ something must be chosen), the bias is added (transformers' `sequence_bias` for 
 sets the stop tokens' logits to -inf while fewer than min_tokens tokens precede the node's choice (transformers'
 `min_new_tokens` over those ids); then the repetition penalty divides positive logits and multiplies negative ones
 of every token seen in the prompt or the output (transformers' `repetition_penalty`); then the frequency penalty
-subtracts penalty x count and the presence penalty subtracts penalty once, for each token of the output so far. Temperature, top-k, top-p and min_p come after (sampling.py).
+subtracts penalty x count and the presence penalty subtracts penalty once, for each token of the output so far.
+Temperature, top-k, top-p and min_p come after (sampling.py).
 
 In a tree, node i's logits predict the token after node i, so its output so far is the sequence's emitted tokens
 (which include the pending root) plus the tokens of the non-root nodes on the path from the root to i. Choosing
@@ -17,6 +18,7 @@ target would have chosen one token at a time.
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -73,15 +75,23 @@ def node_path_mask(parents: Tensor) -> Tensor:
     return ancestor_mask(parents)[:, 1:]
 
 
+@functools.lru_cache(maxsize=256)
+def _bad_word_index(bad_words: tuple[tuple[int, ...], ...]) -> dict[int, dict[tuple[int, ...], list[int]]]:
+    """Multi-token bad words by prefix length, then prefix -> the last tokens it bans (made once per word list: a
+    request's list is looked up every step). Read only."""
+    by_prefix: dict[int, dict[tuple[int, ...], list[int]]] = defaultdict(lambda: defaultdict(list))
+    for word in bad_words:
+        if len(word) > 1:
+            by_prefix[len(word) - 1][word[:-1]].append(word[-1])
+    return {k: dict(v) for k, v in by_prefix.items()}
+
+
 def bad_word_bans(bad_words: tuple[tuple[int, ...], ...], tail: list[int], rows: int,
                   tokens: list[int] | None = None, parents: list[int] | None = None) -> tuple[list[int], list[int]]:
     """(rows, token ids) whose logits bad_words set to -inf: each multi-token word's last token in every row whose
     output so far (tail: the history's last tokens; in a tree, followed by the node's root path, root excluded)
     ends with the rest of the word. One-token words are not listed: they hold in every row."""
-    by_prefix: dict[int, dict[tuple[int, ...], list[int]]] = defaultdict(lambda: defaultdict(list))
-    for word in bad_words:
-        if len(word) > 1:
-            by_prefix[len(word) - 1][word[:-1]].append(word[-1])
+    by_prefix = _bad_word_index(bad_words)
     if not by_prefix:
         return [], []
     longest = max(by_prefix)
