@@ -221,6 +221,7 @@ def check_body(body: GenerationRequest) -> None:
     if mct is not None and not 0 <= mct < 1 << 31:
         raise ApiError(400, f"max_completion_tokens must be in [0, 2**31), got {mct}", param="max_completion_tokens")
 
+
 def generate_request(body: GenerationRequest, max_tokens: int | None,
                      default_max: int | None) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest for an HTTP body whose prompt is already set on `req` by the caller."""
@@ -250,6 +251,7 @@ def generate_request(body: GenerationRequest, max_tokens: int | None,
         req.guide.CopyFrom(guide)
     req.max_tokens = max_tokens if max_tokens is not None else (default_max or 0)
     return req
+
 
 def chat_messages(messages: list[ChatMessage], options: ChatOptions) -> gateway_pb2.ChatMessages:
     """The messages and the chat options as the gateway's ChatMessages."""
