@@ -177,21 +177,21 @@ def breakdown(before: dict, after: dict) -> dict:
 class ServiceSystem:
     """One (mode, budget) through the services; accumulates client timings and metric deltas over chunks."""
 
-    def __init__(self, stack, mode: str, budget: int, batch: int, max_tokens: int):
-        self.stack, self.mode, self.budget, self.batch, self.max_tokens = stack, mode, budget, batch, max_tokens
+    def __init__(self, stack, client: common.GatewayClient, mode: str, budget: int, batch: int, max_tokens: int):
+        self.stack, self.client = stack, client
+        self.mode, self.budget, self.batch, self.max_tokens = mode, budget, batch, max_tokens
         self.name = f"services {mode}" + (f" b{budget}" if mode == "ddtree" else "")
         self.results: dict[int, common.Result] = {}
         self.wall = 0.0
         self.deltas: dict[str, dict] = {}
 
     def warmup(self, chunk: list[tuple[int, list[int]]], tokens: int) -> None:
-        common.run_requests(self.stack.gateway, [common.ids_request(ids, tokens, self.mode, self.budget)
-                                                 for _, ids in chunk], len(chunk))
+        self.client.run([common.ids_request(ids, tokens, self.mode, self.budget) for _, ids in chunk], len(chunk))
 
     def run(self, chunk: list[tuple[int, list[int]]]) -> None:
         reqs = [common.ids_request(ids, self.max_tokens, self.mode, self.budget) for _, ids in chunk]
         before = common.scrape_all(self.stack)
-        results, wall = common.run_requests(self.stack.gateway, reqs, len(reqs))
+        results, wall = self.client.run(reqs, len(reqs))
         after = common.scrape_all(self.stack)
         self.wall += wall
         for (i, _), r in zip(chunk, results):
@@ -289,8 +289,10 @@ def main(argv=None) -> None:
                                + shlex.split(args.target_args))
     runs: list[dict] = []
     stopped: list[str] = []   # where --deadline-s cut the run short
+    client = None
     try:
         common.wait_for_graphs(stack)   # nothing timed, the reference run included, while graphs capture
+        client = common.GatewayClient(stack.gateway)   # one connection for every timed request
         prompt_ids = common.tokenize_chat(stack.gateway, [p["text"] for p in prompts])
         indexed = list(enumerate(prompt_ids))
         # The references must exist before any speculative request, warm-ups included. Where they are collected at
@@ -298,7 +300,7 @@ def main(argv=None) -> None:
         # interleaved with the others): the same requests, run once instead of twice.
         reference_ar = None
         if calib and max(batches) == 1 and ("ar", 0) in plan:
-            reference_ar = ServiceSystem(stack, "ar", 0, 1, max_tokens)
+            reference_ar = ServiceSystem(stack, client, "ar", 0, 1, max_tokens)
             reference_ar.warmup(indexed[:1], args.warmup_tokens)
             for item in indexed:
                 reference_ar.run([item])
@@ -309,7 +311,7 @@ def main(argv=None) -> None:
             calibrated.collect_references(calib, stack.gateway, indexed, max_tokens, max(batches))
         for b in [1] + [b for b in batches if b > 1]:
             systems: list = [reference_ar if reference_ar is not None and b == 1 and mode == "ar"
-                             else ServiceSystem(stack, mode, budget, b, max_tokens) for mode, budget in plan]
+                             else ServiceSystem(stack, client, mode, budget, b, max_tokens) for mode, budget in plan]
             if calib:
                 for sys_ in systems:
                     sys_.name += " [calibrated]" if sys_.mode != "ar" else ""
@@ -365,6 +367,8 @@ def main(argv=None) -> None:
             if stopped:
                 break
     finally:
+        if client is not None:
+            client.close()
         stack.stop()
 
 
@@ -497,7 +501,7 @@ def report(args, runs, prompts, source, model, drafter, command, date, hw, tag, 
 - Software: torch {hw['torch']}, transformers {hw['transformers']}, grpcio {hw['grpcio']}, Python {hw['python']}
 - Target: `{model_info['dir']}` ({model_info.get('architectures')}, {model_info.get('num_hidden_layers')} layers)
 - Drafter: `{drafter_info['dir']}` ({drafter_note}; {drafter_info.get('num_hidden_layers')} layers, block {drafter_info.get('block_size')}, weights sha256 {drafter_info.get('weights_sha256')}…)
-- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = one prompt at a time, batch N (N = {', '.join(map(str, batches))}) = chunks of N requests in flight (transformers: left-padded batches of N){hf_subset}; systems interleaved chunk by chunk in a rotating order{ar_first}; warm-up excluded
+- Work: {len(prompts)} prompts from {source} (chat template, sent as token ids), greedy, max_tokens {max_tokens}, EOS honoured; DDTree budget(s) {', '.join(map(str, budgets))}; batch 1 = one prompt at a time, batch N (N = {', '.join(map(str, batches))}) = chunks of N requests in flight (transformers: left-padded batches of N){hf_subset}; systems interleaved chunk by chunk in a rotating order{ar_first}; one client connection for every request; warm-up excluded
 
 tok/s = generated tokens (first token included) / wall time of the whole set, measured by the client.
 Ratios are within this run only.{stopped_note}
