@@ -41,6 +41,11 @@ class DrafterConfig:
     lazy_graphs: bool = False    # True: capture each graph on first use (else all buckets at construction)
 
 
+# Context rows of one push captured as a graph, at the least (a prompt of up to this many tokens; longer ones run
+# eagerly, their projection's host work a smaller share of their prefill).
+PROMPT_PUSH_ROWS = 256
+
+
 class DraftGraphs:
     """Captured drafter steps: the block forward per (batch, context bucket), and the storing of a push's context
     rows per row bucket. Top-k runs after the graph, so the drafts' K is not part of any key."""
@@ -49,8 +54,10 @@ class DraftGraphs:
                  dtype: torch.dtype) -> None:
         self.batch_buckets = power_of_two_buckets(max_batch)
         self.key_buckets = key_buckets(max_seq_len)
-        # A step pushes each sequence's accepted rows (at most a block): up to max_batch * 16 rows together.
-        self.row_buckets = power_of_two_buckets(16 * max_batch)
+        # A step pushes each sequence's accepted rows (at most a block): up to max_batch * 16 rows together. A prompt
+        # push (its prefill's rows) up to PROMPT_PUSH_ROWS is graphed too: the first draft of every request waits
+        # for it, and its eager projection is ~30 launches of host work.
+        self.row_buckets = power_of_two_buckets(max(16 * max_batch, min(PROMPT_PUSH_ROWS, max_seq_len)))
         self.cache = GraphCache("drafter block forward")
         # Every block forward writes its [batch, depth, vocab] logits here (one buffer, not one per bucket:
         # ~0.7 GiB over the buckets at a 248k vocabulary), beside its own [batch, depth] float32 normalizers.

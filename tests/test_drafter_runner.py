@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter_svc.runner import DeferredRows, DrafterConfig, DrafterRunner, DraftItem
+from drafter_svc.runner import PROMPT_PUSH_ROWS, DeferredRows, DraftGraphs, DrafterConfig, DrafterRunner, DraftItem
 from tests.fixtures import make_tiny_qwen3
 from tests.fixtures.tiny_drafter import make_tiny_drafter
 from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted, needs_triton
@@ -165,6 +165,18 @@ def test_one_batched_add_contexts_equals_separate_calls_and_a_bad_entry_fails_al
     # and the drafts agree
     items = [DraftItem(s, 9, f.shape[0]) for s, f in feats.items()]
     torch.testing.assert_close(batched.draft(items, top_k=4)[0], one.draft(items, top_k=4)[0], atol=1e-5, rtol=0)
+
+
+def test_captured_context_stores_take_a_prompt_push_as_well_as_a_steps_pushes():
+    """Row buckets cover a whole batch's accepted rows (16 a sequence) and a prompt of up to PROMPT_PUSH_ROWS tokens
+    (the push every first draft waits for), never past what a sequence can hold; larger pushes run eagerly."""
+    cpu = torch.device("cpu")
+    one = DraftGraphs(1, 4096, 15, 32, cpu, torch.float32)
+    assert one.rows_bucket(16) == 16 and one.rows_bucket(151) == PROMPT_PUSH_ROWS
+    assert one.rows_bucket(PROMPT_PUSH_ROWS + 1) is None
+    assert DraftGraphs(32, 4096, 15, 32, cpu, torch.float32).rows_bucket(32 * 16) == 512
+    short = DraftGraphs(1, 100, 15, 32, cpu, torch.float32)
+    assert short.rows_bucket(100) == 100 and short.rows_bucket(101) is None
 
 
 def test_padding_rows_of_a_bucketed_store_land_in_the_scratch_slot_only(dirs):
