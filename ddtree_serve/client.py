@@ -84,7 +84,7 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
     min_tokens, allowed_token_ids, stop_token_ids, include_stop_str_in_output, skip_special_tokens and bad_words
     as vLLM takes them; chat_template_kwargs (e.g. {"enable_thinking": False}) and continue_final_message shape
     the chat prompt as in vLLM; structured_output: (kind, spec) of a grammar the answer keeps to: ("json", a JSON
-    schema's text), ("json_object", ""), ("regex", r), ("choice", a JSON list of strings) or ("grammar", EBNF);
+    schema's text), ("json_object", ""), ("regex", r), ("choice", a JSON list of strings), ("grammar", EBNF) or ("structural_tag", its JSON);
     tools (OpenAI's list) and messages' tool_calls / tool_call_id / name go to the chat template (the text comes
     back as the model writes it: the HTTP API is the one that reads tool calls out of it)."""
     if mode not in MODES:

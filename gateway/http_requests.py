@@ -327,9 +327,11 @@ def guide_of(body: GenerationRequest) -> common_pb2.Guide | None:
             found.append(("response_format", "json_object", ""))
         elif fmt.get("type") == "json_schema" and isinstance((fmt.get("json_schema") or {}).get("schema"), dict):
             found.append(("response_format", "json", json.dumps(fmt["json_schema"]["schema"])))
+        elif fmt.get("type") == "structural_tag":   # vLLM's: structures + triggers, or xgrammar's format
+            found.append(("response_format", "structural_tag", json.dumps({k: v for k, v in fmt.items() if k != "type"})))
         else:
-            raise ApiError(400, "response_format must be text, json_object, or json_schema with a json_schema.schema "
-                                "object", param="response_format")
+            raise ApiError(400, "response_format must be text, json_object, json_schema with a json_schema.schema "
+                                "object, or structural_tag", param="response_format")
     vllm = {k: v for k, v in (body.structured_outputs or {}).items() if v is not None and v is not False}
     compact = bool(vllm.pop("disable_any_whitespace", False))
     for legacy in ("json", "regex", "choice", "grammar"):
@@ -338,16 +340,16 @@ def guide_of(body: GenerationRequest) -> common_pb2.Guide | None:
             vllm[legacy] = value
     if vllm.get("json_object"):
         found.append(("structured_outputs", "json_object", ""))
-    for kind in ("json", "regex", "choice", "grammar"):
+    for kind in ("json", "regex", "choice", "grammar", "structural_tag"):
         value = vllm.get(kind)
         if value is None:
             continue
-        if kind in ("json", "choice") and not isinstance(value, str):
+        if kind in ("json", "choice", "structural_tag") and not isinstance(value, str):
             value = json.dumps(value)
         if not isinstance(value, str):
             raise ApiError(400, f"structured output {kind} must be a string", param="structured_outputs")
         found.append(("structured_outputs", kind, value))
-    unknown = set(vllm) - {"json", "regex", "choice", "grammar", "json_object"}
+    unknown = set(vllm) - {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
     if unknown:
         raise ApiError(400, f"structured_outputs {sorted(unknown)[0]!r} is not supported", param="structured_outputs")
     if len(found) > 1:

@@ -462,6 +462,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     guide.add_argument("--regex", default=None, help="structured output: the answer matches this regex")
     guide.add_argument("--choice", action="append", default=None,
                        help="structured output: the answer is one of these strings (repeatable)")
+    guide.add_argument("--structural-tag", metavar="TAG", default=None,
+                       help="structured output: free text whose tagged parts keep to their schemas (xgrammar's "
+                            "structural tag, or vLLM's {structures, triggers}; JSON text, or @FILE)")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (token_ids, text, stats), not a stream")
 

@@ -28,10 +28,9 @@ def adjust_args(args) -> dict:
     arguments."""
     out = {name: getattr(args, name) for name in ADJUST_FLAGS}
     if getattr(args, "json_schema", None):
-        schema = args.json_schema
-        if schema.startswith("@"):
-            schema = Path(schema[1:]).read_text()
-        out["structured_output"] = ("json", schema)
+        out["structured_output"] = ("json", _text_or_file(args.json_schema))
+    elif getattr(args, "structural_tag", None):
+        out["structured_output"] = ("structural_tag", _text_or_file(args.structural_tag))
     elif getattr(args, "json_object", False):
         out["structured_output"] = ("json_object", "")
     elif getattr(args, "regex", None):
@@ -39,6 +38,11 @@ def adjust_args(args) -> dict:
     elif getattr(args, "choice", None):
         out["structured_output"] = ("choice", json.dumps(args.choice))
     return out
+
+
+def _text_or_file(value: str) -> str:
+    """The flag's text, or the file's after an @."""
+    return Path(value[1:]).read_text() if value.startswith("@") else value
 
 
 async def generate_once(address: str, request, timeout_s: float = 600.0, on_text=None) -> dict:

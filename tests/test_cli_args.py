@@ -138,6 +138,7 @@ def test_min_p_the_penalties_and_min_tokens_reach_the_request():
     (["--json-object"], "json_object", ""),
     (["--regex", "[0-9]+"], "regex", "[0-9]+"),
     (["--choice", "yes", "--choice", "no"], "choice", '["yes", "no"]'),
+    (["--structural-tag", '{"format": {}}'], "structural_tag", '{"format": {}}'),
 ])
 def test_structured_output_flags_reach_the_request_as_its_guide(flags, kind, spec):
     args = cli.build_parser().parse_args(["generate", *flags, "hi"])

@@ -561,13 +561,37 @@ def test_a_json_schema_answer_keeps_to_the_schema_as_the_grpc_api_does(oai, grpc
     assert free.text != over_grpc.text
 
 
+def test_a_structural_tag_answer_keeps_to_its_tag_as_the_grpc_api_does(oai, grpc_client, stack, model_id):
+    import xgrammar as xgr
+
+    from tests.conftest import compile_guide
+
+    # a whole answer that is one tag: <n>, an integer, </n> (the tiny random model cannot write anything else)
+    tag = {"format": {"type": "tag", "begin": "<n>", "end": "</n>",
+                      "content": {"type": "json_schema", "json_schema": {"type": "integer"}}}}
+    over_grpc = grpc_client.generate(prompt_ids=ADJUSTED_PROMPT, max_tokens=24,
+                                     structured_output=("structural_tag", json.dumps(tag)))
+    matcher = xgr.GrammarMatcher(compile_guide(stack.model, "structural_tag", json.dumps(tag)))
+    assert all(matcher.accept_token(t) for t in over_grpc.token_ids)
+    assert re.fullmatch(r"<n>-?[0-9]*(</n>)?" if over_grpc.finish_reason == "length" else r"<n>-?[0-9]+</n>",
+                        over_grpc.text)
+    http = oai.completions.create(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"response_format": {"type": "structural_tag", **tag}})
+    assert http.choices[0].text == over_grpc.text
+    vllm_form = oai.completions.create(model=model_id, prompt=ADJUSTED_PROMPT, max_tokens=24, temperature=0,
+                                       extra_body={"structured_outputs": {"structural_tag": json.dumps(tag)}})
+    assert vllm_form.choices[0].text == over_grpc.text
+
+
 @pytest.mark.parametrize("extra, fragment", [
     ({"structured_outputs": {"regex": "[0-9"}}, "invalid structured output regex"),
     ({"guided_json": "{not json"}, "invalid structured output json"),
     ({"structured_outputs": {"choice": []}}, "choice must be a list"),
     ({"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]}, "give one structured output"),
-    ({"response_format": {"type": "json_schema"}}, "response_format must be text, json_object, or json_schema"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "'structural_tag' is not supported"),
+    ({"response_format": {"type": "json_schema"}}, "response_format must be text, json_object, json_schema"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "invalid structured output structural_tag"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>"}], "triggers": ["<a"]}},
+     "each structure of a structural tag needs"),
     ({"guided_regex": "a+", "min_tokens": 2}, "not supported together with min_tokens"),
     ({"guided_regex": "a+", "bad_words": ["a"]}, "not supported together with bad_words"),
 ])

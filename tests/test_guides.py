@@ -111,10 +111,35 @@ def test_a_refused_token_is_an_error_not_a_silent_drift(tokenizer, compiler):
     (GuideSpec("choice", '["a", 3]'), "choice must be a list"),
     (GuideSpec("yaml", "x"), "kind must be one of"),
     (GuideSpec("regex", "a" * (64 * 1024 + 1)), "at most 65536 characters"),
+    (GuideSpec("structural_tag", "[]"), "a structural tag is a JSON object"),
+    (GuideSpec("structural_tag", '{"structures": [], "triggers": ["<f>"]}'), "needs a format, or non-empty structures"),
+    (GuideSpec("structural_tag", '{"structures": [{"begin": "<f>"}], "triggers": ["<f>"]}'), "needs a begin and an end"),
+    (GuideSpec("structural_tag", '{"format": {"type": "nope"}}'), "invalid structured output structural_tag"),
 ])
 def test_bad_specs_are_refused_with_a_reason(spec, fragment):
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
         spec.grammar()
+
+
+INTEGER_TAG = {"structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}], "triggers": ["<f>"]}
+INTEGER_TAG_FORMAT = {"format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+    {"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": "</f>"}]}}
+
+
+@pytest.mark.parametrize("tag", [INTEGER_TAG, INTEGER_TAG_FORMAT], ids=["structures", "format"])
+def test_a_structural_tag_leaves_text_free_until_its_trigger_then_holds_the_body_to_its_schema(tokenizer, compiler,
+                                                                                                tag):
+    guide = SequenceGuide(_compiled(compiler, GuideSpec("structural_tag", json.dumps(tag))), len(tokenizer))
+    allowed = lambda: unpack_bitmask(guide.row_mask(), len(tokenizer))[0]   # noqa: E731
+    digit, letter = _encode(tokenizer, "7")[0], _encode(tokenizer, "x")[0]
+    guide.accept(_encode(tokenizer, "hi x"))
+    assert allowed()[letter] and allowed()[digit]             # free text
+    guide.accept(_encode(tokenizer, "<f>"))
+    assert allowed()[digit] and not allowed()[letter]         # inside the tag: an integer
+    with pytest.raises(RuntimeError, match="refused token"):
+        guide.accept([letter])
+    guide.accept(_encode(tokenizer, "12</f>"))
+    assert allowed()[letter]                                  # free again after the end
 
 
 def test_choices_are_quoted_so_any_string_is_literal():

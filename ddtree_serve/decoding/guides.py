@@ -1,5 +1,6 @@
-"""Structured outputs: a grammar (a JSON schema, any JSON object, a regex, a list of choices or an EBNF grammar)
-that every generated token must keep the text inside of, as vLLM's `structured_outputs` and OpenAI's
+"""Structured outputs: a grammar (a JSON schema, any JSON object, a regex, a list of choices, an EBNF grammar or a
+structural tag: free text in which each trigger opens a tagged part whose body must match its schema, the form tool
+calls take) that every generated token must keep the text inside of, as vLLM's `structured_outputs` and OpenAI's
 `response_format` ask.
 
 The grammar is xgrammar's. In a draft tree each node's logits are masked with the tokens the grammar allows after
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_GUIDE_CHARS = 64 * 1024   # a schema, regex, grammar or choice list (the grammar's compile cost grows with it)
 MAX_CHOICES = 256
 
@@ -23,7 +24,7 @@ MAX_CHOICES = 256
 @dataclass(frozen=True)
 class GuideSpec:
     """What the output must match: kind is one of GUIDE_KINDS; spec is the JSON schema's text, the regex, the EBNF
-    grammar, or the choices as a JSON list of strings ("" for json_object)."""
+    grammar, the choices as a JSON list of strings, or the structural tag's JSON ("" for json_object)."""
 
     kind: str
     spec: str = ""
@@ -49,10 +50,33 @@ class GuideSpec:
                 return xgr.Grammar.from_regex(self.spec)
             if self.kind == "grammar":
                 return xgr.Grammar.from_ebnf(self.spec)
+            if self.kind == "structural_tag":
+                return structural_tag_grammar(json.loads(self.spec))
             return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(self.spec)))
         except (RuntimeError, ValueError, TypeError) as exc:
             message = str(exc).split(": ", 1)[-1] if "/project/" in str(exc) else str(exc)
             raise ValueError(f"invalid structured output {self.kind}: {message}") from None
+
+
+def structural_tag_grammar(tag):
+    """The xgrammar Grammar of a structural tag: xgrammar's own form ({"type": "structural_tag", "format": {...}}) or
+    the older one OpenAI-compatible servers take ({"structures": [{"begin", "schema", "end"}], "triggers": [...]})."""
+    import xgrammar as xgr
+
+    if not isinstance(tag, dict):
+        raise ValueError("a structural tag is a JSON object")
+    if "format" in tag:
+        return xgr.Grammar.from_structural_tag(json.dumps({**tag, "type": "structural_tag"}))
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list) and triggers
+            and all(isinstance(t, str) and t for t in triggers)):
+        raise ValueError("a structural tag needs a format, or non-empty structures and triggers")
+    if not all(isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+               and isinstance(s.get("schema"), (dict, bool)) for s in structures):
+        raise ValueError("each structure of a structural tag needs a begin and an end string and a schema")
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in structures]
+    return xgr.Grammar.from_structural_tag(items, triggers)
 
 
 def choice_ebnf(choices) -> str:
