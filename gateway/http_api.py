@@ -278,10 +278,8 @@ class HttpFront:
         def tool_split(index: int, text: str, finished: bool) -> tuple[str, list[dict]]:
             """The content to stream now and the tool-call deltas completed now, of one sample's new text."""
             if mode == "auto":
-                splitter = splitters[index]
-                first = splitter.calls
-                content, calls = splitter.feed(text, final=finished)
-                return content, [c.as_json(first + k) for k, c in enumerate(calls)]
+                content, deltas = splitters[index].feed(text, final=finished)
+                return content, [d.as_json() for d in deltas]
             if mode == "forced":
                 forced_text[index].append(text)
                 if not finished:

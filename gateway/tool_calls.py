@@ -3,7 +3,7 @@ answer's tool calls come back as `tool_calls`.
 
 With tool_choice "auto" the model decides: its calls are read out of the text in the Hermes format that the Qwen
 family (the flagship's) and Hermes models are trained on, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-(vLLM's `hermes` parser). With "required" or a named function the answer is held to the calls by a structured
+(vLLM's `hermes` parser); streamed, a call's name goes out once read and its arguments as they come. With "required" or a named function the answer is held to the calls by a structured
 output (a JSON schema, as vLLM does): an array of {name, parameters} for "required", the named function's
 arguments alone otherwise; compact JSON (no free whitespace, which a model can loop on). "none" leaves the text as
 it is.
@@ -122,43 +122,127 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
     return "".join(content).strip() if calls else text, calls
 
 
+@dataclass
+class CallDelta:
+    """A streamed piece of a tool call, as OpenAI streams one: its head (id, name, and the arguments so far) once the
+    name is read, then further fragments of its arguments' JSON text; every piece names the call's index."""
+
+    index: int
+    arguments: str
+    name: str | None = None   # set on a call's first piece only
+    id: str = ""
+
+    def as_json(self) -> dict:
+        """The piece as a `tool_calls` entry of a streamed delta."""
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+# A call's opening up to its arguments' object: the name is known from here, and the arguments stream as they come.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"(' + _NAME.pattern + r')"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+class _JsonValueEnd:
+    """Where a JSON object's text ends, fed a piece at a time (strings and escapes respected)."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escaped, self.done = 0, False, False, False
+
+    def feed(self, text: str) -> int:
+        """How many characters of text belong to the object (all of them until it closes)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
 class HermesStream:
-    """Splits a streamed answer into content deltas and whole tool calls: content goes out as it comes, less a
-    tail that may begin a `<tool_call>`; a call goes out once its block closes."""
+    """Splits a streamed answer into content deltas and tool-call deltas: content goes out as it comes, less a tail
+    that may begin a `<tool_call>`; a call's name goes out once its block has it, then its arguments as they come
+    (vLLM's streaming hermes parser). A block whose head is not `{"name": ..., "arguments": {` goes out whole once
+    it closes, or stays text when it is not a call."""
 
     def __init__(self):
-        self.pending = ""      # text not yet sent: a possible block opening, or an open block
-        self.calls = 0         # calls sent so far (each delta's index)
+        self.pending = ""      # text not yet sent outside a block: a possible block opening
+        self.block: str | None = None   # the open block's text so far (None: no block open)
+        self.calls = 0         # calls begun so far (each call's index)
+        self._args_at = -1     # where the open block's arguments start once its head went out (-1: not yet)
+        self._args_sent = 0    # characters of those arguments sent
+        self._args_end: _JsonValueEnd | None = None
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """(content to send now, calls completed now) after text; final flushes what is left as content."""
-        self.pending += text
-        content, calls = [], []
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
+        """(content to send now, call deltas to send now) after text; final flushes what is left."""
+        content: list[str] = []
+        deltas: list[CallDelta] = []
+        if self.block is None:
+            self.pending += text
+        else:
+            self.block += text
         while True:
-            start = self.pending.find(TOOL_CALL_OPEN)
-            if start < 0:
-                keep = 0 if final else _open_prefix(self.pending)
-                content.append(self.pending[:len(self.pending) - keep])
-                self.pending = self.pending[len(self.pending) - keep:]
-                break
-            close = self.pending.find(TOOL_CALL_CLOSE, start)
+            if self.block is None:
+                start = self.pending.find(TOOL_CALL_OPEN)
+                if start < 0:
+                    keep = 0 if final else _open_prefix(self.pending)
+                    content.append(self.pending[:len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    break
+                content.append(self.pending[:start])
+                self.block, self.pending = self.pending[start + len(TOOL_CALL_OPEN):], ""
+            close = self.block.find(TOOL_CALL_CLOSE)
+            body = self.block if close < 0 else self.block[:close]
+            self._stream_arguments(body, deltas)
             if close < 0:
-                content.append(self.pending[:start])
-                self.pending = self.pending[start:]
-                if final:   # a block the answer never closed stays text
-                    content.append(self.pending)
-                    self.pending = ""
+                if final and self._args_at < 0:   # a block the answer never closed, no call begun: text
+                    content.append(TOOL_CALL_OPEN + self.block)
+                if final:
+                    self._end_block()
                 break
-            call = _call_of(self.pending[start + len(TOOL_CALL_OPEN):close].strip())
-            block_end = close + len(TOOL_CALL_CLOSE)
-            if call is None:
-                content.append(self.pending[:block_end])
-            else:
-                content.append(self.pending[:start])
-                calls.append(call)
-            self.pending = self.pending[block_end:]
-        self.calls += len(calls)
-        return "".join(content), calls
+            if self._args_at < 0:
+                call = _call_of(body.strip())
+                if call is None:
+                    content.append(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
+                else:
+                    deltas.append(CallDelta(self.calls, call.arguments, call.name))
+                    self.calls += 1
+            self.pending = self.block[close + len(TOOL_CALL_CLOSE):]
+            self._end_block()
+        return "".join(content), deltas
+
+    def _stream_arguments(self, body: str, deltas: list[CallDelta]) -> None:
+        """The open block's head once it is there, and its arguments' text not yet sent."""
+        if self._args_at < 0:
+            head = _HEAD.match(body)
+            if head is None:
+                return
+            self._args_at, self._args_end = head.end(), _JsonValueEnd()
+            deltas.append(CallDelta(self.calls, "", head.group(1)))
+            self.calls += 1
+        if self._args_end.done:
+            return
+        new = body[self._args_at + self._args_sent:]
+        n = self._args_end.feed(new)
+        if n:
+            deltas.append(CallDelta(self.calls - 1, new[:n]))
+            self._args_sent += n
+
+    def _end_block(self) -> None:
+        self.block, self._args_at, self._args_sent, self._args_end = None, -1, 0, None
 
 
 def _open_prefix(text: str) -> int:

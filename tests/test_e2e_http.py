@@ -631,8 +631,14 @@ def _tool_answer(oai, args: dict, stream: bool) -> tuple[list, str, str | None]:
         reply = oai.chat.completions.create(**args).choices[0]
         return reply.message.tool_calls, reply.finish_reason, reply.message.content
     deltas = [c.choices[0] for c in oai.chat.completions.create(**args, stream=True) if c.choices]
-    calls = [t for d in deltas for t in d.delta.tool_calls or []]
-    return calls, deltas[-1].finish_reason, "".join(d.delta.content or "" for d in deltas)
+    calls: dict = {}   # a call's pieces put together by index, as OpenAI's clients do: its head, then its arguments
+    for piece in (t for d in deltas for t in d.delta.tool_calls or []):
+        if piece.index not in calls:
+            assert piece.id and piece.function.name
+            calls[piece.index] = piece.model_copy(deep=True)
+        else:
+            calls[piece.index].function.arguments += piece.function.arguments
+    return list(calls.values()), deltas[-1].finish_reason, "".join(d.delta.content or "" for d in deltas)
 
 
 @pytest.mark.parametrize("stream", [False, True])

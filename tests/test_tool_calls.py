@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from gateway.tool_calls import HermesStream, ToolCall, check_tools, forced_calls, forced_guide, parse_hermes
+from gateway.tool_calls import (CallDelta, HermesStream, ToolCall, check_tools, forced_calls, forced_guide,
+                                parse_hermes)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -29,19 +30,52 @@ def test_a_block_that_is_not_a_calls_json_stays_text():
     assert parse_hermes("no calls here") == ("no calls here", [])
 
 
+def _merged(deltas) -> list[ToolCall]:
+    """Streamed call deltas put together by index, as an OpenAI client does."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.name is not None:
+            assert d.index == len(calls)   # a call's head comes first, indices in order
+            calls[d.index] = [d.name, ""]
+        calls[d.index][1] += d.arguments
+    return [ToolCall(name, args) for name, args in calls.values()]
+
+
 def test_a_streamed_answer_gives_the_same_calls_and_content_in_any_split():
     rng = random.Random(0)
     whole_content, whole_calls = parse_hermes(ANSWER)
     for _ in range(50):
         cuts = sorted(rng.sample(range(1, len(ANSWER)), rng.randint(1, 12)))
         pieces = [ANSWER[a:b] for a, b in zip([0] + cuts, cuts + [len(ANSWER)])]
-        stream, content, calls = HermesStream(), [], []
+        stream, content, deltas = HermesStream(), [], []
         for i, piece in enumerate(pieces):
             text, done = stream.feed(piece, final=i == len(pieces) - 1)
             assert "<tool_call>" not in text and "</tool_call>" not in text
             content.append(text)
-            calls += done
-        assert calls == whole_calls and "".join(content) == "Let me look. \n Done."
+            deltas += done
+        assert _merged(deltas) == whole_calls and "".join(content) == "Let me look. \n Done."
+
+
+def test_a_calls_name_goes_out_as_soon_as_it_is_read_and_its_arguments_as_they_come():
+    stream = HermesStream()
+    assert stream.feed('Sure. <tool_call>{"name": "get_wea') == ("Sure. ", [])
+    text, deltas = stream.feed('ther", "arguments": {"city": "Pa')
+    assert text == "" and [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", ""),
+                                                                              (0, None, '{"city": "Pa')]
+    text, deltas = stream.feed('ris {x}", "n": [1, {"k": "}"}]}}</tool_call> ok')
+    assert text == " ok" and [(d.name, d.arguments) for d in deltas] == [(None, 'ris {x}", "n": [1, {"k": "}"}]}')]
+    assert json.loads('{"city": "Pa' + 'ris {x}", "n": [1, {"k": "}"}]}') == {"city": "Paris {x}",
+                                                                             "n": [1, {"k": "}"}]}
+
+
+def test_a_block_with_another_head_goes_out_whole_when_it_closes_and_a_cut_off_call_stays_begun():
+    stream = HermesStream()
+    assert stream.feed('<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}') == ("", [])
+    text, deltas = stream.feed("</tool_call>", final=True)
+    assert text == "" and [(d.index, d.name, d.arguments) for d in deltas] == [(0, "get_weather", '{"city": "Oslo"}')]
+    cut = HermesStream()
+    text, deltas = cut.feed('<tool_call>{"name": "get_time", "arguments": {"a', final=True)
+    assert text == "" and [(d.name, d.arguments) for d in deltas] == [("get_time", ""), (None, '{"a')]
 
 
 def test_a_streamed_tail_that_might_open_a_block_is_held_until_it_does_not():
@@ -91,3 +125,7 @@ def test_a_call_in_openai_shape_has_an_id_a_type_and_its_index_when_streamed():
     out = ToolCall("f", "{}").as_json(index=2)
     assert out["type"] == "function" and out["id"].startswith("call_") and out["index"] == 2
     assert out["function"] == {"name": "f", "arguments": "{}"}
+    head, more = CallDelta(1, "", "f").as_json(), CallDelta(1, '{"a": 1}').as_json()
+    assert head["id"].startswith("call_") and head["type"] == "function" and head["function"] == {"name": "f",
+                                                                                               "arguments": ""}
+    assert more == {"index": 1, "function": {"arguments": '{"a": 1}'}}
