@@ -3,10 +3,10 @@ answer's tool calls come back as `tool_calls`.
 
 With tool_choice "auto" the model decides: its calls are read out of the text in the Hermes format that the Qwen
 family (the flagship's) and Hermes models are trained on, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-(vLLM's `hermes` parser); streamed, a call's name goes out once read and its arguments as they come. With "required" or a named function the answer is held to the calls by a structured
-output (a JSON schema, as vLLM does): an array of {name, parameters} for "required", the named function's
-arguments alone otherwise; compact JSON (no free whitespace, which a model can loop on). "none" leaves the text as
-it is.
+(vLLM's `hermes` parser); streamed, a call's name goes out once read and its arguments as they come. With
+"required" or a named function the answer is held to the calls by a structured output (a JSON schema, as vLLM
+does): an array of {name, parameters} for "required", the named function's arguments alone otherwise; compact JSON
+(no free whitespace, which a model can loop on). "none" leaves the text as it is.
 """
 from __future__ import annotations
 
