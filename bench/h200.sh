@@ -27,8 +27,10 @@
 #              prompt (needs /tmp/w8; SPEED8_BUDGETS, SPEED8_BATCH e.g. 8,32 for issue 9's batch-32 table too,
 #              SPEED8_ARGS adds flags, SPEED8_TARGET_ARGS the target's, e.g. "--max-tree-nodes 129
 #              --graph-node-sizes 64" with SPEED8_BUDGETS=16,63,64,128: every budget in a graph bucket of its
-#              exact size, SPEED8_S: its time limit, ~300 s on an
-#              H100; step sockets, the gateway polling STEP_SPIN_US=20000)
+#              exact size; "--graph-node-sizes 64,129" also gives the held-out prompts of 66-129 tokens a
+#              prefill of their own size, not the 257-node one), SPEED8_S: its time limit (64 prompts at batch
+#              1: ~330 s on an H200, >= 420 s on an H100, whose reference ar run alone took 125 s on 2026-12-07);
+#              step sockets, the gateway polling STEP_SPIN_US=20000)
 #   overheadab the step's host overhead, variants of one call: base, spin (--step-spin-us 20000), pin (--pin-cpus),
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
 #   hybrid     fla kernel microbench + step costs at the Qwen3.6-27B layout cut to 16 layers (builds /tmp/w27); trees
