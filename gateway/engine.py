@@ -40,6 +40,9 @@ class EngineConfig:
     # Verify nodes per step over the whole batch (0: no cap): past it, DDTree budgets shrink for that step
     # (gateway.scheduler.step_budgets), so that a wide batch's verify stays memory-bound.
     max_verify_nodes: int = 0
+    # A structured output's trees are drafted this many times their budget and the target verifies the budget's
+    # worth of the grammar-valid nodes (1: the budget alone, its refused nodes dropped)
+    guided_overdraft: int = 2
     # (from batch size, max budget) pairs: a step of that many sequences or more caps each DDTree budget there
     # (ddtree_serve.decoding.config.GPU_BATCH_BUDGETS); () or None: no ceiling (the gateway resolves None by
     # device).
@@ -277,11 +280,18 @@ class PairEngine(BackgroundTask):
         budgets = self._step_budgets(seqs, depths)
         drafts, draft_timings = await self._draft(seqs, budgets, stamps)
         t1 = time.perf_counter()
-        trees = build_step_trees(seqs, drafts, depths, budgets)
+        # A guided sequence's tree is drafted guided_overdraft times larger; the target drops what its grammar
+        # refuses and verifies the budget's worth of the rest (keep_nodes): grammar-valid nodes in place of refused
+        # ones, which could never be accepted.
+        keep = {s.seq_id: budgets[s.seq_id] + 1 for s in seqs if s.guide is not None and s.mode == "ddtree"}
+        cap = self.pair.target_info.max_tree_nodes - 1
+        drafted = {sid: min(self.cfg.guided_overdraft * (n - 1), cap) for sid, n in keep.items()}
+        trees = build_step_trees(seqs, drafts, depths, {**budgets, **drafted})
         t2 = time.perf_counter()
         request = target_pb2.VerifyRequest(items=[
             target_pb2.TreeItem(seq_id=s.seq_id, tokens=trees[s.seq_id].tokens.tolist(),
-                                parents=trees[s.seq_id].parents.tolist()) for s in seqs])
+                                parents=trees[s.seq_id].parents.tolist(), keep_nodes=keep.get(s.seq_id, 0))
+            for s in seqs])
         try:
             stamps.verify_sent = time.time_ns()
             response = await self.pair.verify(request, self.cfg.rpc_timeout_s)
@@ -302,7 +312,7 @@ class PairEngine(BackgroundTask):
         accepted_per_seq, tree_sizes = [], []
         for s in seqs:
             r = by_id[s.seq_id]
-            tree_size = int(trees[s.seq_id].tokens.numel()) - 1
+            tree_size = (r.verified_nodes or int(trees[s.seq_id].tokens.numel())) - 1
             accepted = list(r.accepted_tokens)
             s.stats.steps += 1
             s.stats.accepted_tokens += len(accepted)

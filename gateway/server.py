@@ -72,6 +72,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, cfg: GatewayConfig, metrics_factory=None, client_interceptors=()):
         if cfg.engine.max_verify_nodes < 0:
             raise ValueError(f"max_verify_nodes must be >= 0 (0: no cap), got {cfg.engine.max_verify_nodes}")
+        if cfg.engine.guided_overdraft < 1:
+            raise ValueError(f"guided_overdraft must be >= 1, got {cfg.engine.guided_overdraft}")
         if cfg.engine.max_prefill_tokens < 0:
             raise ValueError(f"max_prefill_tokens must be >= 0 (0: no limit), got {cfg.engine.max_prefill_tokens}")
         if cfg.mode not in MODES:

@@ -209,7 +209,8 @@ def cmd_gateway(args) -> None:
     _pin_cpus(args)
     _security(args, public=True)
     engine = EngineConfig(max_prefill_tokens=args.max_prefill_tokens, draft_timeout_s=args.draft_timeout_s,
-                          max_verify_nodes=args.max_verify_nodes, batch_budgets=args.batch_budgets)
+                          max_verify_nodes=args.max_verify_nodes, batch_budgets=args.batch_budgets,
+                          guided_overdraft=args.guided_overdraft)
     if args.calibrated_acceptance:
         from gateway.calibrated_drafts import calibrator_from_args
 
@@ -546,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=_int_in(0), default=2048,
                    help="prompt tokens prefilled per step (0: no limit); longer prompts are prefilled in chunks over "
                         "several steps while the running batch keeps decoding")
+    p.add_argument("--guided-overdraft", type=_int_in(1), default=2,
+                   help="a structured output's DDTree trees are drafted this many times their budget; the target "
+                        "verifies the budget's worth of the nodes its grammar allows (1: the budget alone)")
     p.add_argument("--max-verify-nodes", type=_int_in(0), default=0,
                    help="verify nodes per step over the whole batch (0: no cap); past it every DDTree sequence's "
                         "budget shrinks for that step to an equal share (a power of four), so a wide batch's verify "

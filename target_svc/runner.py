@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ddtree_serve.decoding.config import SamplingParams
-from ddtree_serve.decoding.guides import SequenceGuide, apply_guide_mask
+from ddtree_serve.decoding.guides import SequenceGuide, apply_guide_mask, grammar_kept_nodes
 from ddtree_serve.decoding.logits_processing import TokenHistory, adjust_logits
 from ddtree_serve.decoding.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from ddtree_serve.decoding.sampling import choose_tokens, make_generator
@@ -111,6 +111,7 @@ class VerifyItem:
     seq_id: str
     tokens: Tensor | Sequence[int]  # LongTensor[T], or the ids as they came (the server's: no tensor per request)
     parents: Tensor | Sequence[int]
+    keep_nodes: int = 0   # verify at most this many nodes (tree order), after a guide's refused ones went (0: all)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class VerifyOutput:
     # on the commit); None: they are ready now
     features_ready: torch.cuda.Event | None = None
     logprobs: list[TokenLogprob] | None = None   # accepted_tokens' then next_token's, when the sequence asked
+    verified_nodes: int = 0   # the nodes the forward verified (a guided tree's pruned size)
 
 
 @dataclass
@@ -177,6 +179,8 @@ class _Tree:
     tokens: list[int]
     parents: list[int]
     max_depth: int
+    nodes: list[int] | None = None       # the item's node index of each node kept (None: all, as sent)
+    guide_mask: Tensor | None = None     # a guided sequence's grammar rows for these nodes (SequenceGuide.tree_mask)
 
 
 def plan_memory(target: LoadedTarget, cfg: TargetConfig, max_seq_len: int) -> MemoryPlan:
@@ -360,13 +364,16 @@ class TargetRunner:
         (packed_host,) = walked.result_host.wait()  # the one device->host copy of the step, waited for without the GIL
         packed = packed_host.tolist()
 
-        outputs = []
+        outputs, paths = [], []   # paths: the accepted nodes as verified (a pruned tree's own indices)
         for b, (it, tr) in enumerate(zip(items, trees)):
             n, next_token, nodes = packed[b][0], packed[b][1], packed[b][2 : 2 + packed[b][0]]
             ctx = ctx_host[b] + n
             self.model.cache.ctx_len[tr.seq.slot] = ctx
             tr.seq.pending_token = next_token
             accepted = [tr.tokens[i] for i in nodes[1:]]
+            paths.append(nodes)
+            if tr.nodes is not None:   # indices as the item sent them
+                nodes = [tr.nodes[i] for i in nodes]
             if tr.seq.history is not None:
                 tr.seq.history.add_output(accepted + [next_token])
             if tr.seq.guide is not None:
@@ -375,19 +382,20 @@ class TargetRunner:
                 seq_id=it.seq_id, accepted_nodes=nodes, accepted_tokens=accepted,
                 next_token=next_token, context_len=ctx,
                 features=None if rows is None or it.seq_id in pushed else rows[b, :n],
-                features_ready=walked.rows_ready,
+                features_ready=walked.rows_ready, verified_nodes=len(tr.tokens),
             ))
-        self._attach_logprobs(walked.logits, trees, outputs)
+        self._attach_logprobs(walked.logits, trees, outputs, paths)
         return outputs
 
     @staticmethod
-    def _attach_logprobs(logits: Tensor, trees: list, outputs: list[VerifyOutput]) -> None:
+    def _attach_logprobs(logits: Tensor, trees: list, outputs: list[VerifyOutput], paths: list[list[int]]) -> None:
         """The log-probs of the sequences that asked, all in one computation and one host copy: each accepted
-        node's logits row chose the next accepted token, the last one's the next bonus token."""
+        node's logits row (paths: their rows in the verified trees) chose the next accepted token, the last one's
+        the next bonus token."""
         asking = [b for b, tr in enumerate(trees) if tr.seq.logprobs >= 0]
         if not asking:
             return
-        rows = torch.cat([logits[b, outputs[b].accepted_nodes] for b in asking])
+        rows = torch.cat([logits[b, paths[b]] for b in asking])
         chosen = torch.tensor([t for b in asking for t in outputs[b].accepted_tokens + [outputs[b].next_token]])
         top = max(trees[b].seq.logprobs for b in asking)
         got = iter(token_logprobs(rows, chosen, top))
@@ -627,7 +635,7 @@ class TargetRunner:
             rows = logits[b, : sizes[b]]
             if seq.guide is not None:
                 guide = seq.guide
-                mask = guide.row_mask() if trees is None else guide.tree_mask(trees[b].tokens, trees[b].parents)
+                mask = guide.row_mask() if trees is None else trees[b].guide_mask
                 rows = apply_guide_mask(rows, mask)
             if params.adjusts_logits:
                 tokens = parents = None
@@ -714,5 +722,28 @@ class TargetRunner:
                     f"{where}: tree too big for the remaining capacity (context {ctx} + depth {max_depth + 1} > "
                     f"{self.max_seq_len})"
                 )
-            trees.append(_Tree(seq, tok, par, max_depth))
+            trees.append(self._pruned(_Tree(seq, tok, par, max_depth), it.keep_nodes))
         return trees
+
+    @staticmethod
+    def _pruned(tree: _Tree, keep: int) -> _Tree:
+        """The tree as verified: a guided sequence's without the nodes its grammar refuses (and their subtrees), each
+        node with its grammar row; then at most `keep` nodes in tree order (0: all)."""
+        guide = tree.seq.guide
+        mask = None if guide is None else guide.tree_mask(tree.tokens, tree.parents)
+        n = len(tree.tokens)
+        if mask is not None:
+            kept = grammar_kept_nodes(mask, tree.tokens, tree.parents, keep)
+        else:
+            kept = list(range(min(n, keep or n)))
+        if len(kept) == n:
+            tree.guide_mask = mask
+            return tree
+        new_index = {old: new for new, old in enumerate(kept)}
+        tokens = [tree.tokens[i] for i in kept]
+        parents = [-1] + [new_index[tree.parents[i]] for i in kept[1:]]
+        depth = [0] * len(kept)
+        for i in range(1, len(kept)):
+            depth[i] = depth[parents[i]] + 1
+        return _Tree(tree.seq, tokens, parents, max(depth), nodes=kept,
+                     guide_mask=None if mask is None else mask[kept])

@@ -394,7 +394,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         for it in request.items:
             if len(it.tokens) == 0 or len(it.tokens) != len(it.parents):
                 raise ValueError(f"sequence {it.seq_id}: tree needs >= 1 node and one parent per token")
-            items.append(VerifyItem(seq_id=it.seq_id, tokens=it.tokens, parents=it.parents))
+            items.append(VerifyItem(seq_id=it.seq_id, tokens=it.tokens, parents=it.parents, keep_nodes=it.keep_nodes))
         t1 = time.perf_counter_ns()
         early = self._early_push(items)
         outputs = await self.model_thread.run(self.runner.verify, items, early)
@@ -411,11 +411,12 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             await asyncio.sleep(0)
         if self.metrics is not None:
             self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9,
-                                         num_tokens=sum(len(it.tokens) for it in items))
+                                         num_tokens=sum(o.verified_nodes for o in outputs))
             self.metrics.observe_verify_pushes(len(early.pushed) if early is not None else 0, len(plain))
         results = [target_pb2.VerifyResult(seq_id=o.seq_id, accepted_nodes=o.accepted_nodes,
                                            accepted_tokens=o.accepted_tokens, next_token=o.next_token,
-                                           context_len=o.context_len, logprobs=logprobs_proto(o.logprobs))
+                                           context_len=o.context_len, logprobs=logprobs_proto(o.logprobs),
+                                           verified_nodes=o.verified_nodes)
                    for o in outputs]
         return target_pb2.VerifyResponse(results=results, timings=common_pb2.Timings(
             total_ns=time.perf_counter_ns() - t0, forward_ns=t2 - t1, transport_bytes=nbytes,

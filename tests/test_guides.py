@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_serve.decoding.guides import GuideSpec, SequenceGuide, apply_guide_mask, choice_ebnf, unpack_bitmask
+from ddtree_serve.decoding.guides import (GuideSpec, SequenceGuide, apply_guide_mask, choice_ebnf, grammar_kept_nodes,
+                                         unpack_bitmask)
 from tests.fixtures import make_tiny_tokenizer
 
 xgr = pytest.importorskip("xgrammar")
@@ -183,3 +184,17 @@ def test_the_targets_compiler_keeps_the_last_grammars_only(tmp_path):
     compiler.compile(specs[1])
     compiler.compile(specs[2])
     assert compiler.compiled(specs[0]) is None and compiler.compiled(specs[2]) is not None
+
+
+def test_a_trees_kept_nodes_are_those_its_grammar_allows_under_kept_parents_in_order(tokenizer, compiler):
+    """Pruning before a verify: a refused node goes with its subtree; the cut keeps a tree (parents first)."""
+    d = [_encode(tokenizer, c)[0] for c in "0123456789"]
+    letter = _encode(tokenizer, "x")[0]
+    guide = SequenceGuide(_compiled(compiler, GuideSpec("regex", "[0-9]{3}")), len(tokenizer))
+    guide.accept([d[1]])
+    #  0(root 1) - 1(2) - 2(3)     0 - 3(x) - 4(4)     0 - 5(5) - 6(x)     1 - 7(9)
+    tokens, parents = [d[1], d[2], d[3], letter, d[4], d[5], letter, d[9]], [-1, 0, 1, 0, 3, 0, 5, 1]
+    mask = guide.tree_mask(tokens, parents)
+    assert grammar_kept_nodes(mask, tokens, parents) == [0, 1, 2, 5, 7]
+    assert grammar_kept_nodes(mask, tokens, parents, keep=3) == [0, 1, 2]
+    assert grammar_kept_nodes(mask, [d[1]], [-1]) == [0]

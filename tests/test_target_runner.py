@@ -61,7 +61,7 @@ def _random_tree(root: int, truth: list[int], rng: random.Random, n_nodes: int) 
 
 
 def _verify_along(runner: TargetRunner, generated: dict[str, list[int]], truth: dict[str, list[int]],
-                  rng: random.Random, on_output=None) -> list[int]:
+                  rng: random.Random, on_output=None, keep_nodes: int = 0) -> list[int]:
     """Verifies one random tree per sequence along its truth per step, all sequences in one batch, until each has
     N_NEW tokens; extends generated in place, calls on_output(item, output) after each; returns the accepted path
     lengths."""
@@ -70,7 +70,7 @@ def _verify_along(runner: TargetRunner, generated: dict[str, list[int]], truth: 
         items = []
         for sid, gen in generated.items():
             tokens, parents = _random_tree(gen[-1], truth[sid][len(gen):], rng, rng.randint(1, 24))
-            items.append(VerifyItem(sid, torch.tensor(tokens), torch.tensor(parents)))
+            items.append(VerifyItem(sid, torch.tensor(tokens), torch.tensor(parents), keep_nodes=keep_nodes))
         for it, out in zip(items, runner.verify(items)):
             generated[it.seq_id] += out.accepted_tokens + [out.next_token]
             accepted_lengths.append(len(out.accepted_nodes))
@@ -205,6 +205,32 @@ def test_guided_greedy_tree_verify_equals_hf_generate_token_by_token_under_the_g
     generated = {"g": [out.next_token]}
     assert max(_verify_along(runner, generated, {"g": truth}, random.Random(5))) >= 3
     assert generated["g"][:N_NEW] == truth[:N_NEW]
+
+
+@pytest.mark.parametrize("keep_nodes", [0, 6])
+def test_a_guided_tree_verifies_only_the_nodes_its_grammar_allows_and_answers_in_the_items_indices(keep_nodes,
+                                                                                               checkpoints,
+                                                                                               references):
+    """Nodes the grammar refuses (random siblings, mostly) are dropped before the forward, then at most keep_nodes
+    kept: the answer is unchanged, the accepted nodes are the item's own indices, and fewer nodes are verified."""
+    from tests.conftest import compile_guide
+
+    guide = compile_guide(checkpoints["qwen3"], "regex", "[a-z]+( [a-z]+)*[.]")
+    runner = _runner(checkpoints["qwen3"])
+    prompt = _prompt(10, seed=70)
+    truth = hf_greedy(references["qwen3"], prompt, N_NEW + 16, guide=guide)
+    (out,) = runner.prefill([PrefillItem("g", prompt, guide=guide)])
+    generated, sizes = {"g": [out.next_token]}, []
+
+    def check(item, output):
+        tokens = item.tokens.tolist()
+        assert [tokens[i] for i in output.accepted_nodes[1:]] == output.accepted_tokens
+        assert 1 <= output.verified_nodes <= (keep_nodes or len(tokens))
+        sizes.append((output.verified_nodes, len(tokens)))
+
+    _verify_along(runner, generated, {"g": truth}, random.Random(5), check, keep_nodes)
+    assert generated["g"][:N_NEW] == truth[:N_NEW]
+    assert sum(v for v, _ in sizes) < sum(t for _, t in sizes)
 
 
 def test_a_logit_bias_outside_the_vocabulary_is_refused_at_prefill(checkpoints):

@@ -95,6 +95,25 @@ def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def grammar_kept_nodes(bitmask: Tensor, tokens: list[int], parents: list[int], keep: int = 0) -> list[int]:
+    """The nodes of a draft tree worth verifying under its grammar, in tree order (root first): those whose token
+    the grammar allows after their parent's path, under kept parents only (a refused node and its subtree can never
+    be accepted), at most `keep` of them (0: all). bitmask: SequenceGuide.tree_mask's rows for this tree. In tree
+    order every kept node's parent is kept before it, so any prefix of the result is itself a tree."""
+    if len(tokens) == 1:
+        return [0]
+    par, tok = torch.tensor(parents[1:], dtype=torch.long), torch.tensor(tokens[1:], dtype=torch.long)
+    allowed = [0] + ((bitmask[par, tok >> 5].long() >> (tok & 31)) & 1).tolist()   # the one word each node needs
+    kept, is_kept = [0], [True] + [False] * (len(tokens) - 1)
+    for i in range(1, len(tokens)):
+        if keep and len(kept) >= keep:
+            break
+        if allowed[i] and is_kept[parents[i]]:
+            is_kept[i] = True
+            kept.append(i)
+    return kept
+
+
 class SequenceGuide:
     """One sequence's grammar state: the tokens allowed next, for one row or every node of a draft tree."""
 
