@@ -34,6 +34,7 @@ BAD_ARGS = {
     "up with unbalanced quotes in pass-through flags": ["up", "--drafter-args=--log-level 'DEBUG"],
     "up with a gpu memory share above 1": ["up", "--gpu-memory-utilization", "1.5"],
     "gateway port out of range": ["gateway", "--http-port", "70000"],
+    "guided overdraft below 1": ["gateway", "--guided-overdraft", "0"],
     "zero gpu memory cap": ["target", "--model", "m", "--gpu-memory-cap", "0"],
     "negative gpu memory cap": ["target", "--model", "m", "--gpu-memory-cap", "-48"],
     "gpu memory cap not a number": ["target", "--model", "m", "--gpu-memory-cap", "48GB"],
