@@ -26,7 +26,7 @@ from gateway.http_requests import (MAX_PROMPTS, ApiError, ChatCompletionRequest,
                                    add_tools, api_error_for, chat_messages, check_body, generate_request, samples,
                                    stop_reason, tool_mode, wanted_logprobs)
 from gateway.limits import MAX_CHARS_PER_TOKEN
-from gateway.tool_calls import HermesStream, forced_calls
+from gateway.tool_calls import CallDelta, HermesStream, forced_calls
 
 log = logging.getLogger(__name__)
 
@@ -272,14 +272,21 @@ class HttpFront:
         pumps = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
         mode = tool_mode(body)
         splitters = [HermesStream() for _ in gens] if mode == "auto" else None
-        forced_text: dict[int, list[str]] = {i: [] for i in range(len(gens))}   # mode "forced": held to the end
+        forced_text: dict[int, list[str]] = {i: [] for i in range(len(gens))}   # mode "forced": its text so far
         called: set[int] = set()   # samples that made tool calls
 
         def tool_split(index: int, text: str, finished: bool) -> tuple[str, list[dict]]:
-            """The content to stream now and the tool-call deltas completed now, of one sample's new text."""
+            """The content to stream now and the tool-call pieces to send now, of one sample's new text."""
             if mode == "auto":
                 content, deltas = splitters[index].feed(text, final=finished)
                 return content, [d.as_json() for d in deltas]
+            if mode == "forced" and isinstance(body.tool_choice, dict):
+                # The answer is the named function's arguments: its head, then the arguments as they come
+                if not text:
+                    return "", []
+                head = [] if forced_text[index] else [CallDelta(0, "", body.tool_choice["function"]["name"])]
+                forced_text[index].append(text)
+                return "", [d.as_json() for d in head + [CallDelta(0, text)]]
             if mode == "forced":
                 forced_text[index].append(text)
                 if not finished:

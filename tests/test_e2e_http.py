@@ -649,6 +649,10 @@ def test_a_named_tool_choice_answers_with_that_functions_call(oai, model_id, str
     calls, reason, content = _tool_answer(oai, args, stream)
     assert reason == "tool_calls" and not content and len(calls) == 1
     assert calls[0].function.name == "get_weather" and set(json.loads(calls[0].function.arguments)) == {"city"}
+    if stream:   # the arguments stream as they are written, after the call's head
+        pieces = [t for c in oai.chat.completions.create(**args, stream=True) if c.choices
+                  for t in c.choices[0].delta.tool_calls or []]
+        assert pieces[0].function.name == "get_weather" and pieces[0].function.arguments == "" and len(pieces) > 2
 
 
 def test_tool_choice_required_without_parallel_calls_answers_with_one_call_of_the_given_tools(oai, model_id):
