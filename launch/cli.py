@@ -547,9 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=_int_in(0), default=2048,
                    help="prompt tokens prefilled per step (0: no limit); longer prompts are prefilled in chunks over "
                         "several steps while the running batch keeps decoding")
-    p.add_argument("--guided-overdraft", type=_int_in(1), default=2,
+    p.add_argument("--guided-overdraft", type=_int_in(1), default=1,
                    help="a structured output's DDTree trees are drafted this many times their budget; the target "
-                        "verifies the budget's worth of the nodes its grammar allows (1: the budget alone)")
+                        "verifies the budget's worth of the nodes its grammar allows (1: the budget alone; more "
+                        "tokens a step for a longer grammar walk on the target's host)")
     p.add_argument("--max-verify-nodes", type=_int_in(0), default=0,
                    help="verify nodes per step over the whole batch (0: no cap); past it every DDTree sequence's "
                         "budget shrinks for that step to an equal share (a power of four), so a wide batch's verify "
