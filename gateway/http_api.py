@@ -26,7 +26,7 @@ from gateway.http_requests import (MAX_PROMPTS, ApiError, ChatCompletionRequest,
                                    add_tools, api_error_for, chat_messages, check_body, generate_request, samples,
                                    stop_reason, tool_mode, wanted_logprobs)
 from gateway.limits import MAX_CHARS_PER_TOKEN
-from gateway.tool_calls import CallDelta, HermesStream, forced_calls
+from gateway.tool_calls import CallDelta, HermesStream, RequiredCallsStream
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,8 @@ class HttpFront:
         pumps = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
         mode = tool_mode(body)
         splitters = [HermesStream() for _ in gens] if mode == "auto" else None
-        forced_text: dict[int, list[str]] = {i: [] for i in range(len(gens))}   # mode "forced": its text so far
+        forced_text: dict[int, list[str]] = {i: [] for i in range(len(gens))}   # a named function's text so far
+        required = [RequiredCallsStream() for _ in gens]
         called: set[int] = set()   # samples that made tool calls
 
         def tool_split(index: int, text: str, finished: bool) -> tuple[str, list[dict]]:
@@ -287,13 +288,8 @@ class HttpFront:
                 head = [] if forced_text[index] else [CallDelta(0, "", body.tool_choice["function"]["name"])]
                 forced_text[index].append(text)
                 return "", [d.as_json() for d in head + [CallDelta(0, text)]]
-            if mode == "forced":
-                forced_text[index].append(text)
-                if not finished:
-                    return "", []
-                whole = "".join(forced_text[index])
-                calls = forced_calls(whole, body.tool_choice)
-                return ("" if calls else whole), [c.as_json(k) for k, c in enumerate(calls)]
+            if mode == "forced":   # "required": the calls' array, each call streamed once its name is read
+                return "", [d.as_json() for d in required[index].feed(text)]
             return text, []
         try:
             try:

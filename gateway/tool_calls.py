@@ -245,6 +245,49 @@ class HermesStream:
         self.block, self._args_at, self._args_sent, self._args_end = None, -1, 0, None
 
 
+# One call of tool_choice "required"'s array, up to its parameters' object (forced_guide's compact JSON, keys in the
+# schema's order).
+_REQUIRED_HEAD = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*"(' + _NAME.pattern + r')"\s*,\s*"parameters"\s*:\s*(?=\{)')
+
+
+class RequiredCallsStream:
+    """Tool calls out of tool_choice "required"'s streamed answer (an array of {name, parameters}, held to it by
+    forced_guide's grammar): each call's head once its name is read, then its parameters as they come."""
+
+    def __init__(self):
+        self.text = ""
+        self.calls = 0
+        self._state = "head"   # head: waiting for a call's name; args: sending its parameters; tail: its "}"
+        self._pos = 0          # where the text not yet read starts
+        self._args_end: _JsonValueEnd | None = None
+
+    def feed(self, text: str) -> list[CallDelta]:
+        """The call pieces to send now, after text."""
+        self.text += text
+        deltas: list[CallDelta] = []
+        while True:
+            if self._state == "head":
+                head = _REQUIRED_HEAD.match(self.text, self._pos)
+                if head is None:
+                    return deltas
+                deltas.append(CallDelta(self.calls, "", head.group(1)))
+                self.calls += 1
+                self._state, self._pos, self._args_end = "args", head.end(), _JsonValueEnd()
+            if self._state == "args":
+                new = self.text[self._pos:]
+                n = self._args_end.feed(new)
+                if n:
+                    deltas.append(CallDelta(self.calls - 1, new[:n]))
+                self._pos += n
+                if not self._args_end.done:
+                    return deltas
+                self._state = "tail"
+            close = self.text.find("}", self._pos)
+            if close < 0:
+                return deltas
+            self._state, self._pos = "head", close + 1
+
+
 def _open_prefix(text: str) -> int:
     """How many characters at the end of text could begin `<tool_call>`."""
     for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):

@@ -655,14 +655,20 @@ def test_a_named_tool_choice_answers_with_that_functions_call(oai, model_id, str
         assert pieces[0].function.name == "get_weather" and pieces[0].function.arguments == "" and len(pieces) > 2
 
 
-def test_tool_choice_required_without_parallel_calls_answers_with_one_call_of_the_given_tools(oai, model_id):
-    reply = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=64, temperature=0,
-                                        tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
-                                        parallel_tool_calls=False).choices[0]
-    assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
-    for call in reply.message.tool_calls:
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_without_parallel_calls_answers_with_one_call_of_the_given_tools(oai, model_id,
+                                                                                              stream):
+    args = dict(model=model_id, messages=CHAT, max_tokens=64, temperature=0, tools=[WEATHER_TOOL, TIME_TOOL],
+                tool_choice="required", parallel_tool_calls=False)
+    calls, reason, content = _tool_answer(oai, args, stream)
+    assert reason == "tool_calls" and len(calls) == 1 and not content
+    for call in calls:
         assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
         json.loads(call.function.arguments)
+    if stream:   # the same call as the whole answer's
+        whole = oai.chat.completions.create(**args).choices[0].message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+            [(c.function.name, json.loads(c.function.arguments)) for c in whole]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gateway.tool_calls import (CallDelta, HermesStream, ToolCall, check_tools, forced_calls, forced_guide,
-                                parse_hermes)
+from gateway.tool_calls import (CallDelta, HermesStream, RequiredCallsStream, ToolCall, check_tools, forced_calls,
+                                forced_guide, parse_hermes)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -129,3 +129,16 @@ def test_a_call_in_openai_shape_has_an_id_a_type_and_its_index_when_streamed():
     assert head["id"].startswith("call_") and head["type"] == "function" and head["function"] == {"name": "f",
                                                                                                "arguments": ""}
     assert more == {"index": 1, "function": {"arguments": '{"a": 1}'}}
+
+
+def test_required_calls_stream_each_calls_head_then_its_parameters_in_any_split():
+    answer = '[{"name":"get_time","parameters":{}},{"name":"get_weather","parameters":{"city":"O}slo"}}]'
+    want = forced_calls(answer, "required")
+    rng = random.Random(1)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(answer)), rng.randint(1, 10)))
+        stream, deltas = RequiredCallsStream(), []
+        for a, b in zip([0] + cuts, cuts + [len(answer)]):
+            deltas += stream.feed(answer[a:b])
+        got = _merged(deltas)
+        assert [(c.name, json.loads(c.arguments)) for c in got] == [(c.name, json.loads(c.arguments)) for c in want]
