@@ -413,6 +413,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             self.metrics.observe_forward("verify", len(items), (t2 - t1) / 1e9,
                                          num_tokens=sum(o.verified_nodes for o in outputs))
             self.metrics.observe_verify_pushes(len(early.pushed) if early is not None else 0, len(plain))
+            self.metrics.observe_verify_pruned(sum(len(it.tokens) - o.verified_nodes for it, o in zip(items, outputs)))
         results = [target_pb2.VerifyResult(seq_id=o.seq_id, accepted_nodes=o.accepted_nodes,
                                            accepted_tokens=o.accepted_tokens, next_token=o.next_token,
                                            context_len=o.context_len, logprobs=logprobs_proto(o.logprobs),

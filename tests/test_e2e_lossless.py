@@ -93,11 +93,14 @@ def test_adjusted_greedy_requests_equal_transformers_with_the_same_processors(ch
     guide_modes = ["ddtree", "dflash", "ar"]
     for prompt, mode in zip(prompts[1:], guide_modes):
         requests.append(make_request(prompt, 48, mode, guide=common_pb2.Guide(kind="json", spec=GUIDE_SCHEMA)))
-    stack = start_stack(target, drafter)
+    stack = start_stack(target, drafter, metrics=True)
     try:
         results = run_streams(stack.gateway, requests)
+        # the guided trees' nodes the grammar refused were dropped before the forwards (and the answers held)
+        pruned = _counter(stack.metrics_ports["target"], "ddtree_target_verify_nodes_pruned_total", "model_name")
     finally:
         stack.stop()
+    assert sum(pruned.values()) > 0
     compiled = compile_guide(target, "json", GUIDE_SCHEMA)
     for prompt, mode, result in zip(prompts[1:], guide_modes, results[-len(guide_modes):]):
         expected = hf_greedy(reference_model(str(target)), prompt, 48, guide=compiled)

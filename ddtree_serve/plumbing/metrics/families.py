@@ -339,10 +339,20 @@ class TargetMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
         self.grammars_prepared = Counter("ddtree_target_grammars_prepared_total",
                                          "Structured-output grammars asked for, by result (compiled, cached, "
                                          "invalid).", ["model_name", "result"], registry=r)
+        self.verify_nodes_pruned = Counter("ddtree_target_verify_nodes_pruned_total",
+                                           "Draft-tree nodes dropped before a verify forward: refused by a "
+                                           "structured output's grammar (with their subtrees), or past keep_nodes.",
+                                           ["model_name"], registry=r)
         self.verify_pushes = Counter("ddtree_target_verify_feature_pushes_total",
                                      "Verified sequences' feature pushes, by when they went (early: while the verify "
                                      "ran, transport/shared.py; after_verify: once its results were on the host).",
                                      ["model_name", "when"], registry=r)
+
+    def observe_verify_pruned(self, nodes: int) -> None:
+        """Draft-tree nodes a Verify dropped before its forward: refused by a structured output's grammar, or past a
+        tree's keep_nodes."""
+        if nodes:
+            self.verify_nodes_pruned.labels(self.model_name).inc(nodes)
 
     def observe_verify_pushes(self, early: int, after_verify: int) -> None:
         """One Verify's feature pushes: sequences pushed early and after the verify."""
