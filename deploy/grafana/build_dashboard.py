@@ -164,6 +164,11 @@ def build() -> dict[str, Any]:
                             "allocated {{job}} {{device}}"),
                            ("sum by (job, instance, device) (ddtree_gpu_memory_reserved_bytes)",
                             "reserved {{job}} {{device}}")], "bytes")
+    L.panel("Structured outputs", [(rate("ddtree_target_grammars_prepared_total", "result"), "grammars {{result}}"),
+                                   (mean("ddtree_target_grammar_compile_seconds"), "compile s (mean)"),
+                                   (rate("ddtree_target_verify_nodes_pruned_total"), "draft nodes pruned")], "short",
+            description="Grammars asked for by result, their compile time, and the draft-tree nodes the target "
+                        "dropped before its forwards (refused by a grammar, or past keep_nodes).")
     L.panel("Process CPU and memory", [("sum by (job, instance) (rate(process_cpu_seconds_total[$__rate_interval]))",
                                         "cpu {{job}}"),
                                        ("sum by (job, instance) (process_resident_memory_bytes) / 2^30",
