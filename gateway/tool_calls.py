@@ -185,6 +185,7 @@ class HermesStream:
         self._args_at = -1     # where the open block's arguments start once its head went out (-1: not yet)
         self._args_sent = 0    # characters of those arguments sent
         self._args_end: _JsonValueEnd | None = None
+        self._searched = 0     # characters of the open block already searched for its end (a long block: linear)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         """(content to send now, call deltas to send now) after text; final flushes what is left."""
@@ -204,7 +205,8 @@ class HermesStream:
                     break
                 content.append(self.pending[:start])
                 self.block, self.pending = self.pending[start + len(TOOL_CALL_OPEN):], ""
-            close = self.block.find(TOOL_CALL_CLOSE)
+            close = self.block.find(TOOL_CALL_CLOSE, max(0, self._searched - len(TOOL_CALL_CLOSE) + 1))
+            self._searched = len(self.block)
             body = self.block if close < 0 else self.block[:close]
             self._stream_arguments(body, deltas)
             if close < 0:
@@ -242,7 +244,7 @@ class HermesStream:
             self._args_sent += n
 
     def _end_block(self) -> None:
-        self.block, self._args_at, self._args_sent, self._args_end = None, -1, 0, None
+        self.block, self._args_at, self._args_sent, self._args_end, self._searched = None, -1, 0, None, 0
 
 
 # One call of tool_choice "required"'s array, up to its parameters' object (forced_guide's compact JSON, keys in the
