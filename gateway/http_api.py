@@ -272,7 +272,7 @@ class HttpFront:
         pumps = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
         mode = tool_mode(body)
         splitters = [HermesStream() for _ in gens] if mode == "auto" else None
-        forced_text: dict[int, list[str]] = {i: [] for i in range(len(gens))}   # a named function's text so far
+        named_begun: set[int] = set()   # samples whose named function call's head went out
         required = [RequiredCallsStream() for _ in gens]
         called: set[int] = set()   # samples that made tool calls
 
@@ -285,8 +285,8 @@ class HttpFront:
                 # The answer is the named function's arguments: its head, then the arguments as they come
                 if not text:
                     return "", []
-                head = [] if forced_text[index] else [CallDelta(0, "", body.tool_choice["function"]["name"])]
-                forced_text[index].append(text)
+                head = [] if index in named_begun else [CallDelta(0, "", body.tool_choice["function"]["name"])]
+                named_begun.add(index)
                 return "", [d.as_json() for d in head + [CallDelta(0, text)]]
             if mode == "forced":   # "required": the calls' array, each call streamed once its name is read
                 return "", [d.as_json() for d in required[index].feed(text)]

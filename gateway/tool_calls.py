@@ -31,13 +31,10 @@ class ToolCall:
     arguments: str
     id: str = ""
 
-    def as_json(self, index: int | None = None) -> dict:
-        """The call as OpenAI's `tool_calls` entry (with its index in a streamed delta)."""
-        out = {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-               "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            out["index"] = index
-        return out
+    def as_json(self) -> dict:
+        """The call as OpenAI's `tool_calls` entry of a whole message (streamed calls go out as CallDelta pieces)."""
+        return {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def check_tools(tools: list[dict], tool_choice) -> list[dict]:

@@ -729,13 +729,12 @@ class TargetRunner:
     def _pruned(tree: _Tree, keep: int) -> _Tree:
         """The tree as verified: a guided sequence's without the nodes its grammar refuses (and their subtrees), each
         node with its grammar row; then at most `keep` nodes in tree order (0: all)."""
-        guide = tree.seq.guide
+        guide, n = tree.seq.guide, len(tree.tokens)
+        if guide is None and not 0 < keep < n:   # the common case: the tree as sent
+            return tree
         mask = None if guide is None else guide.tree_mask(tree.tokens, tree.parents)
-        n = len(tree.tokens)
-        if mask is not None:
-            kept = grammar_kept_nodes(mask, tree.tokens, tree.parents, keep)
-        else:
-            kept = list(range(min(n, keep or n)))
+        kept = list(range(min(n, keep or n))) if mask is None else grammar_kept_nodes(mask, tree.tokens, tree.parents,
+                                                                                        keep)
         if len(kept) == n:
             tree.guide_mask = mask
             return tree

@@ -121,9 +121,9 @@ def test_forced_schemas_parse_and_hold_an_answer_to_calls():
     del xgr
 
 
-def test_a_call_in_openai_shape_has_an_id_a_type_and_its_index_when_streamed():
-    out = ToolCall("f", "{}").as_json(index=2)
-    assert out["type"] == "function" and out["id"].startswith("call_") and out["index"] == 2
+def test_a_call_in_openai_shape_has_an_id_a_type_and_streamed_its_pieces_carry_its_index():
+    out = ToolCall("f", "{}").as_json()
+    assert out["type"] == "function" and out["id"].startswith("call_") and "index" not in out
     assert out["function"] == {"name": "f", "arguments": "{}"}
     head, more = CallDelta(1, "", "f").as_json(), CallDelta(1, '{"a": 1}').as_json()
     assert head["id"].startswith("call_") and head["type"] == "function" and head["function"] == {"name": "f",
