@@ -223,7 +223,8 @@ def start_stack(model: str, drafter: str, device: str, dtype: str, threads: int 
     drafter_device puts the drafter elsewhere (e.g. cuda:1; the last --device on its command line wins);
     gateway_args and target_args are extra flags of those services (e.g. the bench-only calibration flags, the
     target's --quantize); the gateway runs without budget ceilings by batch size unless gateway_args set them, so
-    that a system named for its budget runs that budget at every batch size; step_sockets: the step calls on bare
+    that a system named for its budget runs that budget at every batch size, and without prefix caching unless
+    they turn it on; step_sockets: the step calls on bare
     Unix sockets instead of gRPC streams; pin_cpus: each service on CPUs of its own (LocalStack.pin_cpus)."""
     from launch.local_stack import LocalStack
 
@@ -231,6 +232,10 @@ def start_stack(model: str, drafter: str, device: str, dtype: str, threads: int 
     gateway_args = list(gateway_args or [])
     if "--batch-budgets" not in gateway_args:
         gateway_args = ["--batch-budgets", "none", *gateway_args]
+    if not any(a.endswith("enable-prefix-caching") for a in gateway_args):
+        # The systems compared run the same prompts one after another: a later one must not start from an earlier
+        # one's cached rows.
+        gateway_args.append("--no-enable-prefix-caching")
     drafter_args = model_args + (["--device", drafter_device] if drafter_device else [])
     stack = LocalStack(model=model, drafter=drafter, mode="ddtree", budget=budget, device=device, dtype=dtype,
                        metrics=True, transport=transport, threads=threads, log_dir=log_dir, step_sockets=step_sockets,
@@ -350,7 +355,7 @@ def stats_dict(s) -> dict:
     return {"prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens, "steps": s.steps,
             "accepted_tokens": s.accepted_tokens, "mean_acceptance_length": s.mean_acceptance_length,
             "draft_tokens": s.draft_tokens, "ttft_seconds": s.ttft_seconds, "e2e_seconds": s.e2e_seconds,
-            "mode": s.mode, "budget": s.budget}
+            "mode": s.mode, "budget": s.budget, "cached_prompt_tokens": s.cached_prompt_tokens}
 
 
 async def _stream_many(channel, requests: list, concurrency: int, timeout_s: float) -> list[Result]:

@@ -86,7 +86,9 @@ def main() -> None:
         from launch.local_stack import LocalStack
 
         stack = LocalStack(model=resolve_model(args.model), drafter=resolve_drafter(args.drafter), budget=0,
-                           device=args.device, threads=args.threads, http=True)
+                           device=args.device, threads=args.threads, http=True,
+                           # the modes run the same prompts in turn: none may start from another's cached rows
+                           extra={"gateway": ["--no-enable-prefix-caching"]})
         stack.start(timeout_s=960)
         base_url = stack.http_url
     rows, data = [], {"command": command_line("bench.http_load"), "date": now_utc(), "hardware": hw,

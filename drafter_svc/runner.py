@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,9 @@ class DrafterRunner:
         self._slot: dict[str, int] = {}
         self._len: dict[str, int] = {}
         self._free = list(range(cfg.max_batch))
+        # Prefix caching: released sequences' slots kept with their rows for adopt(), oldest first: seq -> (slot, rows)
+        self._parked: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self._adopted: set[str] = set()   # adopted sequences whose first push may start at or below the rows held
         self._lock = threading.Lock()
         self.slot_attention = self._choose_slot_attention()
         # Every block row sees the whole block (tree attention's ancestors, for all batch buckets at once).
@@ -244,9 +248,7 @@ class DrafterRunner:
         if features.dim() != 2 or features.shape[1] != self.feature_dim:
             raise ValueError(f"features must be [n, {self.feature_dim}], got {tuple(features.shape)}")
         n = int(features.shape[0])
-        held = self._len.get(seq_id)
-        if start != (held or 0):
-            raise ValueError(f"sequence {seq_id!r}: context rows start at {start}, expected {held or 0}")
+        held = self._rows_before(seq_id, start)
         if n == 0:
             return None
         if (held or 0) + n > self.cfg.max_seq_len:
@@ -255,13 +257,29 @@ class DrafterRunner:
                 f"(max_seq_len {self.cfg.max_seq_len})"
             )
         if held is None:
-            if not self._free:
-                raise RuntimeError(f"capacity exceeded: all {self.cfg.max_batch} drafter slots are in use")
-            # Lowest slot first keeps the slots of a running batch together.
-            self._free.sort()
-            self._slot[seq_id] = self._free.pop(0)
+            self._slot[seq_id] = self._take_slot()
+        self._adopted.discard(seq_id)
         self._len[seq_id] = start + n
         return self._slot[seq_id]
+
+    def _rows_before(self, seq_id: str, start: int) -> int | None:
+        """The rows a push at `start` follows (None: a new sequence); ValueError unless start is the rows held, or
+        at most them on an adopted sequence's first push (which then drops the adopted rows from start on)."""
+        held = self._len.get(seq_id)
+        if seq_id in self._adopted and 0 <= start <= held:
+            self._len[seq_id] = held = start
+        if start != (held or 0):
+            raise ValueError(f"sequence {seq_id!r}: context rows start at {start}, expected {held or 0}")
+        return held
+
+    def _take_slot(self) -> int:
+        """A free slot (lowest first: a running batch's slots stay together), else the oldest parked one's."""
+        if not self._free and self._parked:
+            self._free.append(self._parked.popitem(last=False)[1][0])
+        if not self._free:
+            raise RuntimeError(f"capacity exceeded: all {self.cfg.max_batch} drafter slots are in use")
+        self._free.sort()
+        return self._free.pop(0)
 
     def _project_into_cache(self, accepted: list[tuple[int, int, torch.Tensor]]) -> None:
         """One K/V projection over all accepted rows, scattered to their (slot, position) cache rows."""
@@ -393,19 +411,15 @@ class DrafterRunner:
             raise ValueError(f"features must be [n, {self.feature_dim}], got {tuple(e.rows.shape)}")
         if tuple(e.header.shape) != (2,):
             raise ValueError(f"an early push's header must hold 2 values, not {tuple(e.header.shape)}")
-        held = self._len.get(e.seq_id)
-        if e.start != (held or 0):
-            raise ValueError(f"sequence {e.seq_id!r}: context rows start at {e.start}, expected {held or 0}")
+        held = self._rows_before(e.seq_id, e.start)
         width = min(int(e.rows.shape[0]), self.cfg.max_seq_len - e.start)
         if width <= 0:
             raise RuntimeError(f"capacity exceeded: sequence {e.seq_id!r} holds {e.start} context rows "
                                f"(max_seq_len {self.cfg.max_seq_len})")
         if held is None:
-            if not self._free:
-                raise RuntimeError(f"capacity exceeded: all {self.cfg.max_batch} drafter slots are in use")
-            self._free.sort()
-            self._slot[e.seq_id] = self._free.pop(0)
+            self._slot[e.seq_id] = self._take_slot()
             self._len[e.seq_id] = 0
+        self._adopted.discard(e.seq_id)
         return width
 
     def _store_rows(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
@@ -416,15 +430,36 @@ class DrafterRunner:
             self.k_cache[i][slots, :, pos] = ctx.keys[i][0].transpose(0, 1)
             self.v_cache[i][slots, :, pos] = ctx.values[i][0].transpose(0, 1)
 
-    def release(self, seq_id: str) -> bool:
-        """Frees a sequence's slot; False when it was not held (releases are idempotent)."""
+    def release(self, seq_id: str, park: bool = False) -> bool:
+        """Frees a sequence's slot, or parks it (park: its rows kept for adopt()); False when it was not held
+        (releases are idempotent)."""
         with self._lock:
             slot = self._slot.pop(seq_id, None)
-            self._len.pop(seq_id, None)
+            rows = self._len.pop(seq_id, 0)
+            self._adopted.discard(seq_id)
             if slot is None:
                 return False
-            self._free.append(slot)
+            if park and rows:
+                self._parked[seq_id] = (slot, rows)
+            else:
+                self._free.append(slot)
             return True
+
+    def parked_ids(self) -> list[str]:
+        """The parked sequences, oldest first (a snapshot)."""
+        return list(self._parked)
+
+    def adopt(self, seq_id: str, parked_id: str, rows: int) -> int:
+        """Gives the new sequence seq_id the parked sequence's slot with up to `rows` of its context rows -> the
+        rows it holds (0, and nothing taken, when parked_id is not parked or seq_id exists)."""
+        with self._lock:
+            if seq_id in self._slot or parked_id not in self._parked or rows <= 0:
+                return 0
+            slot, held = self._parked.pop(parked_id)
+            self._slot[seq_id] = slot
+            self._len[seq_id] = min(rows, held)
+            self._adopted.add(seq_id)
+            return self._len[seq_id]
 
     # ------------------------------------------------------------------------------------------------------------
     # Draft

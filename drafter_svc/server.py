@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 RECENT_DRAFTS = 64        # Drafts whose widest top-k a sequence's first, unasked-for draft is made with
+PARK_WAIT_S = 0.5   # a parking release waits this long at most for the features still in flight
 RELEASED_MEMORY = 65536   # released ids remembered, so late feature pushes don't resurrect a sequence
 OPENED_EVENTS = 4         # targets' interprocess ready events kept open (the newest)
 
@@ -74,6 +75,8 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.context_waiters = Waiters()   # Drafts waiting for their sequences' features (and drafts made on push)
         self.released: OrderedDict[str, None] = OrderedDict()
         self.broken: dict[str, str] = {}   # seq id -> why its context can no longer be trusted
+        # Prefix caching: parked sequence -> the session that parked it (only that session may adopt its rows)
+        self.parked_by: dict[str, str] = {}
         self.opened_buffers = OpenedBuffers()   # the target's staging buffers (shm / cuda-ipc transports)
         # Draft on push: a push that carries a sequence's next bonus token is drafted at once with the top-k its
         # last Draft asked for, so the step's Draft finds the answer ready (the drafter forward overlaps the
@@ -395,11 +398,56 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
     @grpc_errors
     async def Release(self, request, context):
         require_ready(self.ready)
-        ids = list(self.leases.check(auth.session_of(context), request.seq_ids))
-        released = await self._release_ids(ids)
+        session = auth.session_of(context)
+        ids = list(self.leases.check(session, request.seq_ids))
+        if request.keep_prefix and request.park_rows:
+            await self._wait_for_parked_rows(dict(zip(request.seq_ids, request.park_rows)))
+        released = await self._release_ids(ids, park=request.keep_prefix)
+        if request.keep_prefix:
+            parked = self._forget_unparked()
+            self.parked_by.update((seq_id, session) for seq_id in ids if seq_id in parked)
         return drafter_pb2.DrafterReleaseResponse(released=released, cache=self.observe_cache())
 
-    async def _release_ids(self, ids: list[str]) -> int:
+    async def _wait_for_parked_rows(self, rows: dict[str, int]) -> None:
+        """Before parking: waits (at most PARK_WAIT_S) until each sequence holds the rows the target sent features
+        for; its last verify's push may still be in flight, and a slot parked short is reused less (or, for a
+        Gated DeltaNet target, not at all)."""
+        def have_all() -> bool:
+            return all(seq_id not in self.rows_held or seq_id in self.broken or self.rows_held[seq_id] >= n
+                       for seq_id, n in rows.items())
+
+        try:
+            await self.context_waiters.wait_for(have_all, PARK_WAIT_S)
+        except asyncio.TimeoutError:
+            log.info("parking sequences whose last features have not arrived within %.1f s", PARK_WAIT_S)
+
+    @grpc_errors
+    async def Adopt(self, request, context):
+        require_ready(self.ready)
+        session = auth.session_of(context)
+        for it in request.items:
+            if it.seq_id in self.released or it.seq_id in self.rows_held:
+                raise ValueError(f"sequence {it.seq_id!r} exists or existed: only a new sequence adopts rows")
+        self.leases.claim(session, (it.seq_id for it in request.items))
+        adoptions = [(it.seq_id, it.parked_id if self.parked_by.get(it.parked_id) == session else "", it.rows)
+                     for it in request.items]
+        rows = await self.model_thread.run(self._adopt_all, adoptions)
+        for (seq_id, _, _), n in zip(adoptions, rows):
+            if n:
+                self.rows_held[seq_id] = n
+        self._forget_unparked()
+        return drafter_pb2.AdoptResponse(rows=rows)
+
+    def _adopt_all(self, adoptions: list[tuple[str, str, int]]) -> list[int]:
+        return [self.runner.adopt(seq_id, parked_id, rows) if parked_id else 0 for seq_id, parked_id, rows in adoptions]
+
+    def _forget_unparked(self) -> set[str]:
+        """Drops the owners of sequences no longer parked (adopted or evicted); returns those parked."""
+        parked = set(self.runner.parked_ids())
+        self.parked_by = {seq_id: owner for seq_id, owner in self.parked_by.items() if seq_id in parked}
+        return parked
+
+    async def _release_ids(self, ids: list[str], park: bool = False) -> int:
         # Tombstones first, before any await: a feature push checked after this point is dropped, and one
         # checked before it was queued on the model thread ahead of the release below.
         for seq_id in ids:
@@ -412,10 +460,10 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         while len(self.released) > RELEASED_MEMORY:
             self.released.popitem(last=False)
         self.leases.drop(ids)
-        return await self.model_thread.run(self._release_all, ids)
+        return await self.model_thread.run(self._release_all, ids, park)
 
-    def _release_all(self, seq_ids: list[str]) -> int:
-        return sum(bool(self.runner.release(seq_id)) for seq_id in seq_ids)
+    def _release_all(self, seq_ids: list[str], park: bool = False) -> int:
+        return sum(bool(self.runner.release(seq_id, park)) for seq_id in seq_ids)
 
 
 async def serve(cfg: DrafterServerConfig, host: str, port: int, metrics_port: int | None = None,

@@ -15,6 +15,7 @@ from ddtree_serve.plumbing.background import BackgroundTask
 from ddtree_serve.plumbing.messages import draft_arrays, guide_proto, sampling_proto
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
+from gateway.prefix_index import PrefixIndex
 from gateway.scheduler import PairQueue, batch_budget_ceiling, plan_prefill_chunks, step_budgets
 from gateway.sequence import Sequence, Status
 from gateway.step_timeline import GatewayStamps, PreviousVerify, step_segments
@@ -45,6 +46,9 @@ class EngineConfig:
     # the target's grammar walk over the larger tree (~14 us a node on a CPU core: ~0.9 ms more for a budget of
     # 64 at 2, a tenth of a GPU step), so opt-in.
     guided_overdraft: int = 1
+    # Prefix caching (vLLM's --enable-prefix-caching, on by default there too): finished sequences' slots stay
+    # parked with their rows, and a new prompt that starts with one's tokens reuses them (gateway/prefix_index.py).
+    prefix_caching: bool = True
     # (from batch size, max budget) pairs: a step of that many sequences or more caps each DDTree budget there
     # (ddtree_serve.decoding.config.GPU_BATCH_BUDGETS); () or None: no ceiling (the gateway resolves None by
     # device).
@@ -68,6 +72,8 @@ class PairEngine(BackgroundTask):
         self.task_name = f"engine-{pair.index}"
         self.releases_in_flight = 0   # Release RPCs sent and not yet answered (a drain waits for them)
         self._previous_verify: PreviousVerify | None = None   # the last step's, for the next step's segments
+        self.prefixes = (PrefixIndex(max(1, pair.target_info.max_batch))
+                         if cfg.prefix_caching and pair.target_info.prefix_reuse else None)
 
     async def run(self) -> None:
         """Steps while there is work; sleeps on the queue's wake-up event otherwise. Never dies on one bad step."""
@@ -86,10 +92,14 @@ class PairEngine(BackgroundTask):
 
     async def lost_target(self, message: str) -> None:
         """The target restarted: the running sequences' state is gone, so they fail (alone; waiting ones stay)."""
+        if self.prefixes is not None:
+            self.prefixes.clear()   # its parked slots went with it
         await self._fail(list(self.queue.running), grpc.StatusCode.UNAVAILABLE, message)
 
     def lost_drafter(self) -> None:
         """The drafter restarted: running sequences lost their drafter context and continue autoregressively."""
+        if self.prefixes is not None:
+            self.prefixes.clear()   # its parked slots went with it
         for s in self.queue.running:
             s.drafting = False
 
@@ -127,12 +137,15 @@ class PairEngine(BackgroundTask):
 
     async def _prefill(self, seqs: list[Sequence]) -> None:
         """One Prefill RPC: the next prompt chunk of each sequence, oldest first, within max_prefill_tokens."""
+        newcomers = [s for s in seqs if s.prefilled == 0 and not s.prefix_checked]
+        for s in newcomers:
+            if not self.pair.drafter_ok:
+                s.drafting = False   # no drafter attached right now: this one runs autoregressively
+        await self._find_prefixes(newcomers)
         chunks = plan_prefill_chunks(seqs, self.cfg.max_prefill_tokens)
         now = time.perf_counter()
         for s, _ in chunks:
             s.scheduled_at = s.scheduled_at or now
-            if s.prefilled == 0 and not self.pair.drafter_ok:
-                s.drafting = False   # no drafter attached right now: this one runs autoregressively
         request = target_pb2.PrefillRequest(items=[
             target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids[s.prefilled:s.prefilled + n],
                                    sampling=sampling_proto(s.sampling), push_features=s.speculative, start=s.prefilled,
@@ -141,7 +154,9 @@ class PairEngine(BackgroundTask):
                                    prompt_logprobs=s.prompt_logprobs >= 0,
                                    prompt_top_logprobs=max(s.prompt_logprobs, 0),
                                    guide=guide_proto(s.guide)
-                                   if s.guide is not None and s.prefilled == 0 else None)
+                                   if s.guide is not None and s.prefilled == 0 else None,
+                                   reuse_from=s.reuse_from if s.prefilled == 0 else "",
+                                   reuse_max=s.reuse_rows if s.prefilled == 0 else 0)
             for s, n in chunks])
         try:
             response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
@@ -159,6 +174,8 @@ class PairEngine(BackgroundTask):
             r = by_id[s.seq_id]
             if r.error:
                 continue
+            if s.prefilled == 0:
+                s.cached_tokens = r.reused
             s.prefilled += n
             s.context_len = r.context_len
             if s.prompt_logprobs >= 0:
@@ -170,8 +187,43 @@ class PairEngine(BackgroundTask):
             kept = s.append([r.next_token])
             s.emit(kept, r.logprobs)
             if self.metrics is not None:
-                self.metrics.observe_prompt(len(s.prompt_ids))
+                self.metrics.observe_prompt(len(s.prompt_ids), s.cached_tokens if self.prefixes is not None else None)
                 self.metrics.observe_first_token(now - s.arrival)
+
+    async def _find_prefixes(self, newcomers: list[Sequence]) -> None:
+        """Prefix caching: each new sequence's parked sequence to start from (Sequence.reuse_from), and how many
+        prompt tokens of it the drafter holds for a speculative one (one Adopt RPC for all; the target checks and
+        answers in its Prefill)."""
+        for s in newcomers:
+            s.prefix_checked = True
+        if self.prefixes is None:
+            return
+        whole = self.pair.target_info.prefix_reuse == "context"
+        adopting = []
+        for s in newcomers:
+            if s.prompt_logprobs >= 0:   # every prompt position's logits are wanted: the prompt runs whole
+                continue
+            hit = self.prefixes.take(s.prompt_ids, s.cache_salt, whole)
+            if hit is not None:
+                s.reuse_from, s.reuse_rows = hit.seq_id, hit.rows
+                if s.speculative:
+                    adopting.append(s)
+        if not adopting:
+            return
+        try:
+            response = await self.pair.drafter.Adopt(drafter_pb2.AdoptRequest(items=[
+                drafter_pb2.AdoptItem(seq_id=s.seq_id, parked_id=s.reuse_from, rows=s.reuse_rows)
+                for s in adopting]), timeout=self.cfg.draft_timeout_s)
+            rows = list(response.rows)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("prefix caching: the drafter's Adopt failed (%s: %s); %d prompts run whole",
+                        exc.code().name, exc.details(), len(adopting))
+            rows = [0] * len(adopting)
+        for s, n in zip(adopting, rows):
+            # The target reuses no more than the drafter holds: the rows past them get their features pushed.
+            s.reuse_rows = n
+            if n == 0:
+                s.reuse_from = ""
 
     async def _draft(self, seqs: list[Sequence], budgets: dict[str, int], stamps: GatewayStamps
                      ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], common_pb2.Timings | None]:
@@ -348,17 +400,29 @@ class PairEngine(BackgroundTask):
                 if self.metrics is not None and s.finish_reason not in ("abort", "error"):
                     self.metrics.observe_finished(s.finish_reason, len(s.prompt_ids), len(s.output_ids),
                                                   time.perf_counter() - s.arrival, s.scheduled_at - s.arrival)
+        keep = self.prefixes is not None
         self.releases_in_flight += 1
         try:
             results = await asyncio.gather(
-                self.pair.target.Release(target_pb2.ReleaseRequest(seq_ids=ids), timeout=30),
-                self.pair.drafter.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=ids), timeout=30),
+                self.pair.target.Release(target_pb2.ReleaseRequest(seq_ids=ids, keep_prefix=keep), timeout=30),
+                self.pair.drafter.Release(drafter_pb2.DrafterReleaseRequest(
+                    seq_ids=ids, keep_prefix=keep,
+                    park_rows=[s.context_len if keep and s.speculative and s.finish_reason != "error" else 0
+                               for s in seqs]), timeout=30),
                 return_exceptions=True)
         finally:
             self.releases_in_flight -= 1
         for service, res in zip(("target", "drafter"), results):
             if isinstance(res, Exception):
                 log.error("release of %d sequences on the %s failed: %s", len(ids), service, res)
+        if keep and not isinstance(results[0], Exception):
+            for s in seqs:
+                # What the target's rows hold, as far as the gateway knows them (the target checks the rest).
+                tokens = (s.prompt_ids + s.output_ids)[:s.context_len]
+                # A recurrent cache is reused whole or not at all: its tokens must all be known here.
+                complete = len(tokens) == s.context_len or self.pair.target_info.prefix_reuse != "context"
+                if s.finish_reason != "error" and s.prefill_done and complete:
+                    self.prefixes.add(s.seq_id, tokens, s.cache_salt)
 
     async def _fail(self, seqs: list[Sequence], code: grpc.StatusCode, message: str) -> None:
         for s in seqs:

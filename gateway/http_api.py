@@ -159,7 +159,9 @@ class HttpFront:
         """Token counts of a request's sequences (n samples of each prompt, in order): each prompt once, every
         sample's completion."""
         prompt, completion = sum(len(s.prompt_ids) for s in seqs[::n]), sum(len(s.output_ids) for s in seqs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(s.cached_tokens for s in seqs[::n])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _run(self, reqs: list[gateway_pb2.GenerateRequest], chat: bool, body: GenerationRequest,
                    echoes: list[str] | None = None) -> Any:

@@ -83,6 +83,7 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None   # vLLM's: prefix caching shares cached prompt rows within one salt only
 
 
 class ChatMessage(BaseModel):
@@ -249,6 +250,7 @@ def generate_request(body: GenerationRequest, max_tokens: int | None,
     guide = guide_of(body)
     if guide is not None:
         req.guide.CopyFrom(guide)
+    req.cache_salt = body.cache_salt or ""
     req.max_tokens = max_tokens if max_tokens is not None else (default_max or 0)
     return req
 

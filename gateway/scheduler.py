@@ -98,16 +98,18 @@ def step_budgets(requested: dict[str, int], other_nodes: int, max_verify_nodes: 
 
 
 def plan_prefill_chunks(prefilling: list[Sequence], max_tokens: int) -> list[tuple[Sequence, int]]:
-    """The next prompt chunk of each sequence still prefilling, oldest first, at most max_tokens in all (0: whole
-    prompts): (sequence, chunk length) pairs; the first sequence always gets a chunk."""
+    """The next prompt chunk of each sequence still prefilling, oldest first, at most max_tokens run in all (0:
+    whole prompts): (sequence, chunk length) pairs; the first sequence always gets a chunk. A first chunk also
+    covers the prompt tokens a parked sequence's rows may give it (Sequence.reuse_rows: not run)."""
     budget = max_tokens or sum(len(s.prompt_ids) - s.prefilled for s in prefilling)
     chunks = []
     for s in prefilling:
-        n = min(len(s.prompt_ids) - s.prefilled, budget)
-        if n <= 0:
+        free = s.reuse_rows if s.prefilled == 0 else 0
+        n = min(len(s.prompt_ids) - s.prefilled, budget + free)
+        if n - free <= 0:
             break
         chunks.append((s, n))
-        budget -= n
+        budget -= n - free
     return chunks
 
 

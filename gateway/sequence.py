@@ -67,10 +67,15 @@ class Sequence:
     prompt_logprobs: int = -1      # >= 0: each prompt token's log-prob and this many alternatives, on the first event
     prompt_scores: list = field(default_factory=list)   # the target's prompt log-probs, gathered chunk by chunk
     guide: GuideSpec | None = None   # structured output: the grammar the target keeps every token inside
+    cache_salt: str = ""           # prefix caching: only sequences of the same salt share cached rows
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     prefilled: int = 0             # prompt tokens the target holds (prompts are prefilled in chunks across steps)
+    prefix_checked: bool = False   # prefix caching: the parked sequence to start from was looked for
+    reuse_from: str = ""           # that parked sequence ("" none), and the leading prompt tokens its rows may give
+    reuse_rows: int = 0
+    cached_tokens: int = 0         # prompt tokens the target served from it (not run)
     context_len: int = 0
     bonus: int = -1
     drafting: bool = True          # false after the drafter failed for this sequence: AR from then on

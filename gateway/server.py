@@ -34,6 +34,8 @@ from gateway.watch import PairWatch
 
 log = logging.getLogger(__name__)
 
+MAX_CACHE_SALT_CHARS = 256
+
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 GUIDE_COMPILE_TIMEOUT_S = 60.0   # a structured output's grammar, compiled by each target at admission
 MODE_BY_ENUM = {gateway_pb2.DECODE_MODE_DDTREE: "ddtree", gateway_pb2.DECODE_MODE_DFLASH: "dflash",
@@ -294,6 +296,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         sampling = dataclasses.replace(sampling, min_tokens_blocked=tuple(sorted(stops)) if sampling.min_tokens else ())
         sampling.validate()   # again, with the stops min_tokens holds back
         guide = await self._guide(request, sampling) if request.HasField("guide") else None
+        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt is over the {MAX_CACHE_SALT_CHARS}-character limit")
         request_id = request.request_id or get_request_id() or uuid.uuid4().hex
         return Sequence(request_id=request_id, prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                         sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,
@@ -303,7 +307,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             min_tokens=sampling.min_tokens, skip_special_tokens=not request.keep_special_tokens),
                         logprobs=logprobs_wanted(request.logprobs, request.top_logprobs),
                         prompt_logprobs=logprobs_wanted(request.prompt_logprobs, request.prompt_top_logprobs),
-                        guide=guide)
+                        guide=guide, cache_salt=request.cache_salt)
 
     async def _guide(self, request, sampling) -> GuideSpec:
         """The request's structured output, its grammar parsed here (the target compiles it against its vocabulary);
@@ -338,7 +342,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             draft_tokens=seq.stats.draft_tokens,
             ttft_seconds=(seq.first_token_at - seq.arrival) if seq.first_token_at else 0.0,
             e2e_seconds=now - seq.arrival, mode=seq.mode if seq.drafting else "ar", budget=seq.budget,
-            requested_mode=seq.mode, drafter_fallback=not seq.drafting)
+            requested_mode=seq.mode, drafter_fallback=not seq.drafting, cached_prompt_tokens=seq.cached_tokens)
 
     def stream(self, request):
         """(Sequence, StreamEvent) pairs of one GenerateRequest; the HTTP front drives the engine through this."""

@@ -210,7 +210,7 @@ def cmd_gateway(args) -> None:
     _security(args, public=True)
     engine = EngineConfig(max_prefill_tokens=args.max_prefill_tokens, draft_timeout_s=args.draft_timeout_s,
                           max_verify_nodes=args.max_verify_nodes, batch_budgets=args.batch_budgets,
-                          guided_overdraft=args.guided_overdraft)
+                          guided_overdraft=args.guided_overdraft, prefix_caching=args.enable_prefix_caching)
     if args.calibrated_acceptance:
         from gateway.calibrated_drafts import calibrator_from_args
 
@@ -547,6 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=_int_in(0), default=2048,
                    help="prompt tokens prefilled per step (0: no limit); longer prompts are prefilled in chunks over "
                         "several steps while the running batch keeps decoding")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="finished sequences' slots stay parked with their cache rows until needed, and a new prompt "
+                        "that starts with one's tokens reuses them instead of running them (vLLM's; on by default; "
+                        "requests share rows only within one cache_salt)")
     p.add_argument("--guided-overdraft", type=_int_in(1), default=1,
                    help="a structured output's DDTree trees are drafted this many times their budget; the target "
                         "verifies the budget's worth of the nodes its grammar allows (1: the budget alone; more "

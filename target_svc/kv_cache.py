@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,9 @@ class KVCache:
     ctx_len: list[int]  # committed tokens per slot (host-side: known without a device sync)
     slot_of: dict[str, int] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
+    # Prefix caching: released sequences whose slots keep their rows and states until a new sequence adopts them or
+    # a slot is needed (oldest parked first), by seq id -> (slot, the token ids their ctx_len rows hold)
+    parked: OrderedDict[str, tuple[int, list[int]]] = field(default_factory=OrderedDict)
     # write_kv and move_rows through target_svc/kv_cache_kernels.py (one launch each: two index_puts, and a gather
     # and a scatter of K and of V)
     write_kernel: bool = False
@@ -85,9 +89,12 @@ class KVCache:
         )
 
     def add_sequence(self, seq_id: str) -> int:
-        """Takes a free slot for seq_id and resets its state; RuntimeError('capacity ...') when none is free."""
+        """Takes a free slot for seq_id (else the oldest parked one's) and resets its state; RuntimeError('capacity
+        ...') when every slot holds a running sequence."""
         if seq_id in self.slot_of:
             raise ValueError(f"sequence {seq_id!r} is already in the target cache")
+        if not self.free_slots and self.parked:
+            self.free_slots.append(self.parked.popitem(last=False)[1][0])
         if not self.free_slots:
             raise RuntimeError(f"capacity: all {self.spec.max_batch} sequence slots are in use")
         slot = self.free_slots.pop()
@@ -105,6 +112,29 @@ class KVCache:
         del self.slot_of[seq_id]
         self.ctx_len[slot] = 0
         self.free_slots.append(slot)
+
+    def park(self, seq_id: str, tokens: list[int]) -> None:
+        """Releases seq_id but keeps its slot's rows and states for a later adopt(); tokens: the ids of its ctx_len
+        committed rows. KeyError if unknown."""
+        slot = self.slot(seq_id)
+        if len(tokens) != self.ctx_len[slot]:
+            raise ValueError(f"sequence {seq_id!r} holds {self.ctx_len[slot]} rows, not {len(tokens)}")
+        del self.slot_of[seq_id]
+        self.parked[seq_id] = (slot, tokens)
+
+    def adopt(self, seq_id: str, parked_id: str) -> tuple[int, list[int]]:
+        """Gives parked_id's slot, rows and states (ctx_len unchanged) to the new sequence seq_id -> (slot, the token
+        ids of its rows); KeyError when parked_id is not parked."""
+        if seq_id in self.slot_of:
+            raise ValueError(f"sequence {seq_id!r} is already in the target cache")
+        slot, tokens = self.parked.pop(parked_id)
+        self.slot_of[seq_id] = slot
+        return slot, tokens
+
+    @property
+    def slots_available(self) -> int:
+        """Slots a new sequence can take: the free ones and the parked ones."""
+        return len(self.free_slots) + len(self.parked)
 
     def slot(self, seq_id: str) -> int:
         """Slot of seq_id; KeyError if unknown."""

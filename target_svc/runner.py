@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from ddtree_serve.decoding.sampling import choose_tokens, make_generator
 from ddtree_serve.plumbing.cuda_graphs import (HYBRID_PREFILL_FORWARD_FIXED_ROWS, PREFILL_FORWARD_FIXED_ROWS,
                                               pick_bucket, prefill_chunk)
 from ddtree_serve.plumbing.host_copy import PendingHostCopy, start_host_copy, to_host
+from ddtree_serve.prefix_match import reusable_rows
 from ddtree_serve.transport.base import EarlyRows
 from target_svc.loader import LoadedTarget, load_target
 from target_svc.memory_plan import (
@@ -89,6 +90,9 @@ class PrefillItem:
     logprobs: int = -1    # >= 0: report each emitted token's log-prob and this many alternatives (first chunk's)
     prompt_logprobs: int = -1   # >= 0: each prompt token's log-prob after the tokens before it, with alternatives
     guide: Any = None     # a compiled grammar (xgrammar's) every generated token must keep to (first chunk's)
+    # Prefix caching (first chunk): reuse up to reuse_max leading prompt rows of the parked sequence reuse_from
+    reuse_from: str = ""
+    reuse_max: int = 0
 
 
 @dataclass
@@ -102,6 +106,7 @@ class PrefillOutput:
     logprobs: list[TokenLogprob] | None = None   # next_token's, when the sequence asked
     # The chunk's prompt tokens' log-probs, when asked: one per token, except the prompt's very first (no context)
     prompt_logprobs: list[TokenLogprob] | None = None
+    reused: int = 0   # leading prompt rows taken from a parked sequence's cache (prefix caching), not run
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,7 @@ class _Sequence:
     # predicts the next chunk's first token)
     prompt_tail: Tensor | None = None
     guide: SequenceGuide | None = None   # structured output: the grammar's state
+    tokens: list[int] = field(default_factory=list)   # the ids of the committed cache rows (what parking keeps)
 
     @property
     def plain_greedy(self) -> bool:
@@ -307,18 +313,28 @@ class TargetRunner:
             return []
         self._check_prefill_batch(items)
         try:
+            runs, reused = [], []   # runs: the items as run (a reused prefix cut off)
             for it in items:
+                held = 0
                 if it.start == 0:
-                    slot = self.model.cache.add_sequence(it.seq_id)
+                    slot, tokens = self._take_slot(it)
+                    held = len(tokens)
                     history = TokenHistory.empty(self.vocab_size, self.device) if it.sampling.adjusts_logits else None
                     guide = SequenceGuide(it.guide, self.vocab_size) if it.guide is not None else None
                     self.seqs[it.seq_id] = _Sequence(slot, it.sampling, make_generator(it.sampling.seed, self.device),
                                                      pending_token=-1, logprobs=it.logprobs, history=history,
-                                                     guide=guide)
+                                                     guide=guide, tokens=tokens)
                 seq = self.seqs[it.seq_id]
                 if seq.history is not None:
                     seq.history.add_prompt(it.prompt_ids)
-            return self._prefill(items)
+                run = replace(it, prompt_ids=it.prompt_ids[held:], start=held) if held else it
+                seq.tokens.extend(run.prompt_ids)
+                runs.append(run)
+                reused.append(held)
+            outputs = self._prefill(runs)
+            for out, n in zip(outputs, reused):
+                out.reused = n
+            return outputs
         except BaseException:
             # A half-run forward leaves caches and linear-attention states of these sequences unusable.
             for it in items:
@@ -371,6 +387,8 @@ class TargetRunner:
             self.model.cache.ctx_len[tr.seq.slot] = ctx
             tr.seq.pending_token = next_token
             accepted = [tr.tokens[i] for i in nodes[1:]]
+            tr.seq.tokens.append(tr.tokens[0])
+            tr.seq.tokens.extend(accepted)
             paths.append(nodes)
             if tr.nodes is not None:   # indices as the item sent them
                 nodes = [tr.nodes[i] for i in nodes]
@@ -404,10 +422,35 @@ class TargetRunner:
             outputs[b].logprobs = [TokenLogprob(lp.logprob, lp.top[:keep], lp.rank)
                                    for lp in itertools.islice(got, len(outputs[b].accepted_nodes))]
 
-    def release(self, seq_id: str) -> None:
-        """Frees the sequence's slot; KeyError if unknown."""
-        self.model.cache.release(seq_id)
+    def release(self, seq_id: str, park: bool = False) -> None:
+        """Frees the sequence's slot; park: keeps its rows for a later prompt that starts with its tokens (prefix
+        caching: a later PrefillItem.reuse_from names it). KeyError if unknown."""
+        seq = self.seqs[seq_id]
+        cache = self.model.cache
+        if park and len(seq.tokens) == cache.ctx_len[seq.slot]:
+            cache.park(seq_id, seq.tokens)
+        else:
+            cache.release(seq_id)
         del self.seqs[seq_id]
+
+    @property
+    def prefix_reuse(self) -> str:
+        """What a parked sequence's rows give a new prompt: "prefix" (any common prefix), or "context" (all of them
+        or nothing: Gated DeltaNet layers keep their recurrent state at the end of the context only)."""
+        return "context" if self.model.linear_index else "prefix"
+
+    def _take_slot(self, it: PrefillItem) -> tuple[int, list[int]]:
+        """A new sequence's slot and the leading prompt tokens its rows already hold: a parked sequence's slot
+        where the item names one whose rows start its prompt (prefix caching), else a fresh slot and none."""
+        cache = self.model.cache
+        parked = cache.parked.get(it.reuse_from) if it.reuse_from and it.prompt_logprobs < 0 else None
+        if parked is not None:
+            n = reusable_rows(parked[1], it.prompt_ids, it.reuse_max, whole=self.prefix_reuse == "context")
+            if n > 0:
+                slot, tokens = cache.adopt(it.seq_id, it.reuse_from)
+                cache.ctx_len[slot] = n
+                return slot, tokens[:n]
+        return cache.add_sequence(it.seq_id), []
 
     def cache_usage(self) -> tuple[int, int, int, int]:
         """(running sequences, max sequences, committed tokens, token capacity)."""
@@ -680,7 +723,7 @@ class TargetRunner:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"sequence {it.seq_id!r}: token ids must lie in [0, {self.vocab_size}), got {bad}")
         new = sum(it.start == 0 for it in items)
-        free = len(self.model.cache.free_slots)
+        free = self.model.cache.slots_available
         if new > free:
             raise RuntimeError(f"capacity: {new} new sequences but {free} of {self.max_batch} slots free")
 

@@ -81,6 +81,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.sender: FeatureSender | None = None
         self.sender_address = ""
         self.feature_seqs: set[str] = set()   # sequences whose features go to the drafter (not AR ones)
+        # Prefix caching: parked sequence -> the session that parked it (only that session may reuse its rows)
+        self.parked_by: dict[str, str] = {}
         self._warmup_task: asyncio.Task | None = None
         self.grammars: GrammarCompiler | None = None   # structured outputs, once the model is loaded
         self._grammar_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
@@ -191,7 +193,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         return target_pb2.TargetInfo(**info, model_type=r.model_type, eos_token_ids=r.eos_token_ids,
                                      num_layers=r.num_layers, max_tree_nodes=self.cfg.max_tree_nodes,
                                      quantize=self.cfg.quantize, memory=memory_plan_proto(r.memory),
-                                     structured_outputs=self.grammars is not None)
+                                     structured_outputs=self.grammars is not None, prefix_reuse=r.prefix_reuse)
 
     @grpc_errors
     async def TokenizerFiles(self, request, context):
@@ -303,13 +305,17 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         t0 = time.perf_counter_ns()
         if not request.items:
             raise ValueError("empty prefill batch")
-        self.leases.claim(auth.session_of(context), (it.seq_id for it in request.items))
+        session = auth.session_of(context)
+        self.leases.claim(session, (it.seq_id for it in request.items))
         guides, refused = await self._compile_guides(request.items)
         items = [PrefillItem(seq_id=it.seq_id, prompt_ids=list(it.prompt_ids), sampling=sampling_from_proto(it.sampling),
                              want_features=it.push_features, start=it.start, more=it.more,
                              logprobs=logprobs_wanted(it.logprobs, it.top_logprobs),
                              prompt_logprobs=logprobs_wanted(it.prompt_logprobs, it.prompt_top_logprobs),
-                             guide=guides.get(it.seq_id))
+                             guide=guides.get(it.seq_id),
+                             # another session's parked rows are never reused (nor is their existence revealed)
+                             reuse_from=it.reuse_from if self.parked_by.get(it.reuse_from) == session else "",
+                             reuse_max=it.reuse_max)
                  for it in request.items if it.seq_id not in refused]
         if any(it.want_features for it in items) and self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
@@ -322,13 +328,18 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                          next_token=o.next_token if o.next_token >= 0 else None,
                                          draft_top_k=top_k.get(o.seq_id) or None)
                              for o in outputs if o.features is not None and o.seq_id in self.feature_seqs])
+        reused = sum(o.reused for o in outputs)
+        if reused:
+            self._forget_unparked()
         if self.metrics is not None:
             self.metrics.observe_forward("prefill", len(items), (t2 - t1) / 1e9,
-                                         num_tokens=sum(len(it.prompt_ids) for it in items))
+                                         num_tokens=sum(len(it.prompt_ids) for it in items) - reused)
+            self.metrics.observe_prefix_reused(reused)
         self.observe_cache()
         results = [target_pb2.PrefillResult(seq_id=o.seq_id, next_token=o.next_token, context_len=o.context_len,
                                             logprobs=logprobs_proto(o.logprobs),
-                                            prompt_logprobs=logprobs_proto(o.prompt_logprobs)) for o in outputs]
+                                            prompt_logprobs=logprobs_proto(o.prompt_logprobs), reused=o.reused)
+                   for o in outputs]
         results += [target_pb2.PrefillResult(seq_id=seq_id, next_token=-1, error=error)
                     for seq_id, error in refused.items()]
         return target_pb2.PrefillResponse(results=results, timings=common_pb2.Timings(
@@ -432,17 +443,27 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     @grpc_errors
     async def Release(self, request, context):
         require_ready(self.ready)
-        self.leases.check(auth.session_of(context), request.seq_ids)
-        released = await self.model_thread.run(self._release_all, list(request.seq_ids))
+        session = auth.session_of(context)
+        self.leases.check(session, request.seq_ids)
+        released = await self.model_thread.run(self._release_all, list(request.seq_ids), request.keep_prefix)
         self.feature_seqs.difference_update(request.seq_ids)
         self.leases.drop(request.seq_ids)
+        if request.keep_prefix:
+            parked = self._forget_unparked()
+            self.parked_by.update((seq_id, session) for seq_id in request.seq_ids if seq_id in parked)
         return target_pb2.ReleaseResponse(released=released, cache=self.observe_cache())
 
-    def _release_all(self, seq_ids: list[str]) -> int:
+    def _forget_unparked(self) -> set[str]:
+        """Drops the owners of sequences no longer parked (adopted or evicted); returns those parked."""
+        parked = set(self.runner.model.cache.parked)   # a snapshot: the model thread may evict meanwhile
+        self.parked_by = {seq_id: owner for seq_id, owner in self.parked_by.items() if seq_id in parked}
+        return parked
+
+    def _release_all(self, seq_ids: list[str], park: bool = False) -> int:
         released = 0
         for seq_id in seq_ids:
             try:
-                self.runner.release(seq_id)
+                self.runner.release(seq_id, park=park)
                 released += 1
             except KeyError:
                 pass  # idempotent: an abort may race with a normal finish

@@ -392,6 +392,25 @@ def test_cuda_services_equal_transformers_greedy(checkpoints, transport):
         assert result["stats"].steps > 0
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_cuda_follow_up_turns_from_parked_rows_equal_transformers_greedy(checkpoints, kind):
+    """Prefix caching on the GPU (cuda-ipc, captured graphs): a follow-up turn whose prompt starts with the last
+    turn's tokens starts from its parked rows (prefilled from there through the captured chains) and still gives
+    transformers' greedy answer to the whole prompt, in every mode."""
+    target, drafter = checkpoints(kind)
+    first, extra = prompts_for(target, [40, 9], seed=8)
+    stack = start_stack(target, drafter, device="cuda", transport="cuda-ipc")
+    try:
+        for mode in ("ddtree", "dflash", "ar"):
+            (turn1,) = run_streams(stack.gateway, [make_request(first, 24, mode)])
+            follow_up = first + turn1["token_ids"] + extra
+            (turn2,) = run_streams(stack.gateway, [make_request(follow_up, 32, mode)])
+            assert turn2["token_ids"] == hf_greedy_on("cuda", target, follow_up, 32), f"{kind} {mode}"
+            assert turn2["stats"].cached_prompt_tokens >= len(first), f"{kind} {mode}"
+    finally:
+        stack.stop()
+
+
 def test_cuda_logprobs_through_the_captured_verify_equal_transformers_log_softmax(checkpoints):
     """Log-probs read off the captured verify graph's logits (and the prefill's): each generated token's equals
     transformers' float32 log-softmax over the same ids on the GPU, within a stated 1e-3 (cuBLAS sums in another

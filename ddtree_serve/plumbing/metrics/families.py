@@ -134,6 +134,10 @@ class GatewayMetrics(_ServiceMetrics):
                                                    buckets=TOKEN_COUNT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefilled prompt tokens.", ln, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated (emitted) tokens.", ln, registry=r)
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.", ln, registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits",
+                                         "Prompt tokens served from the prefix cache (not run).", ln, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        ln + ["finished_reason"], registry=r)
         self.spec_decode_num_drafts = Counter("vllm:spec_decode_num_drafts",
@@ -180,9 +184,13 @@ class GatewayMetrics(_ServiceMetrics):
         self.num_requests_running.labels(self.model_name, self.engine).set(running)
         self.num_requests_waiting.labels(self.model_name, self.engine).set(waiting)
 
-    def observe_prompt(self, prompt_tokens: int) -> None:
-        """Counts prefilled prompt tokens (call when a request's prefill is done)."""
+    def observe_prompt(self, prompt_tokens: int, cached_tokens: int | None = None) -> None:
+        """Counts prefilled prompt tokens (call when a request's prefill is done); cached_tokens: those served from
+        the prefix cache (None: prefix caching is off, nothing was looked up)."""
         self.prompt_tokens.labels(self.model_name, self.engine).inc(prompt_tokens)
+        if cached_tokens is not None:
+            self.prefix_cache_queries.labels(self.model_name, self.engine).inc(prompt_tokens)
+            self.prefix_cache_hits.labels(self.model_name, self.engine).inc(cached_tokens)
 
     def observe_first_token(self, ttft_s: float) -> None:
         """Records TTFT and counts the first generated token."""
@@ -343,10 +351,18 @@ class TargetMetrics(_ServiceMetrics, _CacheMetrics, _TransportMetrics):
                                            "Draft-tree nodes dropped before a verify forward: refused by a "
                                            "structured output's grammar (with their subtrees), or past keep_nodes.",
                                            ["model_name"], registry=r)
+        self.prefix_reused = Counter("ddtree_target_prefix_reused_tokens_total",
+                                     "Prompt tokens served from parked sequences' cache rows (prefix caching) "
+                                     "instead of being run.", ["model_name"], registry=r)
         self.verify_pushes = Counter("ddtree_target_verify_feature_pushes_total",
                                      "Verified sequences' feature pushes, by when they went (early: while the verify "
                                      "ran, transport/shared.py; after_verify: once its results were on the host).",
                                      ["model_name", "when"], registry=r)
+
+    def observe_prefix_reused(self, tokens: int) -> None:
+        """Prompt tokens a Prefill served from parked sequences' rows (prefix caching) instead of running them."""
+        if tokens:
+            self.prefix_reused.labels(self.model_name).inc(tokens)
 
     def observe_verify_pruned(self, nodes: int) -> None:
         """Draft-tree nodes a Verify dropped before its forward: refused by a structured output's grammar, or past a

@@ -1,0 +1,26 @@
+"""Prefix caching's one rule, shared by the gateway (which picks a parked sequence) and the target (which checks it):
+how many of a parked sequence's cached rows a new prompt can reuse."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of leading token ids a and b share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+    return int(differ.argmax()) if differ.any() else n
+
+
+def reusable_rows(held: Sequence[int], prompt: Sequence[int], limit: int, whole: bool) -> int:
+    """Rows of a parked sequence holding `held` that a prompt reuses: their common prefix, at most `limit` and at
+    most len(prompt) - 1 (the prompt's last token is always run: its logits give the first sample). whole: the
+    cache keeps recurrent state at its end only (Gated DeltaNet layers), so only all of `held` or nothing."""
+    n = min(common_prefix_len(held, prompt), limit, len(prompt) - 1)
+    if whole and n != len(held):
+        return 0
+    return max(n, 0)

@@ -1,0 +1,71 @@
+"""Prefix caching, the gateway's part: which parked sequence's cached rows a new prompt can start from.
+
+A finished sequence is released with keep_prefix, so the target and the drafter park its slot with its rows
+(target_svc/kv_cache.py, drafter_svc/runner.py) until a new sequence adopts it or the slot is needed. This index
+remembers the tokens of those rows and, for a new prompt, names the parked sequence sharing the longest prefix
+with it; the services check the claim against their own records and answer how much they really reused.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ddtree_serve.prefix_match import reusable_rows
+
+# Shorter matches are not worth the Adopt round trip and the parked slot they consume.
+MIN_REUSED_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A parked sequence and how many leading prompt tokens its rows can stand for."""
+
+    seq_id: str
+    rows: int
+
+
+class PrefixIndex:
+    """Parked sequences' cached tokens, most recently parked last, at most `capacity` of them; per cache salt
+    (requests with different salts never share rows)."""
+
+    def __init__(self, capacity: int, min_tokens: int = MIN_REUSED_TOKENS):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.min_tokens = min_tokens
+        self._entries: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()   # seq id -> (salt, tokens)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, seq_id: str, tokens: list[int], salt: str = "") -> None:
+        """Remembers a parked sequence's cached tokens; the oldest entry goes past capacity (its slot is the first
+        the services evict too)."""
+        if len(tokens) < self.min_tokens:
+            return
+        self._entries[seq_id] = (salt, list(tokens))
+        self._entries.move_to_end(seq_id)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def take(self, prompt: list[int], salt: str = "", whole: bool = False) -> PrefixHit | None:
+        """The entry whose tokens start the prompt the furthest (at least min_tokens; whole: all of its tokens),
+        removed from the index since a parked slot is adopted once; None when none qualifies."""
+        best: PrefixHit | None = None
+        for seq_id, (entry_salt, tokens) in self._entries.items():
+            if entry_salt != salt:
+                continue
+            rows = reusable_rows(tokens, prompt, len(prompt), whole)
+            if rows >= self.min_tokens and (best is None or rows >= best.rows):   # ties: the most recent
+                best = PrefixHit(seq_id, rows)
+        if best is not None:
+            del self._entries[best.seq_id]
+        return best
+
+    def discard(self, seq_id: str) -> None:
+        """Forgets an entry (its services lost it)."""
+        self._entries.pop(seq_id, None)
+
+    def clear(self) -> None:
+        """Forgets every entry (a service restarted: its parked slots are gone)."""
+        self._entries.clear()

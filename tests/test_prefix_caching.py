@@ -1,0 +1,251 @@
+"""Prefix caching: a released sequence's rows parked in its slot serve the next prompt that starts with its tokens,
+and the result equals running the whole prompt (transformers' generate is the oracle)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from ddtree_serve.decoding.config import SamplingParams
+from ddtree_serve.prefix_match import common_prefix_len, reusable_rows
+from target_svc.kv_cache import CacheSpec, KVCache
+from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
+from tests.conftest import hf_greedy
+from tests.fixtures import make_tiny_qwen3, make_tiny_qwen3_5
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {"qwen3": make_tiny_qwen3(tmp_path_factory.mktemp("qwen3"), seed=31),
+            "qwen3_5": make_tiny_qwen3_5(tmp_path_factory.mktemp("qwen3_5"), seed=32)}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    refs = {}
+    for name, path in checkpoints.items():
+        config = transformers.AutoConfig.from_pretrained(path)
+        model = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None
+        refs[name] = model
+    return refs
+
+
+def _runner(path, max_batch: int = 2) -> TargetRunner:
+    return TargetRunner(TargetConfig(model_dir=str(path), max_batch=max_batch, max_seq_len=256, max_tree_nodes=16))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(4, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _generate(runner: TargetRunner, seq_id: str, prompt: list[int], n: int, **reuse) -> tuple[list[int], int]:
+    """Greedy: prefill (with the given reuse) then root-only steps -> (n new tokens, prompt rows reused)."""
+    out = runner.prefill([PrefillItem(seq_id, prompt, SamplingParams(), **reuse)])[0]
+    tokens = [out.next_token]
+    while len(tokens) < n:
+        tokens.append(runner.verify([VerifyItem(seq_id, [tokens[-1]], [-1])])[0].next_token)
+    return tokens, out.reused
+
+
+def test_common_prefix_len_counts_the_shared_leading_ids():
+    assert common_prefix_len([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_len([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_len([], [1]) == 0
+    assert common_prefix_len([7], [8]) == 0
+
+
+def test_reusable_rows_leave_the_last_prompt_token_to_run_and_respect_the_limit():
+    held = [1, 2, 3, 4]
+    assert reusable_rows(held, [1, 2, 3, 4, 5], limit=10, whole=False) == 4
+    assert reusable_rows(held, [1, 2, 3, 4], limit=10, whole=False) == 3   # the last prompt token always runs
+    assert reusable_rows(held, [1, 2, 3, 4, 5], limit=2, whole=False) == 2
+    assert reusable_rows(held, [1, 2, 9, 9, 9], limit=10, whole=False) == 2
+
+
+def test_reusable_rows_of_a_recurrent_cache_are_all_or_nothing():
+    held = [1, 2, 3, 4]
+    assert reusable_rows(held, [1, 2, 3, 4, 5], limit=10, whole=True) == 4
+    assert reusable_rows(held, [1, 2, 9, 9, 9], limit=10, whole=True) == 0
+    assert reusable_rows(held, [1, 2, 3, 4, 5], limit=3, whole=True) == 0
+
+
+def _cache(max_batch: int = 2) -> KVCache:
+    return KVCache.allocate(CacheSpec(max_batch=max_batch, max_seq_len=8, max_tree_nodes=2, num_full_layers=1,
+                                      num_kv_heads=1, head_dim=2, linear_shapes=(), device=torch.device("cpu"),
+                                      dtype=torch.float32))
+
+
+def test_a_parked_slot_keeps_its_rows_for_the_sequence_that_adopts_it():
+    c = _cache()
+    slot = c.add_sequence("a")
+    c.ctx_len[slot] = 3
+    c.park("a", [5, 6, 7])
+    assert c.num_sequences == 0 and c.slots_available == 2
+    assert c.adopt("b", "a") == (slot, [5, 6, 7])
+    assert c.ctx_len[slot] == 3 and c.slot("b") == slot
+    with pytest.raises(KeyError):
+        c.adopt("c", "a")   # adopted once only
+
+
+def test_a_new_sequence_takes_free_slots_before_the_oldest_parked_one():
+    c = _cache(max_batch=2)
+    for sid in ("a", "b"):
+        c.add_sequence(sid)
+    c.park("a", [])
+    c.park("b", [])
+    c.add_sequence("c")          # no free slot: evicts "a", the oldest parked
+    assert list(c.parked) == ["b"]
+    with pytest.raises(RuntimeError, match="capacity"):
+        c.add_sequence("d") and c.add_sequence("e")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_a_follow_up_prompt_reusing_the_parked_turn_equals_transformers_on_the_whole_prompt(arch, checkpoints,
+                                                                                            references):
+    runner = _runner(checkpoints[arch])
+    first = _prompt(21, seed=1)
+    answer, reused = _generate(runner, "turn1", first, 12)
+    assert reused == 0
+    runner.release("turn1", park=True)
+    # The cache holds the prompt and every generated token but the last (pending, never written).
+    follow_up = first + answer + _prompt(9, seed=2)
+    tokens, reused = _generate(runner, "turn2", follow_up, 16, reuse_from="turn1", reuse_max=len(follow_up))
+    assert reused == len(first) + len(answer) - 1
+    assert tokens == hf_greedy(references[arch], follow_up, 16)
+
+
+def test_a_dense_target_reuses_a_partial_prefix(checkpoints, references):
+    runner = _runner(checkpoints["qwen3"])
+    shared = _prompt(17, seed=3)
+    _generate(runner, "a", shared + _prompt(5, seed=4), 4)
+    runner.release("a", park=True)
+    other = shared + _prompt(6, seed=5)
+    tokens, reused = _generate(runner, "b", other, 10, reuse_from="a", reuse_max=100)
+    assert reused == len(shared)
+    assert tokens == hf_greedy(references["qwen3"], other, 10)
+
+
+def test_a_hybrid_target_reuses_nothing_of_a_partial_prefix(checkpoints, references):
+    runner = _runner(checkpoints["qwen3_5"])
+    assert runner.prefix_reuse == "context"
+    shared = _prompt(17, seed=3)
+    _generate(runner, "a", shared + _prompt(5, seed=4), 4)
+    runner.release("a", park=True)
+    other = shared + _prompt(6, seed=5)
+    tokens, reused = _generate(runner, "b", other, 10, reuse_from="a", reuse_max=100)
+    assert reused == 0
+    assert tokens == hf_greedy(references["qwen3_5"], other, 10)
+
+
+def test_reuse_is_capped_by_reuse_max_and_skipped_for_prompt_logprobs(checkpoints):
+    runner = _runner(checkpoints["qwen3"])
+    prompt = _prompt(20, seed=6)
+    _generate(runner, "a", prompt, 2)
+    runner.release("a", park=True)
+    assert _generate(runner, "b", prompt + [9], 2, reuse_from="a", reuse_max=7)[1] == 7
+    runner.release("b", park=True)
+    out = runner.prefill([PrefillItem("c", prompt + [9], SamplingParams(), prompt_logprobs=0, reuse_from="b",
+                                      reuse_max=100)])[0]
+    assert out.reused == 0 and len(out.prompt_logprobs) == len(prompt)
+
+
+def test_an_unknown_or_evicted_parked_sequence_means_a_plain_prefill(checkpoints):
+    runner = _runner(checkpoints["qwen3"], max_batch=1)
+    prompt = _prompt(12, seed=7)
+    want, _ = _generate(runner, "a", prompt, 6)
+    runner.release("a", park=True)
+    assert _generate(runner, "b", prompt, 6, reuse_from="nobody", reuse_max=100) == (want, 0)
+    runner.release("b")   # not parked: "a"'s slot went to "b" and its rows are gone
+    assert _generate(runner, "c", prompt, 6, reuse_from="a", reuse_max=100) == (want, 0)
+
+
+# ---- the gateway's index ------------------------------------------------------------------------------------------
+def test_the_index_names_the_parked_sequence_sharing_the_longest_prefix_and_forgets_it():
+    from gateway.prefix_index import PrefixHit, PrefixIndex
+
+    index = PrefixIndex(capacity=4, min_tokens=2)
+    index.add("short", [1, 2, 3])
+    index.add("long", [1, 2, 3, 4, 5])
+    index.add("other", [9, 9, 9])
+    assert index.take([1, 2, 3, 4, 5, 6]) == PrefixHit("long", 5)
+    assert index.take([1, 2, 3, 4, 5, 6]) == PrefixHit("short", 3)   # "long" was taken: a slot is adopted once
+    assert index.take([1, 2, 3, 4, 5, 6]) is None
+
+
+def test_the_index_keeps_salts_apart_and_whole_matches_whole():
+    from gateway.prefix_index import PrefixHit, PrefixIndex
+
+    index = PrefixIndex(capacity=4, min_tokens=2)
+    index.add("a", [1, 2, 3, 4], salt="tenant-a")
+    assert index.take([1, 2, 3, 4, 5], salt="tenant-b") is None
+    assert index.take([1, 2, 3, 9, 9], salt="tenant-a", whole=True) is None
+    assert index.take([1, 2, 3, 4, 5], salt="tenant-a", whole=True) == PrefixHit("a", 4)
+
+
+def test_the_index_drops_its_oldest_entry_past_capacity_and_ignores_short_ones():
+    from gateway.prefix_index import PrefixIndex
+
+    index = PrefixIndex(capacity=2, min_tokens=3)
+    index.add("tiny", [1, 2])
+    index.add("a", [1, 2, 3])
+    index.add("b", [4, 5, 6])
+    index.add("c", [7, 8, 9])
+    assert len(index) == 2 and index.take([1, 2, 3, 4]) is None and index.take([7, 8, 9, 1]).seq_id == "c"
+
+
+# ---- the drafter's parked slots -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafter_dirs(tmp_path_factory):
+    from tests.fixtures.tiny_drafter import make_tiny_drafter
+
+    root = tmp_path_factory.mktemp("drafter")
+    target = make_tiny_qwen3(root / "target")
+    return target, make_tiny_drafter(root / "drafter", target, seed=1, block_size=8, target_layer_ids=[0, 2])
+
+
+def _drafter(drafter_dirs, max_batch: int = 2):
+    from drafter_svc.runner import DrafterConfig, DrafterRunner
+
+    target, drafter = drafter_dirs
+    return DrafterRunner(DrafterConfig(str(drafter), str(target), max_batch=max_batch, max_seq_len=64))
+
+
+def test_an_adopted_drafter_slot_drafts_as_if_its_rows_were_pushed_again(drafter_dirs):
+    from drafter_svc.runner import DraftItem
+
+    parked, fresh = _drafter(drafter_dirs), _drafter(drafter_dirs)
+    feats = torch.randn(30, parked.feature_dim, generator=torch.Generator().manual_seed(0))
+    parked.add_context("turn1", 0, feats[:20])
+    assert parked.release("turn1", park=True) and parked.parked_ids() == ["turn1"]
+    assert parked.adopt("turn2", "turn1", rows=25) == 20   # it holds 20 rows, not the 25 asked for
+    parked.add_context("turn2", 20, feats[20:])
+    fresh.add_context("turn2", 0, feats)
+    got, want = (r.draft([DraftItem("turn2", 5, 30)], top_k=4) for r in (parked, fresh))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], want[1])
+
+
+def test_an_adopted_slots_first_push_may_start_below_its_rows_and_then_only_there(drafter_dirs):
+    r = _drafter(drafter_dirs)
+    feats = torch.randn(20, r.feature_dim, generator=torch.Generator().manual_seed(1))
+    r.add_context("a", 0, feats)
+    r.release("a", park=True)
+    assert r.adopt("b", "a", rows=20) == 20
+    r.add_context("b", 12, feats[12:15])   # the target reused only 12: rows 12.. come again
+    assert r.context_len("b") == 15
+    with pytest.raises(ValueError, match="start at 10, expected 15"):
+        r.add_context("b", 10, feats[:2])
+
+
+def test_the_drafter_adopts_nothing_unknown_and_evicts_its_oldest_parked_slot_first(drafter_dirs):
+    r = _drafter(drafter_dirs, max_batch=2)
+    feats = torch.randn(4, r.feature_dim)
+    for sid in ("a", "b"):
+        r.add_context(sid, 0, feats)
+        r.release(sid, park=True)
+    assert r.adopt("x", "nobody", rows=4) == 0
+    r.add_context("c", 0, feats)   # no free slot: "a", the oldest parked, goes
+    assert r.parked_ids() == ["b"] and r.adopt("y", "a", rows=4) == 0
