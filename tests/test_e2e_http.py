@@ -78,6 +78,23 @@ def test_streamed_chat_completion_equals_the_grpc_api_and_ends_with_usage(oai, g
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == grpc_result.stats["generated_tokens"]
 
 
+def test_a_follow_up_turn_reports_the_prompt_tokens_it_took_from_the_cache_within_its_salt(oai, model_id):
+    system = [{"role": "system", "content": "You answer briefly and plainly. " * 6}]
+
+    def ask(messages, salt):
+        return oai.chat.completions.create(model=model_id, messages=messages, max_tokens=16, temperature=0,
+                                           extra_body={"cache_salt": salt})
+
+    first = ask(system + CHAT, "follow-up-a")   # a salt of its own: no other test's turns are parked under it
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    follow_up = system + CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
+                                 {"role": "user", "content": "And another one?"}]
+    again, elsewhere = ask(follow_up, "follow-up-a"), ask(follow_up, "follow-up-b")
+    assert 16 <= again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    assert elsewhere.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == elsewhere.choices[0].message.content
+
+
 def test_completion_of_raw_text_and_of_token_ids_equal_the_grpc_api(oai, grpc_client, model_id):
     by_text = oai.completions.create(model=model_id, prompt="hello world", max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True})
