@@ -214,6 +214,14 @@ def now_utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def add_pair_args(p) -> None:
+    """The flags of a benchmark that runs one target/drafter pair: --model, --drafter, --device, --dtype."""
+    p.add_argument("--model", default=None, help="target checkpoint (default: the bundled SmolLM2)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter (default: the bundled one)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+
+
 # ---- the services -----------------------------------------------------------------------------------------------
 def start_stack(model: str, drafter: str, device: str, dtype: str, threads: int | None, budget: int = 64,
                 max_batch: int = 8, max_seq_len: int = 2048, log_dir: str = "", drafter_device: str | None = None,

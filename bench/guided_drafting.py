@@ -31,10 +31,7 @@ PROMPTS = [
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="target checkpoint (default: the bundled SmolLM2)")
-    p.add_argument("--drafter", default=None, help="DFlash drafter (default: the bundled one)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    common.add_pair_args(p)
     p.add_argument("--overdrafts", type=int, nargs="+", default=[1, 2])
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=96)

@@ -25,10 +25,7 @@ FOLLOW_UPS = ["Can you make that shorter?", "Give one concrete example.", "What 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="target checkpoint (default: the bundled SmolLM2)")
-    p.add_argument("--drafter", default=None, help="DFlash drafter (default: the bundled one)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    common.add_pair_args(p)
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48)

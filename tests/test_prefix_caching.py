@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from ddtree_serve.decoding.config import SamplingParams
 from ddtree_serve.prefix_match import common_prefix_len, reusable_rows
 from target_svc.kv_cache import CacheSpec, KVCache
 from target_svc.runner import PrefillItem, TargetConfig, TargetRunner, VerifyItem
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, reference_model
 from tests.fixtures import make_tiny_qwen3, make_tiny_qwen3_5
 
 VOCAB = 320
@@ -24,13 +23,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(checkpoints):
-    refs = {}
-    for name, path in checkpoints.items():
-        config = transformers.AutoConfig.from_pretrained(path)
-        model = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
-        model.generation_config.eos_token_id = None
-        refs[name] = model
-    return refs
+    """transformers' own models, eos disabled (the oracle)."""
+    return {name: reference_model(str(path)) for name, path in checkpoints.items()}
 
 
 def _runner(path, max_batch: int = 2) -> TargetRunner:
