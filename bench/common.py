@@ -366,7 +366,8 @@ def stats_dict(s) -> dict:
             "mode": s.mode, "budget": s.budget, "cached_prompt_tokens": s.cached_prompt_tokens}
 
 
-async def _stream_many(channel, requests: list, concurrency: int, timeout_s: float) -> list[Result]:
+async def stream_many(channel, requests: list, concurrency: int = 1, timeout_s: float = 3600.0) -> list[Result]:
+    """Streams the requests over an open channel, at most `concurrency` at a time -> results in request order."""
     from ddtree_serve.proto import gateway_pb2_grpc
 
     sem = asyncio.Semaphore(max(1, concurrency))
@@ -406,7 +407,7 @@ class GatewayClient:
         """Streams the requests, at most `concurrency` at a time (1 = one after another) -> (results in request
         order, the wall time of the whole set)."""
         t0 = time.perf_counter()
-        results = self.loop.run_until_complete(_stream_many(self.channel, requests, concurrency, timeout_s))
+        results = self.loop.run_until_complete(stream_many(self.channel, requests, concurrency, timeout_s))
         return results, time.perf_counter() - t0
 
     def close(self) -> None:

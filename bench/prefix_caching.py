@@ -3,7 +3,7 @@ turns, each turn's prompt the whole conversation so far through the chat templat
 gateway's prefix caching on and off, each a fresh stack. Greedy, so both settings must give the same text
 (checked); what changes is the prompt tokens each turn runs and its time to first token.
 
-    python -m bench.prefix_caching [--conversations 4] [--turns 3] [--max-tokens 48] [--device cpu]
+    python -m bench.prefix_caching [--conversations 4] [--turns 3] [--max-tokens 48] [--concurrent] [--device cpu]
 
 The default pair is the bundled SmolLM2 target and its trained DFlash drafter. Writes
 <out-dir>/prefix-caching-<hardware>.{md,json}.
@@ -11,6 +11,7 @@ The default pair is the bundled SmolLM2 target and its trained DFlash drafter. W
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 
 from bench import common
@@ -31,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--mode", default="ddtree", choices=["ddtree", "dflash", "ar"])
     p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--concurrent", action="store_true", help="all conversations at once (at most 4 running)")
+    p.add_argument("--stagger-ms", type=float, default=300.0, help="--concurrent: start of each after the last's")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -46,24 +49,36 @@ def chat(messages: list[tuple[str, str]], max_tokens: int, mode: str, budget: in
         max_tokens=max_tokens, mode=modes[mode], budget=budget if mode == "ddtree" else 0)
 
 
+async def conversation(channel, c: int, first: str, start_s: float, args) -> list[dict]:
+    """One conversation's turns, each sent once the answer before it is in."""
+    await asyncio.sleep(start_s)
+    messages, turns = [("system", SYSTEM), ("user", first)], []
+    for t in range(args.turns):
+        (r,) = await common.stream_many(channel, [chat(messages, args.max_tokens, args.mode, args.budget)])
+        turns.append({"conversation": c, "turn": t, "prompt_tokens": r.stats["prompt_tokens"],
+                      "cached_prompt_tokens": r.stats["cached_prompt_tokens"], "ttft_s": r.stats["ttft_seconds"],
+                      "e2e_s": r.stats["e2e_seconds"], "text": r.text})
+        messages += [("assistant", r.text), ("user", FOLLOW_UPS[t % len(FOLLOW_UPS)])]
+    return turns
+
+
 def run_setting(args, model: str, drafter: str, users: list[str], caching: bool) -> dict:
-    """Every conversation turn by turn, one request at a time, through a fresh stack."""
+    """The conversations through a fresh stack: one after another, or (--concurrent) all at once, each starting
+    --stagger-ms after the one before."""
     flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
     stack = common.start_stack(model, drafter, args.device, args.dtype, None, budget=args.budget, max_batch=4,
                                gateway_args=[flag])
-    turns = []
     try:
         with common.GatewayClient(stack.gateway) as client:
             client.run([chat([("user", "Hello.")], 4, args.mode, args.budget)])   # warm-up, not counted
-            for c, first in enumerate(users):
-                messages = [("system", SYSTEM), ("user", first)]
-                for t in range(args.turns):
-                    (r,), _ = client.run([chat(messages, args.max_tokens, args.mode, args.budget)])
-                    turns.append({"conversation": c, "turn": t, "prompt_tokens": r.stats["prompt_tokens"],
-                                  "cached_prompt_tokens": r.stats["cached_prompt_tokens"],
-                                  "ttft_s": r.stats["ttft_seconds"], "e2e_s": r.stats["e2e_seconds"],
-                                  "text": r.text})
-                    messages += [("assistant", r.text), ("user", FOLLOW_UPS[t % len(FOLLOW_UPS)])]
+
+            async def run_all() -> list[list[dict]]:
+                if not args.concurrent:
+                    return [await conversation(client.channel, c, first, 0.0, args) for c, first in enumerate(users)]
+                return list(await asyncio.gather(*(conversation(client.channel, c, first, c * args.stagger_ms / 1e3,
+                                                                args) for c, first in enumerate(users))))
+
+            turns = [t for conv in client.loop.run_until_complete(run_all()) for t in conv]
     finally:
         stack.stop()
     return {"prefix_caching": caching, "turns": turns}
@@ -94,7 +109,8 @@ def main(argv=None) -> None:
     data = {"bench": "prefix_caching", "command": common.command_line("bench.prefix_caching"),
             "date": common.now_utc(), "hardware": hw, "model": common.describe_checkpoint(model),
             "drafter": common.describe_checkpoint(drafter), "prompts": source, "system_prompt": SYSTEM,
-            "follow_ups": FOLLOW_UPS, "mode": args.mode, "budget": args.budget, "max_tokens": args.max_tokens,
+            "follow_ups": FOLLOW_UPS, "concurrent": args.concurrent, "stagger_ms": args.stagger_ms,
+            "mode": args.mode, "budget": args.budget, "max_tokens": args.max_tokens,
             "same_text_in_both_settings": same, "summary": table, "runs": [off, on]}
     rows = []
     for kind, by in table.items():
@@ -110,13 +126,16 @@ def main(argv=None) -> None:
         f"CPU: {hw['cpu_model']} ({hw['usable_cpus']} usable), device `{args.device}`, {args.dtype}", "",
         f"{len(users)} conversations of {args.turns} turns ({source}; one shared system prompt; follow-ups from a "
         f"fixed list), each turn's prompt the whole conversation so far, greedy, {args.mode}"
-        f"{f' budget {args.budget}' if args.mode == 'ddtree' else ''}, max_tokens {args.max_tokens}, one request at "
-        "a time, a fresh stack (4 slots) per setting; times are the gateway's (ttft: arrival to first token). "
+        f"{f' budget {args.budget}' if args.mode == 'ddtree' else ''}, max_tokens {args.max_tokens}, "
+        + (f"the conversations at once (each {args.stagger_ms:.0f} ms after the last), " if args.concurrent
+           else "one request at a time, ")
+        + "a fresh stack (4 slots) per setting; times are the gateway's (ttft: arrival to first token). "
         f"Same text in both settings: {'yes' if same else 'NO'}.", "",
         common.md_table(["turns", "prefix caching", "prompt tokens", "cached share", "ttft ms", "e2e ms"], rows),
         ""])
     print(md)
-    common.write_outputs(args.out_dir, f"prefix-caching-{common.hardware_tag(hw)}", data, md)
+    stem = f"prefix-caching{'-concurrent' if args.concurrent else ''}-{common.hardware_tag(hw)}"
+    common.write_outputs(args.out_dir, stem, data, md)
 
 
 if __name__ == "__main__":

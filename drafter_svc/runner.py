@@ -272,10 +272,13 @@ class DrafterRunner:
             raise ValueError(f"sequence {seq_id!r}: context rows start at {start}, expected {held or 0}")
         return held
 
-    def _take_slot(self) -> int:
-        """A free slot (lowest first: a running batch's slots stay together), else the oldest parked one's."""
-        if not self._free and self._parked:
-            self._free.append(self._parked.popitem(last=False)[1][0])
+    def _take_slot(self, spare: str = "") -> int:
+        """A free slot (lowest first: a running batch's slots stay together), else the oldest parked one's but
+        spare's."""
+        if not self._free:
+            victim = next((parked_id for parked_id in self._parked if parked_id != spare), None)
+            if victim is not None:
+                self._free.append(self._parked.pop(victim)[0])
         if not self._free:
             raise RuntimeError(f"capacity exceeded: all {self.cfg.max_batch} drafter slots are in use")
         self._free.sort()
@@ -449,17 +452,28 @@ class DrafterRunner:
         """The parked sequences, oldest first (a snapshot)."""
         return list(self._parked)
 
-    def adopt(self, seq_id: str, parked_id: str, rows: int) -> int:
-        """Gives the new sequence seq_id the parked sequence's slot with up to `rows` of its context rows -> the
-        rows it holds (0, and nothing taken, when parked_id is not parked or seq_id exists)."""
+    def adopt(self, seq_id: str, source_id: str, rows: int, copy: bool = False) -> int:
+        """Gives the new sequence seq_id up to `rows` of another's context rows -> the rows it holds (0, and nothing
+        taken, when there is no such source or seq_id exists): the parked source's slot itself, or (copy) a slot of
+        its own with the rows copied from the source, running or parked (a parked source's slot is adopted all the
+        same when no other slot is free)."""
         with self._lock:
-            if seq_id in self._slot or parked_id not in self._parked or rows <= 0:
+            parked = self._parked.get(source_id)
+            source = parked if parked is not None else (
+                (self._slot[source_id], self._len.get(source_id, 0)) if copy and source_id in self._slot else None)
+            if seq_id in self._slot or source is None or rows <= 0 or source[1] <= 0:
                 return 0
-            slot, held = self._parked.pop(parked_id)
+            if copy and (parked is None or self._free):
+                slot = self._take_slot(spare=source_id)
+                n = min(rows, source[1])
+                for cache in (*self.k_cache, *self.v_cache):
+                    cache[slot, :, :n] = cache[source[0], :, :n]
+            else:
+                slot, n = self._parked.pop(source_id)[0], min(rows, source[1])
             self._slot[seq_id] = slot
-            self._len[seq_id] = min(rows, held)
+            self._len[seq_id] = n
             self._adopted.add(seq_id)
-            return self._len[seq_id]
+            return n
 
     # ------------------------------------------------------------------------------------------------------------
     # Draft

@@ -429,17 +429,20 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
             if it.seq_id in self.released or it.seq_id in self.rows_held:
                 raise ValueError(f"sequence {it.seq_id!r} exists or existed: only a new sequence adopts rows")
         self.leases.claim(session, (it.seq_id for it in request.items))
-        adoptions = [(it.seq_id, it.parked_id if self.parked_by.get(it.parked_id) == session else "", it.rows)
-                     for it in request.items]
+        # another session's rows are never reused (nor is their existence revealed)
+        adoptions = [(it.seq_id, it.parked_id if session in (self.parked_by.get(it.parked_id),
+                                                             self.leases.owner.get(it.parked_id)) else "",
+                      it.rows, it.copy) for it in request.items]
         rows = await self.model_thread.run(self._adopt_all, adoptions)
-        for (seq_id, _, _), n in zip(adoptions, rows):
+        for (seq_id, *_), n in zip(adoptions, rows):
             if n:
                 self.rows_held[seq_id] = n
         self._forget_unparked()
         return drafter_pb2.AdoptResponse(rows=rows)
 
-    def _adopt_all(self, adoptions: list[tuple[str, str, int]]) -> list[int]:
-        return [self.runner.adopt(seq_id, parked_id, rows) if parked_id else 0 for seq_id, parked_id, rows in adoptions]
+    def _adopt_all(self, adoptions: list[tuple[str, str, int, bool]]) -> list[int]:
+        return [self.runner.adopt(seq_id, source, rows, copy) if source else 0
+                for seq_id, source, rows, copy in adoptions]
 
     def _forget_unparked(self) -> set[str]:
         """Drops the owners of sequences no longer parked (adopted or evicted); returns those parked."""

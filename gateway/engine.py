@@ -156,7 +156,8 @@ class PairEngine(BackgroundTask):
                                    guide=guide_proto(s.guide)
                                    if s.guide is not None and s.prefilled == 0 else None,
                                    reuse_from=s.reuse_from if s.prefilled == 0 else "",
-                                   reuse_max=s.reuse_rows if s.prefilled == 0 else 0)
+                                   reuse_max=s.reuse_rows if s.prefilled == 0 else 0,
+                                   reuse_copy=s.reuse_copy and s.prefilled == 0)
             for s, n in chunks])
         try:
             response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
@@ -184,6 +185,8 @@ class PairEngine(BackgroundTask):
                 continue
             s.bonus = r.next_token
             s.first_token_at = s.last_token_at = now
+            if self.prefixes is not None and self.pair.target_info.prefix_reuse == "prefix":
+                self.prefixes.add(s.seq_id, s.prompt_ids, s.cache_salt, running=True)   # its rows can be copied
             kept = s.append([r.next_token])
             s.emit(kept, r.logprobs)
             if self.metrics is not None:
@@ -191,9 +194,9 @@ class PairEngine(BackgroundTask):
                 self.metrics.observe_first_token(now - s.arrival)
 
     async def _find_prefixes(self, newcomers: list[Sequence]) -> None:
-        """Prefix caching: each new sequence's parked sequence to start from (Sequence.reuse_from), and how many
-        prompt tokens of it the drafter holds for a speculative one (one Adopt RPC for all; the target checks and
-        answers in its Prefill)."""
+        """Prefix caching: each new sequence's sequence to start from (Sequence.reuse_from: a parked one's slot
+        adopted, or a running one's rows copied), and how many prompt tokens of it the drafter holds for a
+        speculative one (one Adopt RPC for all; the target checks and answers in its Prefill)."""
         for s in newcomers:
             s.prefix_checked = True
         if self.prefixes is None:
@@ -205,14 +208,14 @@ class PairEngine(BackgroundTask):
                 continue
             hit = self.prefixes.take(s.prompt_ids, s.cache_salt, whole)
             if hit is not None:
-                s.reuse_from, s.reuse_rows = hit.seq_id, hit.rows
+                s.reuse_from, s.reuse_rows, s.reuse_copy = hit.seq_id, hit.rows, hit.copy
                 if s.speculative:
                     adopting.append(s)
         if not adopting:
             return
         try:
             response = await self.pair.drafter.Adopt(drafter_pb2.AdoptRequest(items=[
-                drafter_pb2.AdoptItem(seq_id=s.seq_id, parked_id=s.reuse_from, rows=s.reuse_rows)
+                drafter_pb2.AdoptItem(seq_id=s.seq_id, parked_id=s.reuse_from, rows=s.reuse_rows, copy=s.reuse_copy)
                 for s in adopting]), timeout=self.cfg.draft_timeout_s)
             rows = list(response.rows)
         except grpc.aio.AioRpcError as exc:
@@ -223,7 +226,7 @@ class PairEngine(BackgroundTask):
             # The target reuses no more than the drafter holds: the rows past them get their features pushed.
             s.reuse_rows = n
             if n == 0:
-                s.reuse_from = ""
+                s.reuse_from, s.reuse_copy = "", False
 
     async def _draft(self, seqs: list[Sequence], budgets: dict[str, int], stamps: GatewayStamps
                      ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], common_pb2.Timings | None]:
@@ -415,6 +418,9 @@ class PairEngine(BackgroundTask):
         for service, res in zip(("target", "drafter"), results):
             if isinstance(res, Exception):
                 log.error("release of %d sequences on the %s failed: %s", len(ids), service, res)
+        if keep and isinstance(results[0], Exception):
+            for s in seqs:
+                self.prefixes.discard(s.seq_id)
         if keep and not isinstance(results[0], Exception):
             for s in seqs:
                 # What the target's rows hold, as far as the gateway knows them (the target checks the rest).
@@ -423,6 +429,8 @@ class PairEngine(BackgroundTask):
                 complete = len(tokens) == s.context_len or self.pair.target_info.prefix_reuse != "context"
                 if s.finish_reason != "error" and s.prefill_done and complete:
                     self.prefixes.add(s.seq_id, tokens, s.cache_salt)
+                else:
+                    self.prefixes.discard(s.seq_id)
 
     async def _fail(self, seqs: list[Sequence], code: grpc.StatusCode, message: str) -> None:
         for s in seqs:

@@ -18,47 +18,60 @@ MIN_REUSED_TOKENS = 16
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """A parked sequence and how many leading prompt tokens its rows can stand for."""
+    """A sequence and how many leading prompt tokens its rows can stand for; copy: it is running, so its rows are
+    copied into the new sequence's slot (else its parked slot is adopted)."""
 
     seq_id: str
     rows: int
+    copy: bool = False
+
+
+@dataclass
+class _Entry:
+    salt: str
+    tokens: list[int]
+    running: bool
 
 
 class PrefixIndex:
-    """Parked sequences' cached tokens, most recently parked last, at most `capacity` of them; per cache salt
-    (requests with different salts never share rows)."""
+    """The cached tokens of parked sequences and of running ones' prompts, most recently added last, at most
+    `capacity` of them; per cache salt (requests with different salts never share rows)."""
 
     def __init__(self, capacity: int, min_tokens: int = MIN_REUSED_TOKENS):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.min_tokens = min_tokens
-        self._entries: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()   # seq id -> (salt, tokens)
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, seq_id: str, tokens: list[int], salt: str = "") -> None:
-        """Remembers a parked sequence's cached tokens; the oldest entry goes past capacity (its slot is the first
-        the services evict too)."""
+    def add(self, seq_id: str, tokens: list[int], salt: str = "", running: bool = False) -> None:
+        """Remembers a sequence's cached tokens: parked (its slot kept after its release), or running (its prompt,
+        once prefilled); the oldest entry goes past capacity (a parked one's slot is the first the services evict
+        too)."""
         if len(tokens) < self.min_tokens:
+            self._entries.pop(seq_id, None)
             return
-        self._entries[seq_id] = (salt, list(tokens))
+        self._entries[seq_id] = _Entry(salt, list(tokens), running)
         self._entries.move_to_end(seq_id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
     def take(self, prompt: list[int], salt: str = "", whole: bool = False) -> PrefixHit | None:
-        """The entry whose tokens start the prompt the furthest (at least min_tokens; whole: all of its tokens),
-        removed from the index since a parked slot is adopted once; None when none qualifies."""
+        """The entry whose tokens start the prompt the furthest (at least min_tokens), None when none qualifies.
+        whole (a target keeping recurrent state at a context's end only): parked entries only, all of whose tokens
+        start the prompt. A parked entry is removed (its slot is adopted once); a running one stays (its rows are
+        copied)."""
         best: PrefixHit | None = None
-        for seq_id, (entry_salt, tokens) in self._entries.items():
-            if entry_salt != salt:
+        for seq_id, entry in self._entries.items():
+            if entry.salt != salt or (whole and entry.running):
                 continue
-            rows = reusable_rows(tokens, prompt, len(prompt), whole)
+            rows = reusable_rows(entry.tokens, prompt, len(prompt), whole)
             if rows >= self.min_tokens and (best is None or rows >= best.rows):   # ties: the most recent
-                best = PrefixHit(seq_id, rows)
-        if best is not None:
+                best = PrefixHit(seq_id, rows, copy=entry.running)
+        if best is not None and not best.copy:
             del self._entries[best.seq_id]
         return best
 

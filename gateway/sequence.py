@@ -72,9 +72,10 @@ class Sequence:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     prefilled: int = 0             # prompt tokens the target holds (prompts are prefilled in chunks across steps)
-    prefix_checked: bool = False   # prefix caching: the parked sequence to start from was looked for
-    reuse_from: str = ""           # that parked sequence ("" none), and the leading prompt tokens its rows may give
+    prefix_checked: bool = False   # prefix caching: a sequence to start from was looked for
+    reuse_from: str = ""           # that sequence ("" none), and the leading prompt tokens its rows may give
     reuse_rows: int = 0
+    reuse_copy: bool = False       # its rows are copied (it is running), not its slot adopted
     cached_tokens: int = 0         # prompt tokens the target served from it (not run)
     context_len: int = 0
     bonus: int = -1

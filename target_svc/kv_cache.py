@@ -88,13 +88,15 @@ class KVCache:
             write_kernel=kv_write_kernel_available(spec.device),
         )
 
-    def add_sequence(self, seq_id: str) -> int:
-        """Takes a free slot for seq_id (else the oldest parked one's) and resets its state; RuntimeError('capacity
-        ...') when every slot holds a running sequence."""
+    def add_sequence(self, seq_id: str, spare: str = "") -> int:
+        """Takes a free slot for seq_id (else the oldest parked one's but spare's) and resets its state;
+        RuntimeError('capacity ...') when none is left."""
         if seq_id in self.slot_of:
             raise ValueError(f"sequence {seq_id!r} is already in the target cache")
-        if not self.free_slots and self.parked:
-            self.free_slots.append(self.parked.popitem(last=False)[1][0])
+        if not self.free_slots:
+            victim = next((parked_id for parked_id in self.parked if parked_id != spare), None)
+            if victim is not None:
+                self.free_slots.append(self.parked.pop(victim)[0])
         if not self.free_slots:
             raise RuntimeError(f"capacity: all {self.spec.max_batch} sequence slots are in use")
         slot = self.free_slots.pop()
@@ -130,6 +132,13 @@ class KVCache:
         slot, tokens = self.parked.pop(parked_id)
         self.slot_of[seq_id] = slot
         return slot, tokens
+
+    def copy_rows(self, src_slot: int, dst_slot: int, rows: int) -> None:
+        """Copies rows [0, rows) of every full-attention layer's K and V from one slot to another (prefix caching
+        from a sequence that keeps its own slot; linear-attention states are not copied)."""
+        if self.spec.num_full_layers and rows > 0:
+            for buf in (self.k, self.v):
+                buf[:, dst_slot, :rows] = buf[:, src_slot, :rows]
 
     @property
     def slots_available(self) -> int:

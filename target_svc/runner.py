@@ -93,6 +93,7 @@ class PrefillItem:
     # Prefix caching (first chunk): reuse up to reuse_max leading prompt rows of the parked sequence reuse_from
     reuse_from: str = ""
     reuse_max: int = 0
+    reuse_copy: bool = False   # copy the rows into a slot of its own (reuse_from keeps its slot; dense targets only)
 
 
 @dataclass
@@ -440,12 +441,26 @@ class TargetRunner:
         return "context" if self.model.linear_index else "prefix"
 
     def _take_slot(self, it: PrefillItem) -> tuple[int, list[int]]:
-        """A new sequence's slot and the leading prompt tokens its rows already hold: a parked sequence's slot
-        where the item names one whose rows start its prompt (prefix caching), else a fresh slot and none."""
+        """A new sequence's slot and the leading prompt tokens its rows already hold (prefix caching): the slot of
+        the parked sequence the item names, or a fresh one with the named sequence's rows copied in (reuse_copy;
+        running or parked, dense targets), where those rows start its prompt; else a fresh slot and none."""
         cache = self.model.cache
-        parked = cache.parked.get(it.reuse_from) if it.reuse_from and it.prompt_logprobs < 0 else None
-        if parked is not None:
-            n = reusable_rows(parked[1], it.prompt_ids, it.reuse_max, whole=self.prefix_reuse == "context")
+        whole = self.prefix_reuse == "context"
+        parked = cache.parked.get(it.reuse_from)
+        if not it.reuse_from or it.prompt_logprobs >= 0:
+            pass
+        elif it.reuse_copy and not whole and (parked is None or cache.free_slots):
+            source = self.seqs.get(it.reuse_from)
+            slot_tokens = parked if source is None else (source.slot, source.tokens)
+            if slot_tokens is not None:
+                n = reusable_rows(slot_tokens[1], it.prompt_ids, it.reuse_max, whole=False)
+                if n > 0:
+                    slot = cache.add_sequence(it.seq_id, spare=it.reuse_from)
+                    cache.copy_rows(slot_tokens[0], slot, n)
+                    cache.ctx_len[slot] = n
+                    return slot, slot_tokens[1][:n]
+        elif parked is not None:   # adopted (a copy from a parked slot with no other slot free adopts it too)
+            n = reusable_rows(parked[1], it.prompt_ids, it.reuse_max, whole)
             if n > 0:
                 slot, tokens = cache.adopt(it.seq_id, it.reuse_from)
                 cache.ctx_len[slot] = n

@@ -313,9 +313,9 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                              logprobs=logprobs_wanted(it.logprobs, it.top_logprobs),
                              prompt_logprobs=logprobs_wanted(it.prompt_logprobs, it.prompt_top_logprobs),
                              guide=guides.get(it.seq_id),
-                             # another session's parked rows are never reused (nor is their existence revealed)
-                             reuse_from=it.reuse_from if self.parked_by.get(it.reuse_from) == session else "",
-                             reuse_max=it.reuse_max)
+                             # another session's rows are never reused (nor is their existence revealed)
+                             reuse_from=it.reuse_from if self._reusable_by(session, it.reuse_from) else "",
+                             reuse_max=it.reuse_max, reuse_copy=it.reuse_copy)
                  for it in request.items if it.seq_id not in refused]
         if any(it.want_features for it in items) and self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
@@ -452,6 +452,10 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
             parked = self._forget_unparked()
             self.parked_by.update((seq_id, session) for seq_id in request.seq_ids if seq_id in parked)
         return target_pb2.ReleaseResponse(released=released, cache=self.observe_cache())
+
+    def _reusable_by(self, session: str, seq_id: str) -> bool:
+        """Whether the session may reuse the sequence's rows: it parked it, or it runs it."""
+        return bool(seq_id) and session in (self.parked_by.get(seq_id), self.leases.owner.get(seq_id))
 
     def _forget_unparked(self) -> set[str]:
         """Drops the owners of sequences no longer parked (adopted or evicted); returns those parked."""

@@ -54,3 +54,38 @@ def test_a_different_cache_salt_shares_nothing(checkpoints):
     assert other["stats"].cached_prompt_tokens == 0
     assert same["stats"].cached_prompt_tokens >= len(prompt) - 1 - 16
     assert other["token_ids"] == same["token_ids"] == reference_greedy(target, prompt + [7], 8)
+
+
+def test_a_prompt_sharing_a_running_requests_prefix_copies_its_rows(checkpoints):
+    """A dense target: the second request arrives while the first still decodes; both answers stay transformers'."""
+    import asyncio
+
+    import grpc
+
+    from ddtree_serve.proto import gateway_pb2_grpc
+
+    target, drafter = checkpoints("qwen3")
+    shared, tail_a, tail_b = prompts_for(target, [30, 5, 6], seed=43)
+
+    async def go(address):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            first = stub.GenerateStream(make_request(shared + tail_a, 160, "ddtree")).__aiter__()
+            head = [await first.__anext__(), await first.__anext__()]   # prefilled, drafted for and verified
+            ids_b, stats_b = [], None
+            async for msg in stub.GenerateStream(make_request(shared + tail_b, 24, "ddtree")):
+                ids_b += msg.token_ids
+                stats_b = msg.stats
+            rest = [msg async for msg in first]
+            ids_a = [t for msg in head + rest for t in msg.token_ids]
+            return ids_a, rest[-1].stats, ids_b, stats_b
+
+    stack = start_stack(target, drafter)
+    try:
+        ids_a, stats_a, ids_b, stats_b = asyncio.run(go(stack.gateway))
+    finally:
+        stack.stop()
+    assert stats_b.e2e_seconds < stats_a.e2e_seconds   # it ran while the first one did
+    assert stats_b.cached_prompt_tokens == len(shared)
+    assert ids_a == reference_greedy(target, shared + tail_a, 160)
+    assert ids_b == reference_greedy(target, shared + tail_b, 24)

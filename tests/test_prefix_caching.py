@@ -243,3 +243,68 @@ def test_the_drafter_adopts_nothing_unknown_and_evicts_its_oldest_parked_slot_fi
     assert r.adopt("x", "nobody", rows=4) == 0
     r.add_context("c", 0, feats)   # no free slot: "a", the oldest parked, goes
     assert r.parked_ids() == ["b"] and r.adopt("y", "a", rows=4) == 0
+
+
+# ---- copies from a running sequence (dense targets) ---------------------------------------------------------------
+def test_a_dense_target_copies_a_running_sequences_rows_and_both_go_on_as_transformers(checkpoints, references):
+    runner = _runner(checkpoints["qwen3"], max_batch=3)
+    shared = _prompt(19, seed=8)
+    first, second = shared + _prompt(4, seed=9), shared + _prompt(6, seed=10)
+    out_a = runner.prefill([PrefillItem("a", first, SamplingParams())])[0]
+    out_b = runner.prefill([PrefillItem("b", second, SamplingParams(), reuse_from="a", reuse_max=100,
+                                        reuse_copy=True)])[0]
+    assert out_b.reused == len(shared)
+    tokens = {"a": [out_a.next_token], "b": [out_b.next_token]}
+    while len(tokens["a"]) < 12:   # both decode side by side: the copy left "a"'s own rows alone
+        for sid, out in zip("ab", runner.verify([VerifyItem(s, [tokens[s][-1]], [-1]) for s in "ab"])):
+            tokens[sid].append(out.next_token)
+    assert tokens["a"] == hf_greedy(references["qwen3"], first, 12)
+    assert tokens["b"] == hf_greedy(references["qwen3"], second, 12)
+
+
+def test_a_copy_from_a_parked_slot_keeps_it_parked_while_another_slot_is_free(checkpoints):
+    runner = _runner(checkpoints["qwen3"], max_batch=2)
+    prompt = _prompt(20, seed=11)
+    _generate(runner, "a", prompt, 2)
+    runner.release("a", park=True)
+    assert _generate(runner, "b", prompt + [5], 2, reuse_from="a", reuse_max=100, reuse_copy=True)[1] == 20
+    assert list(runner.model.cache.parked) == ["a"]   # copied from, still parked
+    # No free slot left: the copy adopts the parked slot instead.
+    assert _generate(runner, "c", prompt + [6], 2, reuse_from="a", reuse_max=100, reuse_copy=True)[1] == 20
+    assert not runner.model.cache.parked
+
+
+def test_a_hybrid_target_copies_nothing(checkpoints):
+    runner = _runner(checkpoints["qwen3_5"], max_batch=3)
+    prompt = _prompt(20, seed=12)
+    runner.prefill([PrefillItem("a", prompt, SamplingParams())])
+    out = runner.prefill([PrefillItem("b", prompt + [5], SamplingParams(), reuse_from="a", reuse_max=100,
+                                      reuse_copy=True)])[0]
+    assert out.reused == 0
+
+
+def test_the_drafter_copies_a_running_sequences_rows_into_a_slot_of_its_own(drafter_dirs):
+    from drafter_svc.runner import DraftItem
+
+    shared, fresh = _drafter(drafter_dirs, max_batch=3), _drafter(drafter_dirs)
+    feats = torch.randn(24, shared.feature_dim, generator=torch.Generator().manual_seed(2))
+    shared.add_context("a", 0, feats[:16])
+    assert shared.adopt("b", "a", rows=12, copy=True) == 12
+    shared.add_context("b", 12, feats[16:24])
+    fresh.add_context("b", 0, torch.cat([feats[:12], feats[16:24]]))
+    got, want = (r.draft([DraftItem("b", 5, 20)], top_k=4) for r in (shared, fresh))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert shared.context_len("a") == 16 and shared.adopt("c", "a", rows=4) == 0   # running: only copies
+
+
+def test_the_index_keeps_a_running_entry_for_copies_and_hybrid_targets_skip_it():
+    from gateway.prefix_index import PrefixHit, PrefixIndex
+
+    index = PrefixIndex(capacity=4, min_tokens=2)
+    index.add("run", [1, 2, 3, 4], running=True)
+    assert index.take([1, 2, 3, 4, 5]) == PrefixHit("run", 4, copy=True)
+    assert index.take([1, 2, 3, 4, 5]) == PrefixHit("run", 4, copy=True)   # still there
+    assert index.take([1, 2, 3, 4, 5], whole=True) is None
+    index.add("run", [1, 2, 3, 4, 5, 6])   # released: parked now, adopted once
+    assert index.take([1, 2, 3, 4, 5, 6, 7]) == PrefixHit("run", 6, copy=False)
+    assert index.take([1, 2, 3, 4, 5, 6, 7]) is None
