@@ -461,6 +461,7 @@ def test_a_client_leaving_an_n_sample_stream_frees_every_sample(oai, stack, mode
     ({"extra_body": {"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2}}, openai.BadRequestError,
      "allowed_token_ids are all stop tokens"),
     ({"extra_body": {"allowed_token_ids": [5, 10**7]}}, openai.BadRequestError, "allowed_token_ids must lie in"),
+    ({"extra_body": {"cache_salt": "s" * 257}}, openai.BadRequestError, "cache_salt is over the 256-character"),
 ])
 def test_bad_requests_get_openai_shaped_errors(oai, model_id, kwargs, error, fragment):
     args = {"model": model_id, "messages": CHAT, "max_tokens": 8, **kwargs}
