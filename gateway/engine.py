@@ -72,7 +72,8 @@ class PairEngine(BackgroundTask):
         self.task_name = f"engine-{pair.index}"
         self.releases_in_flight = 0   # Release RPCs sent and not yet answered (a drain waits for them)
         self._previous_verify: PreviousVerify | None = None   # the last step's, for the next step's segments
-        self.prefixes = (PrefixIndex(max(1, pair.target_info.max_batch))
+        # Running prompts and parked sequences: at most max_batch of each in the target.
+        self.prefixes = (PrefixIndex(2 * max(1, pair.target_info.max_batch))
                          if cfg.prefix_caching and pair.target_info.prefix_reuse else None)
 
     async def run(self) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from ddtree_serve.prefix_match import reusable_rows
 
 # Shorter matches are not worth the Adopt round trip and the parked slot they consume.
@@ -29,7 +31,7 @@ class PrefixHit:
 @dataclass
 class _Entry:
     salt: str
-    tokens: list[int]
+    tokens: np.ndarray   # int64: a take compares arrays, not Python lists (an admission's cost on the event loop)
     running: bool
 
 
@@ -54,7 +56,7 @@ class PrefixIndex:
         if len(tokens) < self.min_tokens:
             self._entries.pop(seq_id, None)
             return
-        self._entries[seq_id] = _Entry(salt, list(tokens), running)
+        self._entries[seq_id] = _Entry(salt, np.asarray(tokens, dtype=np.int64), running)
         self._entries.move_to_end(seq_id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -65,10 +67,11 @@ class PrefixIndex:
         start the prompt. A parked entry is removed (its slot is adopted once); a running one stays (its rows are
         copied)."""
         best: PrefixHit | None = None
+        ids = np.asarray(prompt, dtype=np.int64)
         for seq_id, entry in self._entries.items():
             if entry.salt != salt or (whole and entry.running):
                 continue
-            rows = reusable_rows(entry.tokens, prompt, len(prompt), whole)
+            rows = reusable_rows(entry.tokens, ids, len(prompt), whole)
             if rows >= self.min_tokens and (best is None or rows >= best.rows):   # ties: the most recent
                 best = PrefixHit(seq_id, rows, copy=entry.running)
         if best is not None and not best.copy:
