@@ -44,6 +44,7 @@ class Tally:
     failed: dict[str, int] = field(default_factory=dict)
     lost: int = 0
     kills: list[str] = field(default_factory=list)
+    cached_tokens: int = 0   # prompt tokens the completed requests took from the prefix cache
 
 
 async def _one(stub, prompt, reference, max_tokens, mode, cancel_after, tally: Tally, deadline_s: float) -> None:
@@ -62,6 +63,7 @@ async def _one(stub, prompt, reference, max_tokens, mode, cancel_after, tally: T
             tally.lost += 1
         elif ids == reference:
             tally.completed += 1
+            tally.cached_tokens += final.stats.cached_prompt_tokens
         else:
             tally.corrupted += 1
     except grpc.aio.AioRpcError as exc:
@@ -160,7 +162,11 @@ def main(argv=None) -> Tally:
     else:
         model, drafter = common.resolve_model(args.model), common.resolve_drafter(args.drafter)
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(5, 300) for _ in range(rng.randint(4, 40))] for _ in range(args.prompts)]
+    # Every other prompt starts with one shared 24-token "system prompt": prefix caching's copies from running
+    # sequences and adoptions of parked ones run under the cancellations and kills too.
+    system = [rng.randrange(5, 300) for _ in range(24)]
+    prompts = [(system if i % 2 else []) + [rng.randrange(5, 300) for _ in range(rng.randint(4, 40))]
+               for i in range(args.prompts)]
     stack = LocalStack(model=model, drafter=drafter, device=args.device, dtype=args.dtype, threads=args.threads,
                        extra={"gateway": ["--draft-timeout-s", "5"]}).start(timeout_s=600)
     try:
@@ -184,6 +190,7 @@ def main(argv=None) -> Tally:
             ["corrupted (completed but differs)", tally.corrupted],
             ["lost (no final message within the deadline)", tally.lost],
             ["cancelled by the client", tally.cancelled],
+            ["(prompt tokens the completed ones took from the prefix cache)", tally.cached_tokens],
             *[[f"failed {code}", n] for code, n in sorted(tally.failed.items())]]), "",
         "RSS in MiB (first sample after start / last sample; a killed service restarts fresh):", "",
         common.md_table(["service", "first", "last"], rows), "",

@@ -5,9 +5,11 @@ import asyncio
 import threading
 import time
 
+import grpc
 import pytest
 
-from ddtree_serve.plumbing.model_thread import ModelThread
+from ddtree_serve.plumbing.model_thread import ModelThread, ModelThreadStopped
+from ddtree_serve.plumbing.rpc import status_for
 
 
 def test_work_runs_in_order_on_one_thread_that_is_not_the_event_loops():
@@ -63,11 +65,16 @@ def test_shutdown_cancels_the_queued_work_and_refuses_new_work():
         await asyncio.sleep(0.05)
         mt.shutdown()
         await asyncio.sleep(0.3)
-        with pytest.raises(RuntimeError, match="shutdown"):
+        with pytest.raises(ModelThreadStopped, match="shutdown"):
             mt.submit(int)
         return running.done() and not running.cancelled(), queued.cancelled()
 
     assert asyncio.run(main()) == (True, True)
+
+
+def test_a_call_refused_by_a_stopped_model_thread_is_unavailable_not_an_internal_error():
+    code, message = status_for(ModelThreadStopped("cannot schedule new work after shutdown"))
+    assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in message
 
 
 def test_the_error_hook_sees_each_failure_on_the_model_thread_and_a_failing_hook_stops_nothing():

@@ -141,3 +141,33 @@ def test_a_step_call_runs_in_the_callers_task_and_times_out_there():
 
     outer, inner = asyncio.run(main())
     assert inner is outer or not hasattr(asyncio, "timeout")   # Python 3.10's wait_for makes a task of its own
+
+
+def test_a_call_to_a_server_that_is_gone_fails_as_unavailable_not_with_a_stream_state_error():
+    async def body(server, channel, calls, recorded):
+        await calls(b"a", timeout=5)
+        await server.stop()   # gone for good: the retry on a fresh stream cannot connect either
+        codes = []
+        for _ in range(2):   # the broken idle stream, then a fresh one
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await calls(b"b", timeout=5)
+            codes.append(info.value.code())
+        return codes
+
+    assert run(body) == [grpc.StatusCode.UNAVAILABLE] * 2
+
+
+def test_a_write_to_a_stream_that_already_ended_fails_with_the_streams_status():
+    async def go():
+        channel = grpc.aio.insecure_channel("127.0.0.1:1")   # nothing listens there
+        ended = channel.stream_stream(METHOD)()
+        await ended.code()   # the connection was refused: the stream is over before anything was written
+        calls = StreamedCalls(lambda: ended, "Echo/Call")
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await calls(b"x", timeout=5)
+        finally:
+            await channel.close()
+        return info.value.code()
+
+    assert asyncio.run(go()) == grpc.StatusCode.UNAVAILABLE

@@ -17,6 +17,10 @@ from typing import Any
 _STOP = None   # queued by shutdown(): the thread ends after the work before it
 
 
+class ModelThreadStopped(RuntimeError):
+    """Work handed to a model thread that was shut down (the service is stopping)."""
+
+
 class ModelThread:
     """One dedicated thread for a service's model work: device work stays serialised, the event loop stays free."""
 
@@ -34,7 +38,7 @@ class ModelThread:
     def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Queues fn(*args) on the model thread now (behind the work already queued) without awaiting it."""
         if self._stopped:
-            raise RuntimeError("cannot schedule new work after shutdown")
+            raise ModelThreadStopped("cannot schedule new work after shutdown")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if self._thread is None:

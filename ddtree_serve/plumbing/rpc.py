@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ddtree_serve.plumbing.event_loop import running_loop_name
+from ddtree_serve.plumbing.model_thread import ModelThreadStopped
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.PERMISSION_DENIED, str(exc)
     if isinstance(exc, KeyError):
         return grpc.StatusCode.NOT_FOUND, f"unknown sequence id {exc.args[0]!r}" if exc.args else "not found"
+    if isinstance(exc, ModelThreadStopped):   # a call that arrived while the service shuts down
+        return grpc.StatusCode.UNAVAILABLE, "the service is shutting down"
     if isinstance(exc, RuntimeError) and str(exc).startswith("capacity"):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):

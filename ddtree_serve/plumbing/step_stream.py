@@ -93,18 +93,31 @@ class StreamedCalls(StepCalls):
             self._call = self.open_stream()
         try:
             await self._call.write(request)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             if not reused:
-                raise
+                raise await self._write_error(exc) from None
             # The idle stream broke since the last call (a peer restarted): the request never left, so one
             # retry on a fresh stream is safe.
             self.close()
             self._call = self.open_stream()
-            await self._call.write(request)
+            try:
+                await self._call.write(request)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as retry_exc:
+                raise await self._write_error(retry_exc) from None
         response = await self._call.read()
         if response is grpc.aio.EOF:   # the server closed the stream without answering (it is stopping)
             raise stream_error(grpc.StatusCode.UNAVAILABLE, f"{self.method}: the stream ended without an answer")
         return response
+
+    async def _write_error(self, exc: BaseException) -> grpc.aio.AioRpcError:
+        """What a failed write raises: the stream's own status when it already ended (grpc.aio then raises
+        InvalidStateError, e.g. a peer that is down refused the connection), as a unary call would raise it."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return exc
+        code, details = await self._call.code(), await self._call.details()
+        if code == grpc.StatusCode.OK:
+            code, details = grpc.StatusCode.UNAVAILABLE, "the stream ended"
+        return stream_error(code, f"{self.method}: {details}")
 
     def close(self) -> None:
         """Cancels the open stream, if any."""
