@@ -178,6 +178,49 @@ def test_squatted_slots_are_reclaimed_once_the_squatters_lease_lapses(stack):
     assert list(reply.token_ids) == reference_greedy(target, prompt, 12)
 
 
+def test_parked_rows_are_reused_only_by_the_session_that_parked_them(stack):
+    """Prefix caching across gateway sessions: another session's reuse_from (target) or Adopt (drafter) of a parked
+    sequence takes nothing, the parking session's takes its rows."""
+    s, target = stack
+    prompt = prompts_for(target, [40], seed=34)[0]
+
+    def as_(session):
+        return {"metadata": (("x-ddtree-session", session),), "timeout": 60}
+
+    async def target_side():
+        async with s.internal_channel("target") as ch:
+            stub = target_pb2_grpc.TargetServiceStub(ch)
+            await stub.Prefill(target_pb2.PrefillRequest(items=[
+                target_pb2.PrefillItem(seq_id="park-a", prompt_ids=prompt)]), **as_("A"))
+            await stub.Release(target_pb2.ReleaseRequest(seq_ids=["park-a"], keep_prefix=True), **as_("A"))
+            reused = []
+            for seq_id, session in (("park-b", "B"), ("park-c", "A")):
+                r = await stub.Prefill(target_pb2.PrefillRequest(items=[target_pb2.PrefillItem(
+                    seq_id=seq_id, prompt_ids=prompt + [7], reuse_from="park-a", reuse_max=100)]), **as_(session))
+                await stub.Release(target_pb2.ReleaseRequest(seq_ids=[seq_id]), **as_(session))
+                reused.append(r.results[0].reused)
+            return reused
+
+    async def drafter_side():
+        async with s.internal_channel("drafter") as ch:
+            stub = drafter_pb2_grpc.DrafterServiceStub(ch)
+            info = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=30)
+            dim = info.hidden_size * len(info.target_layer_ids)
+            await stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=dim, rows=[drafter_pb2.FeatureRows(
+                seq_id="dpark-a", start=0, num_rows=4, dtype="float32", data=bytes(4 * 4 * dim))]), **as_("A"))
+            await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=["dpark-a"], keep_prefix=True), **as_("A"))
+            rows = []
+            for seq_id, session in (("dpark-b", "B"), ("dpark-c", "A")):
+                r = await stub.Adopt(drafter_pb2.AdoptRequest(items=[
+                    drafter_pb2.AdoptItem(seq_id=seq_id, parked_id="dpark-a", rows=4)]), **as_(session))
+                await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=[seq_id]), **as_(session))
+                rows.append(r.rows[0])
+            return rows
+
+    assert _run(target_side()) == [0, 40]
+    assert _run(drafter_side()) == [0, 4]
+
+
 # ---- 3. shared memory -------------------------------------------------------------------------------------------
 def _push_shared(s, name, seq_id, size=4096, feature_dim=8):
     async def call():
