@@ -123,7 +123,7 @@ def stats_dict(s: gateway_pb2.GenerationStats) -> dict:
             "accepted_tokens": s.accepted_tokens, "mean_acceptance_length": round(s.mean_acceptance_length, 4),
             "draft_tokens": s.draft_tokens, "ttft_seconds": round(s.ttft_seconds, 4),
             "e2e_seconds": round(s.e2e_seconds, 4), "mode": s.mode, "requested_mode": s.requested_mode,
-            "drafter_fallback": s.drafter_fallback, "budget": s.budget,
+            "drafter_fallback": s.drafter_fallback, "budget": s.budget, "cached_prompt_tokens": s.cached_prompt_tokens,
             "tokens_per_second": round(s.generated_tokens / s.e2e_seconds, 2) if s.e2e_seconds else 0.0}
 
 
