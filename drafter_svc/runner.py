@@ -463,13 +463,16 @@ class DrafterRunner:
                 (self._slot[source_id], self._len.get(source_id, 0)) if copy and source_id in self._slot else None)
             if seq_id in self._slot or source is None or rows <= 0 or source[1] <= 0:
                 return 0
+            n = min(rows, source[1])
             if copy and (parked is None or self._free):
-                slot = self._take_slot(spare=source_id)
-                n = min(rows, source[1])
+                try:
+                    slot = self._take_slot(spare=source_id)
+                except RuntimeError:   # every slot runs a sequence: this one starts without rows (and a slot)
+                    return 0
                 for cache in (*self.k_cache, *self.v_cache):
                     cache[slot, :, :n] = cache[source[0], :, :n]
             else:
-                slot, n = self._parked.pop(source_id)[0], min(rows, source[1])
+                slot = self._parked.pop(source_id)[0]
             self._slot[seq_id] = slot
             self._len[seq_id] = n
             self._adopted.add(seq_id)

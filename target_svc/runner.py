@@ -90,7 +90,8 @@ class PrefillItem:
     logprobs: int = -1    # >= 0: report each emitted token's log-prob and this many alternatives (first chunk's)
     prompt_logprobs: int = -1   # >= 0: each prompt token's log-prob after the tokens before it, with alternatives
     guide: Any = None     # a compiled grammar (xgrammar's) every generated token must keep to (first chunk's)
-    # Prefix caching (first chunk): reuse up to reuse_max leading prompt rows of the parked sequence reuse_from
+    # Prefix caching (first chunk): reuse up to reuse_max leading prompt rows of the sequence reuse_from (parked:
+    # its slot is adopted; reuse_copy: its rows are copied, and it may be running)
     reuse_from: str = ""
     reuse_max: int = 0
     reuse_copy: bool = False   # copy the rows into a slot of its own (reuse_from keeps its slot; dense targets only)
@@ -445,11 +446,11 @@ class TargetRunner:
         the parked sequence the item names, or a fresh one with the named sequence's rows copied in (reuse_copy;
         running or parked, dense targets), where those rows start its prompt; else a fresh slot and none."""
         cache = self.model.cache
+        if not it.reuse_from or it.prompt_logprobs >= 0:   # prompt log-probs need every prompt position run
+            return cache.add_sequence(it.seq_id), []
         whole = self.prefix_reuse == "context"
         parked = cache.parked.get(it.reuse_from)
-        if not it.reuse_from or it.prompt_logprobs >= 0:
-            pass
-        elif it.reuse_copy and not whole and (parked is None or cache.free_slots):
+        if it.reuse_copy and not whole and (parked is None or cache.free_slots):
             source = self.seqs.get(it.reuse_from)
             slot_tokens = parked if source is None else (source.slot, source.tokens)
             if slot_tokens is not None:
