@@ -29,7 +29,8 @@
 #              --graph-node-sizes 64" with SPEED8_BUDGETS=16,63,64,128: every budget in a graph bucket of its
 #              exact size; "--graph-node-sizes 64,129" also gives the held-out prompts of 66-129 tokens a
 #              prefill of their own size, not the 257-node one), SPEED8_S: its time limit (64 prompts at batch
-#              1: ~330 s on an H200, >= 420 s on an H100, whose reference ar run alone took 125 s on 2026-12-07);
+#              1: >= 400 s on an H200, where 330 s stopped dflash and ddtree after 54 of the 64 prompts on
+#              2026-12-07 (ar 106 s, transformers 28 s), >= 420 s on an H100, whose ar run alone took 125 s);
 #              step sockets, the gateway polling STEP_SPIN_US=20000)
 #   overheadab the step's host overhead, variants of one call: base, spin (--step-spin-us 20000), pin (--pin-cpus),
 #              pinspin (both); batch 1, 8 prompts x 256 tokens, ar/dflash/ddtree b64 (needs /tmp/w8)
