@@ -1,4 +1,4 @@
-"""Prefix caching's one rule, shared by the gateway (which picks a parked sequence) and the target (which checks it):
+"""Prefix caching's rules, shared by the gateway (which picks a parked sequence) and the target (which checks it):
 how many of a parked sequence's cached rows a new prompt can reuse."""
 from __future__ import annotations
 
@@ -24,3 +24,12 @@ def reusable_rows(held: Sequence[int], prompt: Sequence[int], limit: int, whole:
     if whole and n != len(held):
         return 0
     return max(n, 0)
+
+
+def reclaim_parked_slot(free_slots: list[int], parked: dict[str, tuple], spare: str = "") -> None:
+    """With no free slot left, frees the oldest parked sequence's slot (parked is oldest first, each value's first
+    item its slot) but spare's (the one a copy reads from)."""
+    if not free_slots:
+        victim = next((seq_id for seq_id in parked if seq_id != spare), None)
+        if victim is not None:
+            free_slots.append(parked.pop(victim)[0])

@@ -23,6 +23,7 @@ from ddtree_serve.kernels import tree_attention
 from ddtree_serve.kernels.tree_attention import TreeKeys
 from ddtree_serve.plumbing.cuda_graphs import GraphCache, SharedOutput, key_buckets, pick_bucket, power_of_two_buckets
 from ddtree_serve.plumbing.host_copy import to_host
+from ddtree_serve.prefix_match import reclaim_parked_slot
 from drafter_svc.dflash_model import ContextKV, DFlashDraftModel, SlotContext, load_target_embeddings
 
 log = logging.getLogger(__name__)
@@ -275,10 +276,7 @@ class DrafterRunner:
     def _take_slot(self, spare: str = "") -> int:
         """A free slot (lowest first: a running batch's slots stay together), else the oldest parked one's but
         spare's."""
-        if not self._free:
-            victim = next((parked_id for parked_id in self._parked if parked_id != spare), None)
-            if victim is not None:
-                self._free.append(self._parked.pop(victim)[0])
+        reclaim_parked_slot(self._free, self._parked, spare)
         if not self._free:
             raise RuntimeError(f"capacity exceeded: all {self.cfg.max_batch} drafter slots are in use")
         self._free.sort()

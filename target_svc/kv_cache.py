@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ddtree_serve.prefix_match import reclaim_parked_slot
 from ddtree_serve.switches import switched_off
 from target_svc.gated_deltanet import LinearAttnState, LinearAttnStateShape, allocate_linear_attn_state
 
@@ -93,10 +94,7 @@ class KVCache:
         RuntimeError('capacity ...') when none is left."""
         if seq_id in self.slot_of:
             raise ValueError(f"sequence {seq_id!r} is already in the target cache")
-        if not self.free_slots:
-            victim = next((parked_id for parked_id in self.parked if parked_id != spare), None)
-            if victim is not None:
-                self.free_slots.append(self.parked.pop(victim)[0])
+        reclaim_parked_slot(self.free_slots, self.parked, spare)
         if not self.free_slots:
             raise RuntimeError(f"capacity: all {self.spec.max_batch} sequence slots are in use")
         slot = self.free_slots.pop()
