@@ -1,5 +1,5 @@
-"""Prefix caching's rules, shared by the gateway (which picks a parked sequence) and the target (which checks it):
-how many of a parked sequence's cached rows a new prompt can reuse."""
+"""Prefix caching's rules, shared by the gateway, the target and the drafter: how many of a parked sequence's
+cached rows a new prompt can reuse, and which parked slot is taken first when none is free."""
 from __future__ import annotations
 
 from collections.abc import Sequence
