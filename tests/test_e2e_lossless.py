@@ -180,9 +180,13 @@ def test_shared_memory_transport_is_lossless_and_moves_every_byte(checkpoints, e
             assert result["stats"].draft_tokens >= result["stats"].steps > 0
     assert set(sent) == {("shm", "send")} and set(received) == {("shm", "recv")}
     assert sent[("shm", "send")] == received[("shm", "recv")] > 0
-    # Every verify of a drafting sequence pushed its rows the chosen way.
-    assert pushes.get("early", 0) > 0 if early else pushes.get("early", 0) == 0
-    assert pushes.get("after_verify", 0) == 0 if early else pushes.get("after_verify", 0) > 0
+    # Every verify of a drafting sequence pushed its rows the chosen way; with early pushes, a verify staged while
+    # both early regions still await the drafter's answers goes the plain way (transport/shared.py): on a loaded
+    # 2-core CI box that happened in a fresh-clone run of 2026-12-07, so early pushes must be most, not all.
+    if early:
+        assert pushes.get("early", 0) > 4 * pushes.get("after_verify", 0)
+    else:
+        assert pushes.get("early", 0) == 0 and pushes.get("after_verify", 0) > 0
     # and the drafter drafted from them before the Draft asked: most Drafts found theirs ready (a sequence's first
     # Draft after its prompt may have asked for another K).
     assert prefetched.get("hit", 0) > prefetched.get("miss", 0)
