@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from target_svc import int8_matmul, w8a8_matmul
+from target_svc import int8_matmul, int8_slices, w8a8_matmul
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,12 @@ def _triton_takes(x: Tensor, weight: QuantizedWeight, backend: str) -> bool:
 
 
 def int8_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None, backend: str = "int8pack") -> Tensor:
-    """x [..., in] @ (q * s)^T (+ bias) -> [..., out] in x's dtype, for an int8 weight."""
+    """x [..., in] @ (q * s)^T (+ bias) -> [..., out] in x's dtype, for an int8 weight (on CUDA, inputs of enough
+    rows through the sliced int8 kernels where DDTREE_INT8_SLICES asks for them: int8_slices)."""
+    if backend == "triton":
+        x2d = x.reshape(-1, x.shape[-1])
+        if int8_slices.takes(x2d, weight.in_features, int8_slices.rows_threshold()):
+            return int8_slices.matmul(x2d, weight.qweight, weight.scales, bias).view(*x.shape[:-1], -1)
     if _triton_takes(x, weight, backend):
         return int8_matmul.matmul(x, weight.qweight, weight.scales, bias, bits=8, counters=weight.counters)
     lead = x.shape[:-1]

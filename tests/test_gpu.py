@@ -1465,6 +1465,74 @@ def test_cuda_w8a8_kernels_equal_the_reference_bit_for_bit_and_a_graph_replays_t
 
 
 @needs_triton
+@pytest.mark.parametrize("n, k", [(6144, 4096), (24576, 4096), (4096, 12288), (40, 96)])
+def test_cuda_sliced_int8_kernels_equal_the_reference_bit_for_bit_and_a_graph_replays_them(n, k):
+    """Compiled, in bf16, at the 8B's projection shapes and 1 to 130 rows (split and unsplit launches), with and
+    without bias: the slicing and the sliced product equal int8_slices' PyTorch reference exactly (tolerance 0: the
+    integer sums are exact and the epilogue the same float32 operations), each row equals that row run alone, a
+    captured graph replays the same bits, and the product is the weight-only one within _assert_close_to_reference's
+    stated tolerance."""
+    import torch.nn.functional as F
+
+    from target_svc import int8_slices
+    from target_svc.quantization import quantize_per_channel
+
+    torch.manual_seed(0)
+    q = quantize_per_channel(torch.randn(n, k, device="cuda") * 0.02, torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1
+    for m in (1, 4, 17, 64, 65, 130):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x[0, 0] = 200.0   # an outlier
+        digits, p = int8_slices.slice_rows_gpu(x)
+        want_d, want_p = int8_slices.slice_rows(x)
+        assert torch.equal(digits, want_d) and torch.equal(p, want_p), m
+        for b in (None, bias):
+            y = int8_slices.matmul(x, q.qweight, q.scales, b)
+            want = int8_slices.reference(x, q.qweight, q.scales, b).to(torch.bfloat16)
+            assert torch.equal(y, want), (m, b is not None, int8_slices.choose_config(m, n, k))
+            assert torch.equal(int8_slices.matmul(x[-1:], q.qweight, q.scales, b), y[-1:]), m
+            ref = F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float())
+            _assert_close_to_reference(y, ref.to(torch.bfloat16), (m, b is not None))
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = int8_slices.matmul(static, q.qweight, q.scales)
+        graph.replay()
+        assert torch.equal(out, int8_slices.matmul(x, q.qweight, q.scales)), m
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_cuda_sliced_int8_target_verifies_its_own_greedy_decode_graphed_and_eager(checkpoints, kind, monkeypatch):
+    """DDTREE_INT8_SLICES=on: every int8 projection through the sliced kernels. The target's own greedy decode is
+    the same graphed and eager, and a chain of its greedy tokens verified in one forward accepts every one of them
+    (each row's projections equal its decode step's bit for bit; attention may still round apart, so a near tie
+    could flip: on these tiny models none does)."""
+    from target_svc import int8_slices
+
+    monkeypatch.setenv(int8_slices.SLICES_ENV, "on")
+    target_dir, _ = checkpoints(kind)
+    prompt = prompts_for(target_dir, [13], seed=3)[0]
+    outputs = []
+    for eager in (False, True):
+        runner = TargetRunner(TargetConfig(model_dir=str(target_dir), device="cuda", dtype=torch.bfloat16,
+                                           max_batch=2, max_seq_len=128, max_tree_nodes=16, quantize="int8",
+                                           enforce_eager=eager, kv_cache_memory_bytes=2**26))
+        assert runner.model.int8_backend == "triton"
+        generated = [runner.prefill([PrefillItem("s", prompt, SamplingParams())])[0].next_token]
+        while len(generated) < 16:
+            generated.append(runner.verify([VerifyItem("s", torch.tensor([generated[-1]]), torch.tensor([-1]))])[0]
+                             .next_token)
+        outputs.append(generated)
+        # the same prompt again; its first token, then the next 14 greedy tokens as one chain of 15 nodes
+        first = runner.prefill([PrefillItem("t", prompt, SamplingParams())])[0].next_token
+        assert first == generated[0]
+        chain = runner.verify([VerifyItem("t", torch.tensor(generated[:15]), torch.arange(-1, 14))])[0]
+        assert chain.accepted_nodes == list(range(15)) and chain.next_token == generated[15], (eager, chain)
+    assert outputs[0] == outputs[1]
+
+
+@needs_triton
 @pytest.mark.parametrize("quantize, fused_reduce", [("int8", "off"), ("int4", "off"), ("int8-head", "on"),
                                                     ("w8a8", "off")])
 def test_cuda_quantized_target_runs_the_triton_kernels_and_greedy_is_the_same_graphed_and_eager(checkpoints,
