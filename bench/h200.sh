@@ -64,6 +64,12 @@
 #   slicessweep the sliced int8 product's tilings at 64 rows (bench.int8_kernel --slices-sweep; SLICES_ARGS)
 #   slicestests its GPU tests (SLICES_TESTS_K); `int8` times it as a step with QUANTS="int8-slices" (every row
 #              count) or "int8-slices5" (inputs of >= 5 rows: the verify; decode keeps the weight-only kernels)
+#              Issue 15's open gates in two calls on one warm machine (~6 min each):
+#                TUNE_S=140 bash bench/h200.sh OUT int8tune slicestests slicessweep
+#                DDTREE_INT8_TILES=/tmp/nvidia-h200.json QUANTS="none int8 int8-untuned int8-slices int8-slices5" \
+#                  INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
+#              and its quality on the SmolLM2 pair (ddtree == own greedy: 10 of 24 prompts for weight-only int8 on
+#              2026-12-06): DDTREE_INT8_SLICES=on QUANTS_QUALITY=int8 bash bench/h200.sh OUT quality
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
@@ -300,7 +306,8 @@ for s in $SECTIONS; do
         --dot-block-m 64 --dot-block-n 64,128 --dot-block-k 64,128 --dot-splits 1,2,4 --dot-swap 0,1 --dot-warps 4,8 \
         --write-tiles "$T" > "$R/int8-tune-64.log" 2>&1
       for f in "$R"/int8-tune-*.log; do sed -n '/^best dot tiling/,$p' "$f"; done
-      cp "$T" "$R/" 2>/dev/null ;;
+      # to $R for the repository, and to /tmp for a later call on the same warm machine (DDTREE_INT8_TILES=/tmp/...)
+      cp "$T" "$R/" 2>/dev/null; cp "$T" /tmp/ 2>/dev/null ;;
     slicessweep)   # the sliced int8 product's tilings (target_svc/int8_slices.py) at a 64-node verify's rows, beside
                    # the weight-only kernel's launch and cuBLAS's bf16 (SLICES_ARGS replaces the grid)
       timeout ${SLICES_SWEEP_S:-200} python3 -m bench.int8_kernel --slices-sweep ${SLICES_ARGS:---ms 64 --slices 3 \

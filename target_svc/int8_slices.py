@@ -130,12 +130,28 @@ def combine(sums: Tensor, p: Tensor, scales: Tensor, bias: Tensor | None = None)
     return y if bias is None else y + bias.float()[None, :]
 
 
+# K columns per float32 product in _integer_product: |digit x weight| <= 127 x 127, so every partial sum of this many
+# stays under 2^24, where float32 holds integers exactly (whatever order the BLAS adds them in).
+_EXACT_F32_COLUMNS = 1024
+
+
+def _integer_product(digits: Tensor, qweight: Tensor) -> Tensor:
+    """digits [S, M, K] int8 times qweight [N, K]^T as exact integers in float64 [S, M, N]: float32 products over
+    K chunks that cannot round, added in float64 (exact below 2^53, as int32 is on the GPU)."""
+    s, m, k = digits.shape
+    a = digits.reshape(s * m, k)
+    total = torch.zeros(s * m, qweight.shape[0], dtype=torch.float64, device=digits.device)
+    for k0 in range(0, k, _EXACT_F32_COLUMNS):
+        chunk = slice(k0, k0 + _EXACT_F32_COLUMNS)
+        total += (a[:, chunk].float() @ qweight[:, chunk].float().t()).double()
+    return total.view(s, m, -1)
+
+
 def reference(x2d: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None, slices: int = SLICES) -> Tensor:
     """The sliced product of x2d [M, K] and int8 weights qweight [N, K] with row scales [N] as float32 [M, N]:
-    slice_rows, each slice's integer product exact (float64, exact below 2^53 as int32 is on the GPU), combine."""
+    slice_rows, each slice's integer product exact, combine."""
     digits, p = slice_rows(x2d, slices)
-    sums = torch.stack([d.double() @ qweight.double().t() for d in digits])
-    return combine(sums, p, scales, bias)
+    return combine(_integer_product(digits, qweight), p, scales, bias)
 
 
 def _kernels():

@@ -144,3 +144,36 @@ def test_the_kernels_under_tritons_interpreter_equal_the_reference_bit_for_bit()
     bf16 outputs: the very bits of the PyTorch reference (the interpreter's bf16 stores truncate, so bf16 is compared
     with the truncated reference here, and rounded in test_gpu.py)."""
     _run_interpreted(INTERPRETED)
+
+
+def test_the_sliced_backend_runs_int8_weights_through_the_sliced_product_on_the_cpu(monkeypatch):
+    """DDTREE_INT8_MATMUL=sliced: the backend a target takes on any device, and its int8 projections are the
+    sliced reference's bits (not the dequantized product's: the float32 inputs are cut at the third slice)."""
+    from target_svc.quantization import INT8_MATMUL_ENV, int8_matmul_backend, linear
+
+    monkeypatch.setenv(INT8_MATMUL_ENV, "sliced")
+    assert int8_matmul_backend("cpu") == "sliced"
+    torch.manual_seed(7)
+    q = quantize_per_channel(torch.randn(48, 320) * 0.05, torch.float32)
+    x = torch.randn(2, 5, 320)
+    bias = torch.randn(48)
+    y = linear(x, q, bias, backend="sliced")
+    assert y.shape == (2, 5, 48)
+    assert torch.equal(y.view(10, 48), int8_slices.reference(x.view(10, 320), q.qweight, q.scales, bias))
+    dequantized = linear(x, q, bias, backend="dequant")
+    assert not torch.equal(y, dequantized)
+    torch.testing.assert_close(y, dequantized, rtol=0, atol=1e-4)
+
+
+def test_the_reference_sums_the_integer_products_exactly_past_float32s_integers():
+    """Digits and weights at their largest over K = 4096: each sum (66 million) is past 2^24, and still exact."""
+    k = 4096
+    digits = torch.full((3, 2, k), 127, dtype=torch.int8)
+    digits[1:] = -64
+    qweight = torch.full((3, k), 127, dtype=torch.int8)
+    qweight[1, 1::2] = -127
+    sums = int8_slices._integer_product(digits, qweight)
+    assert sums.dtype == torch.float64
+    assert sums[0, 0, 0].item() == 127 * 127 * k and sums[1, 1, 0].item() == -64 * 127 * k
+    assert sums[0, 0, 1].item() == 0.0
+    assert torch.equal(sums, (digits.long().view(6, k) @ qweight.long().t()).double().view(3, 2, 3))
