@@ -302,6 +302,32 @@ def gemv_sweep(args, device: torch.device) -> None:
         write_tiles(args.write_tiles, tuned, device)
 
 
+def _selected_shapes(args) -> list[tuple[str, int, int]]:
+    """SHAPES whose name holds one of --dot-shapes' comma-separated words (all when none)."""
+    words = [w for w in args.dot_shapes.split(",") if w]
+    shapes = [s for s in SHAPES if not words or any(w in s[0] for w in words)]
+    if not shapes:
+        raise SystemExit(f"--dot-shapes {args.dot_shapes!r} names none of: {', '.join(s[0] for s in SHAPES)}")
+    return shapes
+
+
+def _sweep_cases(shapes, ms: list[int], args, device: torch.device):
+    """Per shape and M: (name, N, K, M, x, int8 weight copies, F.linear on the dequantized weight, cuBLAS's bf16 ms
+    per call); each shape's weights are freed before the next one's."""
+    for name, n, k in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+                 for _ in range(copies_for(n * k * 2))]
+        ws = [quantize_weight(dense[i % len(dense)], 8) for i in range(copies_for(n * k))]
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+            ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
+            bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in dense], args.calls, args.replays)
+            yield name, n, k, m, x, ws, ref, bf16
+        del ws, dense
+        torch.cuda.empty_cache()
+
+
 def dot_sweep(args, device: torch.device) -> None:
     """One line per (shape, M, dot-kernel tiling) of int8 weights: ms per call against cuBLAS's bf16 and the default
     tiling, and the error; then the best tiling of each (shape, M). The default tiling pads M to its bucket's tile
@@ -313,38 +339,24 @@ def dot_sweep(args, device: torch.device) -> None:
     grid = list(itertools.product(_ints(args.dot_block_m), _ints(args.dot_block_n), _ints(args.dot_block_k),
                                   _ints(args.dot_splits), _ints(args.dot_swap), _ints(args.dot_warps),
                                   _ints(args.dot_stages)))
-    words = [w for w in args.dot_shapes.split(",") if w]
-    shapes = [s for s in SHAPES if not words or any(w in s[0] for w in words)]
-    if not shapes:
-        raise SystemExit(f"--dot-shapes {args.dot_shapes!r} names none of: {', '.join(s[0] for s in SHAPES)}")
     print("shape | N | K | M | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, swap AB, warps, stages) | ms/call | x bf16 "
           "| err",
           flush=True)
     best, tuned = [], []
-    for name, n, k in shapes:
-        gen = torch.Generator(device=device).manual_seed(0)
-        dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
-                 for _ in range(copies_for(n * k * 2))]
-        ws = [quantize_weight(dense[i % len(dense)], 8) for i in range(copies_for(n * k))]
-        for m in ms:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
-            ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
-            bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in dense], args.calls, args.replays)
-            default = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms)   # the rule (GEMV where switched on)
-            cases = [("default", default)] + [
-                ("", TileConfig(bm, bn, bk, split, bool(swap), warps, stages))
-                for bm, bn, bk, split, swap, warps, stages in grid
-                if (bm == 16 or bm < 2 * m) and split * 2 * bk <= k]
-            results, labelled = _time_tilings(
-                cases, lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
-                f"{name} | {n} | {k} | {m}", lambda t, bf16=bf16: f"{t / bf16:.2f}")
-            if results:
-                t, tiling, err, _ = min(results, key=lambda r: r[0])
-                best.append((name, n, k, m, tiling, t, t / bf16, err))
-                tile = tuned_entry("dot", m, _below(ms, m), n, k, results, labelled.get("default"), args.min_gain)
-                tuned += [tile] if tile else []
-        del ws, dense
-        torch.cuda.empty_cache()
+    for name, n, k, m, x, ws, ref, bf16 in _sweep_cases(_selected_shapes(args), ms, args, device):
+        default = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms)   # the rule (GEMV where switched on)
+        cases = [("default", default)] + [
+            ("", TileConfig(bm, bn, bk, split, bool(swap), warps, stages))
+            for bm, bn, bk, split, swap, warps, stages in grid
+            if (bm == 16 or bm < 2 * m) and split * 2 * bk <= k]
+        results, labelled = _time_tilings(
+            cases, lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
+            f"{name} | {n} | {k} | {m}", lambda t, bf16=bf16: f"{t / bf16:.2f}")
+        if results:
+            t, tiling, err, _ = min(results, key=lambda r: r[0])
+            best.append((name, n, k, m, tiling, t, t / bf16, err))
+            tile = tuned_entry("dot", m, _below(ms, m), n, k, results, labelled.get("default"), args.min_gain)
+            tuned += [tile] if tile else []
     print("\nbest dot tiling per shape and M (x bf16: against cuBLAS F.linear on the bf16 weight):")
     for name, n, k, m, tiling, t, ratio, err in best:
         print(f"{name} | {n} | {k} | {m} | {tiling} | {t:.4f} | {ratio:.2f} | {err:.1e}")
@@ -360,36 +372,24 @@ def slices_sweep(args, device: torch.device) -> None:
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     grid = list(itertools.product(_ints(args.dot_block_m), _ints(args.dot_block_n), _ints(args.dot_block_k),
                                   _ints(args.dot_splits), _ints(args.dot_warps), _ints(args.dot_stages)))
-    words = [w for w in args.dot_shapes.split(",") if w]
-    shapes = [s for s in SHAPES if not words or any(w in s[0] for w in words)]
     print("shape | N | K | M | slices | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, warps, stages) | ms/call | x bf16 "
           "| err", flush=True)
     best = []
-    for name, n, k in shapes:
-        gen = torch.Generator(device=device).manual_seed(0)
-        dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
-                 for _ in range(copies_for(n * k * 2))]
-        ws = [quantize_weight(dense[i % len(dense)], 8) for i in range(copies_for(n * k))]
-        for m in ms:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
-            ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
-            bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in dense], args.calls, args.replays)
-            weight_only = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms, tuned=int8_matmul.tuned_table(device))
-            _time_tilings([("weight-only", weight_only)],
-                          lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
-                          f"{name} | {n} | {k} | {m} | -", lambda t, bf16=bf16: f"{t / bf16:.2f}")
-            for slices in _ints(args.slices):
-                cases = [("default", int8_slices.choose_config(m, n, k, num_sms))] + [
-                    ("", int8_slices.TileConfig(*t)) for t in grid
-                    if (t[0] == 16 or t[0] < 2 * m) and t[3] * 2 * t[2] <= k]
-                results, _ = _time_tilings(
-                    cases, lambda w, cfg, s=slices: int8_slices.matmul(x, w.qweight, w.scales, None, cfg, s), ws, ref,
-                    args, f"{name} | {n} | {k} | {m} | {slices}", lambda t, bf16=bf16: f"{t / bf16:.2f}")
-                if results:
-                    t, tiling, err, _ = min(results, key=lambda r: r[0])
-                    best.append((name, n, k, m, slices, tiling, t, t / bf16, err))
-        del ws, dense
-        torch.cuda.empty_cache()
+    for name, n, k, m, x, ws, ref, bf16 in _sweep_cases(_selected_shapes(args), ms, args, device):
+        weight_only = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms, tuned=int8_matmul.tuned_table(device))
+        _time_tilings([("weight-only", weight_only)],
+                      lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
+                      f"{name} | {n} | {k} | {m} | -", lambda t, bf16=bf16: f"{t / bf16:.2f}")
+        for slices in _ints(args.slices):
+            cases = [("default", int8_slices.choose_config(m, n, k, num_sms))] + [
+                ("", int8_slices.TileConfig(*t)) for t in grid
+                if (t[0] == 16 or t[0] < 2 * m) and t[3] * 2 * t[2] <= k]
+            results, _ = _time_tilings(
+                cases, lambda w, cfg, s=slices: int8_slices.matmul(x, w.qweight, w.scales, None, cfg, s), ws, ref,
+                args, f"{name} | {n} | {k} | {m} | {slices}", lambda t, bf16=bf16: f"{t / bf16:.2f}")
+            if results:
+                t, tiling, err, _ = min(results, key=lambda r: r[0])
+                best.append((name, n, k, m, slices, tiling, t, t / bf16, err))
     print("\nbest sliced tiling per shape, M and slices (x bf16: against cuBLAS F.linear on the bf16 weight):")
     for name, n, k, m, slices, tiling, t, ratio, err in best:
         print(f"{name} | {n} | {k} | {m} | {slices} | {tiling} | {t:.4f} | {ratio:.2f} | {err:.1e}")

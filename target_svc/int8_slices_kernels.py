@@ -15,16 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# 1.5 * 2^23: for |v| < 2^22, (v + this) - this rounds v to the nearest integer, ties to even, in float32.
-_ROUND_MAGIC = tl.constexpr(12582912.0)
+from target_svc.w8a8_kernels import output_tile_and_k_steps, round_half_even
+
 # float32 bits of 127 / 64 = 1.984375 below the exponent: a row maximum whose significand is at most this takes
 # the scale 2^(e - 6), a larger one 2^(e - 5) (e: the maximum's exponent), so max / p <= 127 without a clamp.
 _SIGNIFICAND_127_64 = tl.constexpr(0x7E0000)
-
-
-@triton.jit
-def _round(v):
-    return (v + _ROUND_MAGIC) - _ROUND_MAGIC
 
 
 @triton.jit
@@ -51,7 +46,7 @@ def slice_rows_kernel(x_ptr, xs_ptr, p_ptr, M, K, stride_xm, SLICES: tl.constexp
         v = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32) * inv_p   # exact: a power of two
         out = xs_ptr + row * K + k0 + cols
         for s in tl.static_range(SLICES):
-            d = _round(v)
+            d = round_half_even(v)
             tl.store(out + s * M * K, d.to(tl.int8), mask=mask)
             v = (v - d) * 128.0   # exact: the part of v below its nearest integer, |v - d| <= 1/2
 
@@ -81,16 +76,8 @@ def sliced_matmul_kernel(xs_ptr, p_ptr, w_ptr, sw_ptr, bias_ptr, y_ptr, part_ptr
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """Output tile (program_id(1), program_id(0)) of the SLICES products xs[s] [M, K] @ w [N, K]^T over split
     program_id(2)'s K steps; every slice's tile is multiplied by the same weight tile, read once."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(steps, SPLIT_K)
-    first = pid_k * per_split
-    last = tl.minimum(first + per_split, steps)
+    rows, cols, ks, first, last = output_tile_and_k_steps(K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     slice_size = M * K   # the launcher keeps SLICES x M x K under 2^31
     a_ptrs = xs_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
     b_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
