@@ -1466,7 +1466,7 @@ def test_cuda_w8a8_kernels_equal_the_reference_bit_for_bit_and_a_graph_replays_t
 
 @needs_triton
 @pytest.mark.parametrize("n, k", [(6144, 4096), (24576, 4096), (4096, 12288), (40, 96)])
-def test_cuda_sliced_int8_kernels_equal_the_reference_bit_for_bit_and_a_graph_replays_them(n, k):
+def test_cuda_sliced_int8_kernels_equal_the_reference_bit_for_bit_and_a_graph_replays_them(n, k, monkeypatch):
     """Compiled, in bf16, at the 8B's projection shapes and 1 to 130 rows (split and unsplit launches), with and
     without bias: the slicing and the sliced product equal int8_slices' PyTorch reference exactly (tolerance 0: the
     integer sums are exact and the epilogue the same float32 operations), each row equals that row run alone, a
@@ -1474,8 +1474,8 @@ def test_cuda_sliced_int8_kernels_equal_the_reference_bit_for_bit_and_a_graph_re
     stated tolerance."""
     import torch.nn.functional as F
 
-    from target_svc import int8_slices
-    from target_svc.quantization import quantize_per_channel
+    from target_svc import int8_matmul, int8_slices
+    from target_svc.quantization import linear, quantize_per_channel
 
     torch.manual_seed(0)
     q = quantize_per_channel(torch.randn(n, k, device="cuda") * 0.02, torch.bfloat16)
@@ -1499,6 +1499,12 @@ def test_cuda_sliced_int8_kernels_equal_the_reference_bit_for_bit_and_a_graph_re
             out = int8_slices.matmul(static, q.qweight, q.scales)
         graph.replay()
         assert torch.equal(out, int8_slices.matmul(x, q.qweight, q.scales)), m
+        # the served route: an int8 projection of at least DDTREE_INT8_SLICES rows takes these kernels
+        monkeypatch.setenv(int8_slices.SLICES_ENV, str(m))
+        assert torch.equal(linear(x, q, backend="triton"), out), m
+        monkeypatch.setenv(int8_slices.SLICES_ENV, str(m + 1))
+        assert torch.equal(linear(x, q, backend="triton"), int8_matmul.matmul(x, q.qweight, q.scales)), m
+        monkeypatch.delenv(int8_slices.SLICES_ENV)
 
 
 @needs_triton
