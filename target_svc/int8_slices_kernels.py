@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from target_svc.w8a8_kernels import output_tile_and_k_steps, round_half_even
+from target_svc.w8a8_kernels import output_tile_and_k_steps, round_half_even, row_abs_max
 
 # float32 bits of 127 / 64 = 1.984375 below the exponent: a row maximum whose significand is at most this takes
 # the scale 2^(e - 6), a larger one 2^(e - 5) (e: the maximum's exponent), so max / p <= 127 without a clamp.
@@ -28,11 +28,7 @@ def slice_rows_kernel(x_ptr, xs_ptr, p_ptr, M, K, stride_xm, SLICES: tl.constexp
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     cols = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    top = tl.max(amax, axis=0)
+    top = row_abs_max(x_row, K, BLOCK_K)
     bits = top.to(tl.int32, bitcast=True)
     exponent = (bits >> 23) & 0xFF
     p_exponent = exponent - 6 + ((bits & 0x7FFFFF) > _SIGNIFICAND_127_64).to(tl.int32)

@@ -21,16 +21,23 @@ _ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
-    """Row program_id(0) of x [M, K] (16-bit) -> xq [M, K] int8 and s [M] float32."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
+def row_abs_max(x_row, K, BLOCK_K: tl.constexpr):
+    """max |x| over the K elements at x_row, in float32 (exact in any order)."""
     cols = tl.arange(0, BLOCK_K)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    top = tl.max(amax, axis=0)
+    return tl.max(amax, axis=0)
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+    """Row program_id(0) of x [M, K] (16-bit) -> xq [M, K] int8 and s [M] float32."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    cols = tl.arange(0, BLOCK_K)
+    top = row_abs_max(x_row, K, BLOCK_K)
     scale = tl.where(top > 0, tl.math.div_rn(top, 127.0), 1.0)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
