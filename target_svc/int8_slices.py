@@ -71,10 +71,10 @@ _BEYOND = (64, 64)
 _BLOCK_K = 128
 
 
-def rows_threshold() -> int | None:
-    """The least row count that takes the sliced kernels by DDTREE_INT8_SLICES: None (off, the default), 1 (on),
-    or the number given."""
-    value = os.environ.get(SLICES_ENV, "").strip().lower()
+def rows_threshold(value: str | None = None) -> int | None:
+    """The least row count that takes the sliced kernels by DDTREE_INT8_SLICES (or by `value`, a setting of it):
+    None (off, the default), 1 (on), or the number given."""
+    value = (os.environ.get(SLICES_ENV, "") if value is None else value).strip().lower()
     if value in ("", "off", "0", "false", "no"):
         return None
     if value in ("on", "1", "true", "yes"):
