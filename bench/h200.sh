@@ -61,15 +61,6 @@
 #   int8tune   this GPU's int8 tile table: dot-kernel sweeps at 1 and 64 rows over the 8B's projections, winners
 #              merged into target_svc/int8_tiles/<gpu>.json (and copied to OUT); then time the step with it:
 #              QUANTS="none int8 int8-untuned" INT8_NODES=1,64 INT8_MS= ... int8 (*-untuned: DDTREE_INT8_TILES=off)
-#   slicessweep the sliced int8 product's tilings at 64 rows (bench.int8_kernel --slices-sweep; SLICES_ARGS)
-#   slicestests its GPU tests (SLICES_TESTS_K); `int8` times it as a step with QUANTS="int8-slices" (every row
-#              count) or "int8-slices5" (inputs of >= 5 rows: the verify; decode keeps the weight-only kernels)
-#              Issue 15's open gates in two calls on one warm machine (~6 min each):
-#                TUNE_S=140 bash bench/h200.sh OUT int8tune slicestests slicessweep
-#                DDTREE_INT8_TILES=/tmp/nvidia-h200.json QUANTS="none int8 int8-untuned int8-slices int8-slices5" \
-#                  INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
-#              and its quality on the SmolLM2 pair (ddtree == own greedy: 10 of 24 prompts for weight-only int8 on
-#              2026-12-06): DDTREE_INT8_SLICES=on QUANTS_QUALITY=int8 bash bench/h200.sh OUT quality
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
@@ -280,9 +271,7 @@ for s in $SECTIONS; do
         fused=off; [ "${q%fused}" != "$q" ] && fused=on
         tiles=${DDTREE_INT8_TILES:-}; [ "${q%-untuned}" != "$q" ] && tiles=off   # *-untuned: no tile table
         qq=${q%-untuned}
-        slices=${DDTREE_INT8_SLICES:-}   # *-slices: every row count sliced; *-slicesN: inputs of >= N rows
-        case "$qq" in *-slices*) n=${qq##*-slices}; slices=${n:-on}; qq=${qq%-slices*} ;; esac
-        DDTREE_INT8_SLICES=$slices DDTREE_INT8_TILES=$tiles DDTREE_INT8_FUSED_REDUCE=$fused timeout 200 python3 -m bench.step_cost --shape qwen3-8b --batches 1 \
+        DDTREE_INT8_TILES=$tiles DDTREE_INT8_FUSED_REDUCE=$fused timeout 200 python3 -m bench.step_cost --shape qwen3-8b --batches 1 \
           --nodes ${INT8_NODES:-1,64,65} --graph-node-sizes 64 --steps 10 --quantize ${qq%fused} \
           --work-dir /tmp/w8 --reuse-checkpoints --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1
         grep "^|" "$R/step-cost-8b-$q.log" | head -6
@@ -308,18 +297,6 @@ for s in $SECTIONS; do
       for f in "$R"/int8-tune-*.log; do sed -n '/^best dot tiling/,$p' "$f"; done
       # to $R for the repository, and to /tmp for a later call on the same warm machine (DDTREE_INT8_TILES=/tmp/...)
       cp "$T" "$R/" 2>/dev/null; cp "$T" /tmp/ 2>/dev/null ;;
-    slicessweep)   # the sliced int8 product's tilings (target_svc/int8_slices.py) at a 64-node verify's rows, beside
-                   # the weight-only kernel's launch and cuBLAS's bf16 (SLICES_ARGS replaces the grid)
-      timeout ${SLICES_SWEEP_S:-200} python3 -m bench.int8_kernel --slices-sweep ${SLICES_ARGS:---ms 64 --slices 3 \
-        --dot-block-m 64 --dot-block-n 64,128 --dot-block-k 128 --dot-splits 1,2,4 --dot-warps 4,8 --dot-stages 3} \
-        > "$R/int8-slices-sweep.log" 2>&1
-      sed -n '/^best sliced tiling/,$p' "$R/int8-slices-sweep.log" | head -20
-      grep -E "weight-only|default" "$R/int8-slices-sweep.log" | head -20 ;;
-    slicestests)   # the sliced int8 kernels compiled == their PyTorch reference, and a sliced int8 target (dense;
-                   # SLICES_TESTS_K widens the selection, e.g. "sliced" for the hybrid case too: fla compiles ~5 min)
-      timeout ${SLICES_TESTS_S:-200} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py \
-        -k "${SLICES_TESTS_K:-sliced and not qwen3_5}" > "$R/slices-tests.log" 2>&1
-      tail -5 "$R/slices-tests.log" ;;
     gemv)   # the int8 GEMV path's tilings against the dot kernel at 1 and 4 rows (decides DDTREE_INT8_GEMV's default)
       timeout ${GEMV_SWEEP_S:-300} python3 -m bench.int8_kernel --gemv-sweep ${GEMV_ARGS:-} > "$R/int8-gemv-sweep.log" 2>&1
       tail -20 "$R/int8-gemv-sweep.log" ;;

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from bench import common
 from target_svc.int8_matmul import FUSED_REDUCE_ENV
-from target_svc.int8_slices import SLICES_ENV, rows_threshold
 from target_svc.int8_tiles import TILES_ENV
 
 
@@ -120,17 +119,11 @@ def summarize_quantized(runs: list[dict]) -> dict:
     """Weight-only quantization at the 8B shape, from step-cost runs of one session (bf16, int8, int4 on one
     checkpoint): each format's 1-token forward, its ratio to bf16's, and its 65-node verify (and 64-node, where
     measured) over its own 1-token forward (CUDA-graph replays, device time). A run's kernel switches extend its
-    mode's name: the fused split-K reduction on "fused" (int8fused), no tile table "untuned" (int8untuned), the
-    sliced kernels "sliced" and their least row count where not every row (int8sliced, int8sliced5)."""
+    mode's name: the fused split-K reduction on "fused" (int8fused), no tile table "untuned" (int8untuned)."""
     def name(run: dict) -> str:
         switches = run.get("switches", {})
         out = run.get("quantize", "none") + ("fused" if switches.get(FUSED_REDUCE_ENV) == "on" else "")
-        if switches.get(TILES_ENV, "").strip().lower() == "off":
-            out += "untuned"
-        rows = rows_threshold(switches.get(SLICES_ENV, ""))
-        if rows is not None:
-            out += "sliced" + ("" if rows == 1 else str(rows))
-        return out
+        return out + ("untuned" if switches.get(TILES_ENV, "").strip().lower() == "off" else "")
 
     by_mode = {name(r): r for r in runs}
     out = {}

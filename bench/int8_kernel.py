@@ -10,7 +10,6 @@ output is from the dequantized reference F.linear(x, q * s) (max |diff| / max |r
     python -m bench.int8_kernel --ms 1,16,65,130,520 --bits 8
     python -m bench.int8_kernel --gemv-sweep          # int8 GEMV (M <= 4): every tiling of the grid, M in 1, 4
     python -m bench.int8_kernel --gemv-sweep --weights bf16   # the same kernel on bf16 weights against cuBLAS
-    python -m bench.int8_kernel --slices-sweep --ms 1,64  # the sliced int8 kernels' tilings (target_svc/int8_slices.py)
 
 --gemv-sweep prints one line per (shape, M, tiling): ms per call (timed as above), the error against the
 reference, and the dot kernel's (int8) or cuBLAS's F.linear (bf16) and the default GEMV tiles' times for
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python bench/int8_kernel.py` too
 
 from bench import common  # noqa: E402
-from target_svc import int8_matmul, int8_slices, int8_tiles, w8a8_matmul  # noqa: E402
+from target_svc import int8_matmul, int8_tiles, w8a8_matmul  # noqa: E402
 from target_svc.quantization import QuantizedWeight, quantize_weight, w8a8_reference  # noqa: E402
 
 # (name, N = out_features, K = in_features)
@@ -83,11 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "operand, which Hopper's wgmma can take from registers), or both")
     p.add_argument("--dot-shapes", default="",
                    help="dot sweep: only the shapes whose name holds one of these comma-separated words")
-    p.add_argument("--slices-sweep", action="store_true",
-                   help="time the sliced int8 product (int8_slices) under every tiling of its grid, beside the "
-                   "weight-only kernel's default and cuBLAS's bf16 (dot-sweep's --dot-* flags give the grid, M "
-                   "default 1,64)")
-    p.add_argument("--slices", default="3", help="slices sweep: slice counts (e.g. 2,3)")
     p.add_argument("--write-tiles", default="", metavar="FILE",
                    help="sweeps: merge each (shape, M)'s winner into this int8 tile table (target_svc/int8_tiles.py; "
                    "e.g. target_svc/int8_tiles/nvidia-h200.json) where it beats the untuned tiles by --min-gain")
@@ -172,19 +166,6 @@ def measure_shape(n: int, k: int, ms: list[int], bits_list: list[int], args, dev
                 row["w8a8_ratio"] = row["w8a8_ms"] / row["bf16_ms"]
             except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
                 row["w8a8_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        if 8 in quant:   # the sliced product on the same int8 weights (its slicing launch included)
-            ws = quant[8]
-            try:
-                row["sliced_config"] = int8_slices.choose_config(
-                    m, n, k, torch.cuda.get_device_properties(device).multi_processor_count).__dict__
-                got = int8_slices.matmul(x, ws[0].qweight, ws[0].scales)
-                ref = int8_slices.reference(x, ws[0].qweight, ws[0].scales).to(torch.bfloat16)
-                row["sliced_exact"] = bool(torch.equal(got, ref))
-                row["sliced_ms"] = graph_ms([lambda w=w: int8_slices.matmul(x, w.qweight, w.scales) for w in ws],
-                                            args.calls, args.replays)
-                row["sliced_ratio"] = row["sliced_ms"] / row["bf16_ms"]
-            except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
-                row["sliced_error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -302,32 +283,6 @@ def gemv_sweep(args, device: torch.device) -> None:
         write_tiles(args.write_tiles, tuned, device)
 
 
-def _selected_shapes(args) -> list[tuple[str, int, int]]:
-    """SHAPES whose name holds one of --dot-shapes' comma-separated words (all when none)."""
-    words = [w for w in args.dot_shapes.split(",") if w]
-    shapes = [s for s in SHAPES if not words or any(w in s[0] for w in words)]
-    if not shapes:
-        raise SystemExit(f"--dot-shapes {args.dot_shapes!r} names none of: {', '.join(s[0] for s in SHAPES)}")
-    return shapes
-
-
-def _sweep_cases(shapes, ms: list[int], args, device: torch.device):
-    """Per shape and M: (name, N, K, M, x, int8 weight copies, F.linear on the dequantized weight, cuBLAS's bf16 ms
-    per call); each shape's weights are freed before the next one's."""
-    for name, n, k in shapes:
-        gen = torch.Generator(device=device).manual_seed(0)
-        dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
-                 for _ in range(copies_for(n * k * 2))]
-        ws = [quantize_weight(dense[i % len(dense)], 8) for i in range(copies_for(n * k))]
-        for m in ms:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
-            ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
-            bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in dense], args.calls, args.replays)
-            yield name, n, k, m, x, ws, ref, bf16
-        del ws, dense
-        torch.cuda.empty_cache()
-
-
 def dot_sweep(args, device: torch.device) -> None:
     """One line per (shape, M, dot-kernel tiling) of int8 weights: ms per call against cuBLAS's bf16 and the default
     tiling, and the error; then the best tiling of each (shape, M). The default tiling pads M to its bucket's tile
@@ -339,60 +294,43 @@ def dot_sweep(args, device: torch.device) -> None:
     grid = list(itertools.product(_ints(args.dot_block_m), _ints(args.dot_block_n), _ints(args.dot_block_k),
                                   _ints(args.dot_splits), _ints(args.dot_swap), _ints(args.dot_warps),
                                   _ints(args.dot_stages)))
+    words = [w for w in args.dot_shapes.split(",") if w]
+    shapes = [s for s in SHAPES if not words or any(w in s[0] for w in words)]
+    if not shapes:
+        raise SystemExit(f"--dot-shapes {args.dot_shapes!r} names none of: {', '.join(s[0] for s in SHAPES)}")
     print("shape | N | K | M | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, swap AB, warps, stages) | ms/call | x bf16 "
           "| err",
           flush=True)
     best, tuned = [], []
-    for name, n, k, m, x, ws, ref, bf16 in _sweep_cases(_selected_shapes(args), ms, args, device):
-        default = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms)   # the rule (GEMV where switched on)
-        cases = [("default", default)] + [
-            ("", TileConfig(bm, bn, bk, split, bool(swap), warps, stages))
-            for bm, bn, bk, split, swap, warps, stages in grid
-            if (bm == 16 or bm < 2 * m) and split * 2 * bk <= k]
-        results, labelled = _time_tilings(
-            cases, lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
-            f"{name} | {n} | {k} | {m}", lambda t, bf16=bf16: f"{t / bf16:.2f}")
-        if results:
-            t, tiling, err, _ = min(results, key=lambda r: r[0])
-            best.append((name, n, k, m, tiling, t, t / bf16, err))
-            tile = tuned_entry("dot", m, _below(ms, m), n, k, results, labelled.get("default"), args.min_gain)
-            tuned += [tile] if tile else []
+    for name, n, k in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+                 for _ in range(copies_for(n * k * 2))]
+        ws = [quantize_weight(dense[i % len(dense)], 8) for i in range(copies_for(n * k))]
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
+            ref = F.linear(x.float(), ws[0].dequantize(torch.bfloat16).float())
+            bf16 = graph_ms([lambda w=w: F.linear(x, w) for w in dense], args.calls, args.replays)
+            default = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms)   # the rule (GEMV where switched on)
+            cases = [("default", default)] + [
+                ("", TileConfig(bm, bn, bk, split, bool(swap), warps, stages))
+                for bm, bn, bk, split, swap, warps, stages in grid
+                if (bm == 16 or bm < 2 * m) and split * 2 * bk <= k]
+            results, labelled = _time_tilings(
+                cases, lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
+                f"{name} | {n} | {k} | {m}", lambda t, bf16=bf16: f"{t / bf16:.2f}")
+            if results:
+                t, tiling, err, _ = min(results, key=lambda r: r[0])
+                best.append((name, n, k, m, tiling, t, t / bf16, err))
+                tile = tuned_entry("dot", m, _below(ms, m), n, k, results, labelled.get("default"), args.min_gain)
+                tuned += [tile] if tile else []
+        del ws, dense
+        torch.cuda.empty_cache()
     print("\nbest dot tiling per shape and M (x bf16: against cuBLAS F.linear on the bf16 weight):")
     for name, n, k, m, tiling, t, ratio, err in best:
         print(f"{name} | {n} | {k} | {m} | {tiling} | {t:.4f} | {ratio:.2f} | {err:.1e}")
     if args.write_tiles:
         write_tiles(args.write_tiles, tuned, device)
-
-
-def slices_sweep(args, device: torch.device) -> None:
-    """One line per (shape, M, slices, sliced tiling): ms per call against cuBLAS's bf16, with the weight-only dot
-    kernel's launch (its tile table's or rule's tiles) and the sliced kernels' default tiles as labelled lines, and
-    the error against the dequantized product; then the best tiling of each (shape, M, slices)."""
-    ms = _ints(args.ms or "1,64")
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    grid = list(itertools.product(_ints(args.dot_block_m), _ints(args.dot_block_n), _ints(args.dot_block_k),
-                                  _ints(args.dot_splits), _ints(args.dot_warps), _ints(args.dot_stages)))
-    print("shape | N | K | M | slices | tiling (BLOCK_M, BLOCK_N, BLOCK_K, split, warps, stages) | ms/call | x bf16 "
-          "| err", flush=True)
-    best = []
-    for name, n, k, m, x, ws, ref, bf16 in _sweep_cases(_selected_shapes(args), ms, args, device):
-        weight_only = int8_matmul.kernel_config(m, n, k, 8, 0, num_sms, tuned=int8_matmul.tuned_table(device))
-        _time_tilings([("weight-only", weight_only)],
-                      lambda w, cfg: int8_matmul.matmul(x, w.qweight, w.scales, None, 8, cfg), ws, ref, args,
-                      f"{name} | {n} | {k} | {m} | -", lambda t, bf16=bf16: f"{t / bf16:.2f}")
-        for slices in _ints(args.slices):
-            cases = [("default", int8_slices.choose_config(m, n, k, num_sms))] + [
-                ("", int8_slices.TileConfig(*t)) for t in grid
-                if (t[0] == 16 or t[0] < 2 * m) and t[3] * 2 * t[2] <= k]
-            results, _ = _time_tilings(
-                cases, lambda w, cfg, s=slices: int8_slices.matmul(x, w.qweight, w.scales, None, cfg, s), ws, ref,
-                args, f"{name} | {n} | {k} | {m} | {slices}", lambda t, bf16=bf16: f"{t / bf16:.2f}")
-            if results:
-                t, tiling, err, _ = min(results, key=lambda r: r[0])
-                best.append((name, n, k, m, slices, tiling, t, t / bf16, err))
-    print("\nbest sliced tiling per shape, M and slices (x bf16: against cuBLAS F.linear on the bf16 weight):")
-    for name, n, k, m, slices, tiling, t, ratio, err in best:
-        print(f"{name} | {n} | {k} | {m} | {slices} | {tiling} | {t:.4f} | {ratio:.2f} | {err:.1e}")
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -405,9 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     if not int8_matmul.available(device):
         raise SystemExit(f"the Triton kernels cannot run on {device} (CUDA device of capability >= 8.0 and "
                          "the triton package needed)")
-    if args.gemv_sweep or args.dot_sweep or args.slices_sweep:
+    if args.gemv_sweep or args.dot_sweep:
         with torch.inference_mode():
-            (gemv_sweep if args.gemv_sweep else dot_sweep if args.dot_sweep else slices_sweep)(args, device)
+            (gemv_sweep if args.gemv_sweep else dot_sweep)(args, device)
         return
     ms = _ints(args.ms or "1,8,65,520")
     bits_list = [int(v) for v in args.bits.split(",")]
@@ -424,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     for bits in bits_list:
         headers += [f"int{bits} ms", f"int{bits}/bf16", f"int{bits} err", f"int{bits} dequant + bf16 ms"]
     if 8 in bits_list:
-        headers += ["w8a8 ms", "w8a8/bf16", "w8a8 == reference", "sliced ms", "sliced/bf16", "sliced == reference"]
+        headers += ["w8a8 ms", "w8a8/bf16", "w8a8 == reference"]
     table = []
     for r in rows:
         line = [r["shape"], r["N"], r["K"], r["M"], _fmt(r["bf16_ms"], ".4f")]
@@ -435,23 +373,18 @@ def main(argv: list[str] | None = None) -> None:
                      _fmt(r.get(f"{key}_dequant_ms"), ".4f")]
         if 8 in bits_list:
             line += [_fmt(r.get("w8a8_ms"), ".4f"), _fmt(r.get("w8a8_ratio"), ".2f"),
-                     "FAILED" if "w8a8_error" in r else ("yes" if r.get("w8a8_exact") else "NO"),
-                     _fmt(r.get("sliced_ms"), ".4f"), _fmt(r.get("sliced_ratio"), ".2f"),
-                     "FAILED" if "sliced_error" in r else ("yes" if r.get("sliced_exact") else "NO")]
+                     "FAILED" if "w8a8_error" in r else ("yes" if r.get("w8a8_exact") else "NO")]
         table.append(line)
     failures = [f"- {r['shape']} M={r['M']} int{b}: {r[f'int{b}_error']}" for r in rows for b in bits_list
                 if f"int{b}_error" in r] + [f"- {r['shape']} M={r['M']} w8a8: {r['w8a8_error']}" for r in rows
-                                             if "w8a8_error" in r] + [
-        f"- {r['shape']} M={r['M']} sliced: {r['sliced_error']}" for r in rows if "sliced_error" in r]
+                                             if "w8a8_error" in r]
     md = [f"# Weight-only matmul kernels: {hw.get('gpu', hw['cpu_model'])}", "",
           f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
           f"Each time: ms per call, median of {args.replays} replays of a CUDA graph of {args.calls} calls over "
           "weight copies that total >= 256 MiB (no L2 reuse between calls). err: max |kernel - F.linear(x, q * s)| "
           "/ max |F.linear(x, q * s)|, bf16 output. dequant + bf16: the weight widened to bf16, then F.linear (what "
           "many rows could take instead of the kernel). w8a8: the same int8 weights with each input row quantized "
-          "to int8 (the row-quantizing launch included), compared bit for bit with its PyTorch reference. sliced: "
-          "the same int8 weights, each input row cut into three int8 slices (target_svc/int8_slices.py; the "
-          "slicing launch included), compared bit for bit with its PyTorch reference.", "",
+          "to int8 (the row-quantizing launch included), compared bit for bit with its PyTorch reference.", "",
           common.md_table(headers, table)]
     if failures:
         md += ["", "Failures:", *failures]

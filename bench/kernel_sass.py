@@ -29,7 +29,7 @@ import torch
 
 from bench import common
 
-CASES = ("attention", "layout", "tree_wy", "kv_write", "int8", "w8a8", "sliced")
+CASES = ("attention", "layout", "tree_wy", "kv_write", "int8", "w8a8")
 
 
 @dataclass
@@ -287,25 +287,6 @@ def w8a8_launches() -> list[tuple[str, Launch]]:
     return out
 
 
-def sliced_launches() -> list[tuple[str, Launch]]:
-    """The sliced int8 kernels (slicing, product, split-K reduction; target_svc/int8_slices.py) at the 8B's gate/up
-    projection for a decode token and 64- and 65-node verifies (default tiles, and 64 x 128 tiles on 8 warps), and
-    its down projection's split launches at 1 and 64 rows."""
-    from target_svc.int8_slices import TileConfig, choose_config, matmul
-
-    out = []
-    cases = [(1, 2 * 12288, 4096, None), (64, 2 * 12288, 4096, None), (65, 2 * 12288, 4096, None),
-             (64, 2 * 12288, 4096, TileConfig(64, 128, 128, 1, num_warps=8)), (1, 4096, 12288, None),
-             (64, 4096, 12288, None)]
-    for rows, n, k, cfg in cases:
-        with recorded_launches() as launches:
-            matmul(torch.zeros(rows, k, dtype=torch.bfloat16), torch.zeros(n, k, dtype=torch.int8),
-                   torch.ones(n, dtype=torch.bfloat16), cfg=cfg)
-        tiles = tuple((cfg or choose_config(rows, n, k)).__dict__.values())
-        out += [(f"{rows} row{'s' if rows > 1 else ''} x {k} -> {n}, tiles {tiles}", launch) for launch in launches]
-    return out
-
-
 def case_launches(case: str) -> list[tuple[str, Launch]]:
     """The labelled launches of one case."""
     if case == "attention":
@@ -325,8 +306,6 @@ def case_launches(case: str) -> list[tuple[str, Launch]]:
         return int8_launches()
     if case == "w8a8":
         return w8a8_launches()
-    if case == "sliced":
-        return sliced_launches()
     if case == "tree_wy":
         return tree_wy_launches(65, {"three phases": {"phases": 3}, "4 warps": {"num_warps": 4},
                                      "tf32x3": {"precision": "tf32x3"}, "tf32": {"precision": "tf32"},

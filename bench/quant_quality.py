@@ -86,14 +86,7 @@ def matmul_backend(target) -> str | None:
         if isinstance(m, QuantizedLinear):
             if m.act_bits:
                 return "triton" if m.backend == "triton" else "reference"
-            if m.bits == 4 and m.backend == "int8pack":
-                return "dequant"
-            if m.bits == 8 and m.backend == "triton":   # the sliced kernels where DDTREE_INT8_SLICES asks for them
-                from target_svc.int8_slices import rows_threshold
-
-                rows = rows_threshold()
-                return m.backend if rows is None else f"triton, sliced from {rows} row{'s' if rows > 1 else ''}"
-            return m.backend
+            return "dequant" if m.bits == 4 and m.backend == "int8pack" else m.backend
     return None
 
 

@@ -13,9 +13,7 @@ int8: a projection y = x W^T becomes y = (x q^T) * s with q = round(W / s) in [-
 per output row. int4: q = round(W / s) in [-7, 7] with one s = max|W| / 7 per output row and group of
 INT4_GROUP input columns, two values packed per byte. Either runs through a matmul backend: "triton" (our
 kernels, target_svc/int8_matmul.py, on CUDA), "int8pack" (torch's int8 weight-only kernel, int8 only; the CPU
-has one) or "dequant" (q * s as a dense weight, then F.linear): the same function up to rounding. "sliced" runs
-int8 weights through the sliced product's PyTorch reference on any device (target_svc/int8_slices.py: each input row
-cut into int8 slices, exact integer sums): the numbers the sliced CUDA kernels give, for the CPU's tests and benches.
+has one) or "dequant" (q * s as a dense weight, then F.linear): the same function up to rounding.
 
 w8a8: the same int8 weights, and each row of a projection's input quantized to int8 as it runs (one scale per row,
 its max|x| / 127, computed then): y = (xq q^T) * s_x * s, the integer product summed exactly, so a row's output
@@ -32,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from target_svc import int8_matmul, int8_slices, w8a8_matmul
+from target_svc import int8_matmul, w8a8_matmul
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +47,7 @@ INT8_MAX = 127
 INT4_MAX = 7
 INT4_GROUP = 128  # input columns per int4 scale (fewer where in_features is not a multiple: int4_group_size)
 _INT8_OP = "aten::_weight_int8pack_mm"
-MATMUL_BACKENDS = ("triton", "int8pack", "dequant", "sliced")
+MATMUL_BACKENDS = ("triton", "int8pack", "dequant")
 # bench/H200 switch: "auto" (the fastest backend the device has) or one of MATMUL_BACKENDS (always).
 INT8_MATMUL_ENV = "DDTREE_INT8_MATMUL"
 
@@ -247,18 +245,10 @@ def _triton_takes(x: Tensor, weight: QuantizedWeight, backend: str) -> bool:
 
 
 def int8_linear(x: Tensor, weight: QuantizedWeight, bias: Tensor | None = None, backend: str = "int8pack") -> Tensor:
-    """x [..., in] @ (q * s)^T (+ bias) -> [..., out] in x's dtype, for an int8 weight (on CUDA, inputs of enough
-    rows through the sliced int8 kernels where DDTREE_INT8_SLICES asks for them: int8_slices)."""
-    if backend == "triton":
-        x2d = x.reshape(-1, x.shape[-1])
-        if int8_slices.takes(x2d, weight.in_features, int8_slices.rows_threshold()):
-            return int8_slices.matmul(x2d, weight.qweight, weight.scales, bias).view(*x.shape[:-1], -1)
+    """x [..., in] @ (q * s)^T (+ bias) -> [..., out] in x's dtype, for an int8 weight."""
     if _triton_takes(x, weight, backend):
         return int8_matmul.matmul(x, weight.qweight, weight.scales, bias, bits=8, counters=weight.counters)
     lead = x.shape[:-1]
-    if backend == "sliced":
-        x2d = x.reshape(-1, x.shape[-1])
-        return int8_slices.reference(x2d, weight.qweight, weight.scales, bias).to(x.dtype).view(*lead, -1)
     if backend == "int8pack":
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
         scales = weight.scales if weight.scales.dtype == x.dtype else weight.scales.to(x.dtype)

@@ -21,29 +21,23 @@ _ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def row_abs_max(x_row, K, BLOCK_K: tl.constexpr):
-    """max |x| over the K elements at x_row, in float32 (exact in any order)."""
-    cols = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    return tl.max(amax, axis=0)
-
-
-@triton.jit
 def quantize_rows_kernel(x_ptr, xq_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
     """Row program_id(0) of x [M, K] (16-bit) -> xq [M, K] int8 and s [M] float32."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     cols = tl.arange(0, BLOCK_K)
-    top = row_abs_max(x_row, K, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    top = tl.max(amax, axis=0)
     scale = tl.where(top > 0, tl.math.div_rn(top, 127.0), 1.0)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        r = round_half_even(tl.math.div_rn(x, scale))
+        v = tl.math.div_rn(x, scale)
+        r = (v + _ROUND_MAGIC) - _ROUND_MAGIC
         r = tl.minimum(tl.maximum(r, -127.0), 127.0)
         tl.store(xq_ptr + row * stride_qm + k0 + cols, r.to(tl.int8), mask=mask)
 
@@ -59,30 +53,19 @@ def _epilogue(acc, sx_ptr, sw_ptr, y_ptr, rows, cols, M, N, stride_ym):
 
 
 @triton.jit
-def round_half_even(v):
-    """v (float32, |v| < 2^22) rounded to the nearest integer, ties to even, as torch.round."""
-    return (v + _ROUND_MAGIC) - _ROUND_MAGIC
-
-
-@triton.jit
-def output_tile_and_k_steps(K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            SPLIT_K: tl.constexpr):
-    """Grid (N tiles, M tiles, K splits): this program's output rows and columns, the K offsets of one step, and
-    its split's first and last (exclusive) K steps."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(steps, SPLIT_K)
-    first = tl.program_id(2) * per_split
-    return rows, cols, tl.arange(0, BLOCK_K), first, tl.minimum(first + per_split, steps)
-
-
-@triton.jit
 def w8a8_matmul_kernel(xq_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """Output tile (program_id(1), program_id(0)) of xq [M, K] @ w [N, K]^T over split program_id(2)'s K steps."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows, cols, ks, first, last = output_tile_and_k_steps(K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    first = pid_k * per_split
+    last = tl.minimum(first + per_split, steps)
     a_ptrs = xq_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
     b_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)

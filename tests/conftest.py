@@ -13,7 +13,6 @@ import transformers
 
 from ddtree_serve.decoding.config import SamplingParams
 from launch.local_stack import LocalStack
-from target_svc import int8_slices
 from target_svc.quantization import BITS, quantize_weight, quantizes_head
 from ddtree_serve.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fixtures import make_tiny_llama, make_tiny_qwen3, make_tiny_qwen3_5
@@ -64,47 +63,19 @@ def reference_model(model_dir: str, quantize: str = "none"):
 
     quantize="int8" / "int4": the decoder layers' Linear weights are replaced by their dequantized quantized
     weights (q * s), i.e. the model that `--quantize int8` / `int4` serves; "int8-head": the LM head's too (untied
-    from the embedding, which keeps its float weights); "int8-sliced": the decoder layers' Linears compute the
-    sliced int8 product (int8_slices.reference), the model `--quantize int8` serves with DDTREE_INT8_MATMUL=sliced.
+    from the embedding, which keeps its float weights).
     """
     config = transformers.AutoConfig.from_pretrained(model_dir)
     cls = getattr(transformers, config.architectures[0])
     model = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # compare fixed lengths; the services get ignore_eos
-    if quantize == "int8-sliced":
-        _slice_decoder_linears_(model)
-    elif quantize != "none":
+    if quantize != "none":
         dequantize_decoder_linears_(model, BITS[quantize])
     if quantizes_head(quantize):
         head = model.get_output_embeddings()
         dequantized = quantize_weight(head.weight.detach(), BITS[quantize]).dequantize(torch.float32)
         head.weight = torch.nn.Parameter(dequantized, requires_grad=False)   # a tensor of its own: untied
     return model
-
-
-class _SlicedLinear(torch.nn.Module):
-    """A Linear through int8_slices.reference: its int8 weight, each input row cut into int8 slices."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        q = quantize_weight(linear.weight.detach(), 8)
-        self.qweight, self.scales, self.bias = q.qweight, q.scales, linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_slices.reference(x.reshape(-1, x.shape[-1]), self.qweight, self.scales,
-                                  None if self.bias is None else self.bias.detach())
-        return y.to(x.dtype).view(*x.shape[:-1], -1)
-
-
-def _slice_decoder_linears_(model: torch.nn.Module) -> int:
-    """Replaces every decoder-layer Linear (text model only) by a _SlicedLinear of it; returns how many."""
-    names = [name for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear) and name.split(".layers.")[0] in ("model", "model.language_model")
-             and ".layers." in name]
-    for name in names:
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, _SlicedLinear(model.get_submodule(name)))
-    return len(names)
 
 
 def dequantize_decoder_linears_(model: torch.nn.Module, bits: int = 8) -> int:

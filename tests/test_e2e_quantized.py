@@ -63,24 +63,6 @@ def test_int8_target_through_the_services_equals_the_quantized_reference(checkpo
     assert plan_seqs == {"held": 8.0, "fit": float(memory.fit_batch), "requested": 8.0}
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_a_sliced_int8_target_through_the_services_equals_its_own_greedy_reference(checkpoints, kind, monkeypatch):
-    """DDTREE_INT8_MATMUL=sliced (the sliced CUDA kernels' numbers, by their PyTorch reference): ddtree, dflash and
-    ar through the services equal transformers with every decoder Linear computing the same sliced product."""
-    from target_svc.quantization import INT8_MATMUL_ENV
-
-    monkeypatch.setenv(INT8_MATMUL_ENV, "sliced")   # the services inherit it
-    target, drafter = checkpoints(kind)
-    prompts = prompts_for(target, [n for n, *_ in BATCH], seed=5)
-    stack = start_stack(target, drafter, extra={"target": ["--quantize", "int8", "--max-seq-len", "256"]})
-    try:
-        results = run_streams(stack.gateway, [make_request(p, t, m, b) for p, (_, t, m, b) in zip(prompts, BATCH)])
-    finally:
-        stack.stop()
-    for prompt, (_, max_tokens, mode, _), result in zip(prompts, BATCH, results):
-        assert result["token_ids"] == reference_greedy(target, prompt, max_tokens, quantize="int8-sliced"), mode
-
-
 def test_a_target_whose_cache_cannot_hold_one_sequence_refuses_to_start_in_one_line(checkpoints):
     target, _ = checkpoints("qwen3")
     cmd = [sys.executable, "-m", "launch.cli", "target", "--model", str(target), "--port", str(free_port()),

@@ -86,8 +86,7 @@ def test_every_case_compiles_for_hopper_with_a_register_count_and_its_loops(case
         assert 0 < row["registers"] <= 255 and row["instructions"] > 0, row
         # One row, one output tile, one tile of rows a program (the split reductions: static loops, unrolled): the
         # only kernels without a loop.
-        no_loop = ("write_kv_kernel", "splitk_reduce_kernel", "move_rows_kernel", "w8a8_reduce_kernel",
-                   "sliced_reduce_kernel")
+        no_loop = ("write_kv_kernel", "splitk_reduce_kernel", "move_rows_kernel", "w8a8_reduce_kernel")
         assert bool(row["loop_instructions"]) == (row["kernel"] not in no_loop), row
 
 

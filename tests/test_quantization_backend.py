@@ -68,7 +68,7 @@ def test_the_environment_forces_a_backend_and_refuses_what_cannot_run(monkeypatc
     with pytest.raises(RuntimeError, match="cannot run on cpu"):
         int8_matmul_backend("cpu")
     monkeypatch.setenv(INT8_MATMUL_ENV, "fast")
-    with pytest.raises(ValueError, match="one of auto, triton, int8pack, dequant, sliced"):
+    with pytest.raises(ValueError, match="one of auto, triton, int8pack, dequant"):
         int8_matmul_backend("cpu")
 
 
