@@ -60,7 +60,11 @@
 #              projections at a 64-node verify, the swapped dot beside the plain one)
 #   int8tune   this GPU's int8 tile table: dot-kernel sweeps at 1 and 64 rows over the 8B's projections, winners
 #              merged into target_svc/int8_tiles/<gpu>.json (and copied to OUT); then time the step with it:
-#              QUANTS="none int8 int8-untuned" INT8_NODES=1,64 INT8_MS= ... int8 (*-untuned: DDTREE_INT8_TILES=off)
+#              QUANTS="none int8 int8-untuned" INT8_NODES=1,64 INT8_MS= ... int8 (*-untuned: DDTREE_INT8_TILES=off).
+#              Its 64-row grid holds 256-column tiles: at 64 rows and 128 columns a K step reads as many activation
+#              bytes (64 x BK bf16, again for every output tile) as weight bytes (128 x BK int8); 256 halves that.
+#              Issue 15's next H200 call (~5.5 min; the 2026-12-07 one left int8 `ar` 0.711x bf16, verify 1.611x):
+#                TUNE_S=150 QUANTS="none int8 int8-head" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8tune int8
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
@@ -292,8 +296,8 @@ for s in $SECTIONS; do
         --dot-block-m 16 --dot-block-n 32,64,128 --dot-block-k 128,256 --dot-splits 1,2,4 --dot-stages 3,4 \
         --write-tiles "$T" > "$R/int8-tune-1.log" 2>&1
       timeout ${TUNE_S:-150} python3 -m bench.int8_kernel --dot-sweep --ms 64 --dot-shapes ${TUNE_SHAPES:-qkv,o_proj,gate_up,down} \
-        --dot-block-m 64 --dot-block-n 64,128 --dot-block-k 64,128 --dot-splits 1,2,4 --dot-swap 0,1 --dot-warps 4,8 \
-        --write-tiles "$T" > "$R/int8-tune-64.log" 2>&1
+        --dot-block-m 64 --dot-block-n 64,128,256 --dot-block-k 64,128 --dot-splits 1,2,4 --dot-swap 0,1 --dot-warps 4,8 \
+        --dot-stages 3,4 --write-tiles "$T" > "$R/int8-tune-64.log" 2>&1
       for f in "$R"/int8-tune-*.log; do sed -n '/^best dot tiling/,$p' "$f"; done
       # to $R for the repository, and to /tmp for a later call on the same warm machine (DDTREE_INT8_TILES=/tmp/...)
       cp "$T" "$R/" 2>/dev/null; cp "$T" /tmp/ 2>/dev/null ;;

@@ -174,7 +174,7 @@ from target_svc import int8_matmul as im
 from target_svc.quantization import quantize_int4_groupwise, quantize_per_channel
 torch.manual_seed(0)
 configs = [None, im.TileConfig(16, 32, 64, 1, False, 4, 2), im.TileConfig(16, 16, 32, 3, True, 4, 2),
-           im.TileConfig(64, 32, 64, 2, False, 4, 2)]
+           im.TileConfig(64, 32, 64, 2, False, 4, 2), im.TileConfig(64, 256, 64, 2, True, 8, 3)]
 for (m, n, k), cfg, bits, bias in itertools.product([(1, 40, 96), (3, 33, 128), (65, 50, 256)], configs, (8, 4),
                                                     (False, True)):
     w = torch.randn(n, k) * 0.05
