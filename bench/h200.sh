@@ -54,7 +54,9 @@
 #   int8       bf16 / int8 / int4 step costs at the 8B shape (builds /tmp/w8 unless there), kernel microbench; trees
 #              of 64 nodes (budget 63, a bucket of its own: one 64-row dot tile) and 65 (one 128-row tile), INT8_NODES;
 #              int8fused: int8 with DDTREE_INT8_FUSED_REDUCE=on, int8-headfused: the LM head in int8 too, w8a8: int8
-#              inputs too (QUANTS picks among none int8 int8fused int8-head int8-headfused int4 w8a8)
+#              inputs too (QUANTS picks among none int8 int8fused int8-head int8-headfused int4 w8a8); a "pdl"
+#              suffix (int8pdl, int8-headpdl, nonepdl) launches the int8 kernels with programmatic dependent launch
+#              (DDTREE_INT8_PDL=on) and compiles the glue with it (TORCHINDUCTOR_ENABLE_PDL=1)
 #   dotsweep   the int8 dot kernel's tilings at 17 and 65 rows (bench.int8_kernel --dot-sweep; DOT_ARGS, e.g. "--ms 64
 #              --dot-shapes qkv,o_proj,gate_up,down --dot-block-m 64 --dot-swap 0,1 --dot-warps 4,8": the 8B's fused
 #              projections at a 64-node verify, the swapped dot beside the plain one)
@@ -65,6 +67,8 @@
 #              bytes (64 x BK bf16, again for every output tile) as weight bytes (128 x BK int8); 256 halves that.
 #              Issue 15's next H200 call (~5.5 min; the 2026-12-07 one left int8 `ar` 0.711x bf16, verify 1.611x):
 #                TUNE_S=150 QUANTS="none int8 int8-head" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8tune int8
+#              then, on the same warm machine, PDL's A/B (ratios against this call's own bf16 run):
+#                QUANTS="none nonepdl int8 int8pdl int8-headpdl" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
@@ -272,9 +276,12 @@ for s in $SECTIONS; do
       grep -h "^|" "$R"/grpc-stream-hop-*.md ;;
     int8)   # bf16, int8 and int4 step costs from one checkpoint (ratios within one run), then the kernel microbench
       for q in ${QUANTS:-none int8 int8fused int8-headfused int4}; do   # *fused: the split-K sums in the matmul kernel
-        fused=off; [ "${q%fused}" != "$q" ] && fused=on
         tiles=${DDTREE_INT8_TILES:-}; [ "${q%-untuned}" != "$q" ] && tiles=off   # *-untuned: no tile table
         qq=${q%-untuned}
+        # *pdl: programmatic dependent launch for the int8 kernels and the compiled glue (nonepdl: the glue alone)
+        pdl=off; inductor_pdl=0; [ "${qq%pdl}" != "$qq" ] && { pdl=on; inductor_pdl=1; qq=${qq%pdl}; }
+        fused=off; [ "${qq%fused}" != "$qq" ] && fused=on
+        DDTREE_INT8_PDL=$pdl TORCHINDUCTOR_ENABLE_PDL=$inductor_pdl \
         DDTREE_INT8_TILES=$tiles DDTREE_INT8_FUSED_REDUCE=$fused timeout 200 python3 -m bench.step_cost --shape qwen3-8b --batches 1 \
           --nodes ${INT8_NODES:-1,64,65} --graph-node-sizes 64 --steps 10 --quantize ${qq%fused} \
           --work-dir /tmp/w8 --reuse-checkpoints --out-dir "$R/$q" > "$R/step-cost-8b-$q.log" 2>&1

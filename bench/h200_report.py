@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from bench import common
-from target_svc.int8_matmul import FUSED_REDUCE_ENV
+from target_svc.int8_matmul import FUSED_REDUCE_ENV, PDL_ENV
 from target_svc.int8_tiles import TILES_ENV
 
 
@@ -119,11 +119,14 @@ def summarize_quantized(runs: list[dict]) -> dict:
     """Weight-only quantization at the 8B shape, from step-cost runs of one session (bf16, int8, int4 on one
     checkpoint): each format's 1-token forward, its ratio to bf16's, and its 65-node verify (and 64-node, where
     measured) over its own 1-token forward (CUDA-graph replays, device time). A run's kernel switches extend its
-    mode's name: the fused split-K reduction on "fused" (int8fused), no tile table "untuned" (int8untuned)."""
+    mode's name: the fused split-K reduction on "fused" (int8fused), no tile table "untuned" (int8untuned),
+    programmatic dependent launch "pdl" (int8pdl: DDTREE_INT8_PDL or inductor's TORCHINDUCTOR_ENABLE_PDL on)."""
     def name(run: dict) -> str:
         switches = run.get("switches", {})
         out = run.get("quantize", "none") + ("fused" if switches.get(FUSED_REDUCE_ENV) == "on" else "")
-        return out + ("untuned" if switches.get(TILES_ENV, "").strip().lower() == "off" else "")
+        out += "untuned" if switches.get(TILES_ENV, "").strip().lower() == "off" else ""
+        pdl = switches.get(PDL_ENV, "").strip().lower() == "on" or switches.get("TORCHINDUCTOR_ENABLE_PDL") == "1"
+        return out + ("pdl" if pdl else "")
 
     by_mode = {name(r): r for r in runs}
     out = {}

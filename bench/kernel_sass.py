@@ -103,13 +103,19 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def sass_report(compiled) -> SassReport:
-    """Registers, spills, shared memory, instruction count and the loops of a compiled kernel's SASS."""
+def disassemble(compiled) -> tuple[str, str]:
+    """(resource usage, SASS) of a compiled kernel's cubin, as cuobjdump prints them."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    return usage, sass
+
+
+def sass_report(compiled) -> SassReport:
+    """Registers, spills, shared memory, instruction count and the loops of a compiled kernel's SASS."""
+    usage, sass = disassemble(compiled)
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)   # a stack frame: registers spilled (or local arrays)
     instructions = parse_sass(sass)

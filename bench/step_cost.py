@@ -100,8 +100,9 @@ def int8_table_used(args, device: torch.device) -> str | None:
 
 
 def kernel_switches() -> dict[str, str]:
-    """The DDTREE_* environment switches this run was given (the kernels' opt-ins and fallbacks), by name."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DDTREE_")}
+    """The DDTREE_* environment switches this run was given (the kernels' opt-ins and fallbacks) and inductor's PDL
+    switch, by name."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DDTREE_") or k == "TORCHINDUCTOR_ENABLE_PDL"}
 
 
 def gemv_floor_ms(runner: TargetRunner, device: torch.device) -> float:

@@ -196,6 +196,22 @@ def fused_reduce_enabled() -> bool:
     return switched_on(FUSED_REDUCE_ENV)
 
 
+PDL_ENV = "DDTREE_INT8_PDL"
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the weight-only kernels launch with programmatic dependent launch (weight_only_kernels: each may
+    begin while the previous kernel finishes, prefetching its weights, and waits before reading x):
+    DDTREE_INT8_PDL=on, on a CUDA device of compute capability 9 or more (off until timed on the H200)."""
+    return (switched_on(PDL_ENV) and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _pdl_launch(pdl: bool) -> dict:
+    """The launch keywords for `pdl`: the kernel's PDL switch and, where on, Triton's launch attribute."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
 def split_counters(device: torch.device | str) -> Tensor | None:
     """Zeroed tile counters for matmul's fused split-K reduction on device; None where the kernels do not run or
     the fused reduction is off (the reduction kernel then adds the splits)."""
@@ -218,7 +234,8 @@ def tuned_table(device: torch.device) -> tuple[int8_tiles.TunedTile, ...]:
 
 
 def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None, bits: int = 8,
-           config: TileConfig | GemvConfig | None = None, counters: Tensor | None = None) -> Tensor:
+           config: TileConfig | GemvConfig | None = None, counters: Tensor | None = None,
+           pdl: bool | None = None) -> Tensor:
     """x [..., K] @ dequantized(qweight, scales)^T (+ bias) -> [..., N] in x's dtype.
 
     bits=8: qweight int8 [N, K], scales [N]. bits=4: qweight uint8 [N, K // 2] (see weight_only_kernels),
@@ -226,6 +243,7 @@ def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = Non
     GemvConfig takes int8 and at most GEMV_MAX_ROWS rows. counters: split_counters() of this weight's device
     (zero, int32, used by one stream at a time): a split-K dot kernel then adds its splits itself instead of
     launching the reduction kernel (the same bits), where the grid has at most counters.numel() output tiles.
+    pdl: launch with programmatic dependent launch (pdl_enabled(x.device) when None; the same bits either way).
     """
     kernels = importlib.import_module("target_svc.weight_only_kernels")
     k = x.shape[-1]
@@ -243,10 +261,11 @@ def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = Non
     bias = None if bias is None else bias.contiguous()
     group = k // scales.shape[1] if bits == 4 else 0
     cfg = config or kernel_config(m, n, k, bits, group, _num_sms(x.device), tuned=tuned_table(x.device))
+    launch = _pdl_launch(pdl_enabled(x.device) if pdl is None else pdl)
     if isinstance(cfg, GemvConfig):
         if bits != 8 or m > GEMV_MAX_ROWS:
             raise ValueError(f"the GEMV kernel takes int8 and at most {GEMV_MAX_ROWS} rows: {bits} bits, {m} rows")
-        _gemv(kernels, x2d, qweight, scales, bias, out, cfg)
+        _gemv(kernels, x2d, qweight, scales, bias, out, cfg, launch=launch)
         return out.view(*x.shape[:-1], n)
     if bits == 4 and (group % cfg.block_k or k % group):
         raise ValueError(f"int4 tiles must sit inside a scale group: K {k}, group {group}, BLOCK_K {cfg.block_k}")
@@ -262,12 +281,12 @@ def matmul(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = Non
         m, n, k, x2d.stride(0), qweight.stride(0), scales.stride(0), dst.stride(-2), out.stride(0),
         BITS=bits, GROUP=max(group, 1), HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, SWAP_AB=cfg.swap_ab,
         EVEN_K=k % cfg.block_k == 0, FUSED_REDUCE=fused, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if cfg.split_k > 1 and not fused:
         kernels.splitk_reduce_kernel[(m, -(-n // _REDUCE_BLOCK_N))](
             dst, scales, bias_arg, out, m, n, out.stride(0),
-            BITS=bits, HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
+            BITS=bits, HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4, **launch,
         )
     return out.view(*x.shape[:-1], n)
 
@@ -295,9 +314,10 @@ def dense_gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, config: Ge
 
 
 def _gemv(kernels, x2d: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None, out: Tensor,
-          cfg: GemvConfig, bits: int = 8) -> None:
+          cfg: GemvConfig, bits: int = 8, launch: dict | None = None) -> None:
     """Launches the GEMV (and its split-K reduction) writing out [M, N]: int8 weights with row scales (bits 8) or
-    16-bit weights (bits 16)."""
+    16-bit weights (bits 16); launch: _pdl_launch's keywords."""
+    launch = launch or {}
     (m, k), n = x2d.shape, qweight.shape[0]
     if max(m * k, n * k, cfg.split_k * m * n) > _MAX_ELEMENTS:
         raise ValueError(f"weight-only matmul of [{m}, {k}] x [{n}, {k}] exceeds int32 offsets")
@@ -312,9 +332,10 @@ def _gemv(kernels, x2d: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | 
         n, k, k_per_split, x2d.stride(0), qweight.stride(0), dst.stride(-2),
         ROWS=m, HAS_BIAS=has_bias, PARTIAL=partial, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BITS=bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch,
     )
     if partial:
         kernels.splitk_reduce_kernel[(m, -(-n // _REDUCE_BLOCK_N))](
             dst, scales, bias_arg, out, m, n, out.stride(0),
-            BITS=bits, HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
+            BITS=bits, HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4, **launch,
         )

@@ -19,6 +19,13 @@ counter, and the last to arrive adds the workspace's slices in the same fixed or
 reduction kernel) and resets the counter to 0 for the next call -- one kernel per matmul instead of two, which
 inside a captured decode step saves a dependent launch per split projection (three per dense layer).
 
+PDL (programmatic dependent launch, Hopper on; `int8_matmul.pdl_enabled`): the launch may begin while the kernel
+before it in the stream is still finishing. Each program then computes its offsets, asks L2 for the first lines of
+its weight rows (the weights are constant: no kernel writes them), and waits (`griddepcontrol.wait`: the previous
+kernel complete and its writes visible) before its first read of x or of a workspace and before any store. The
+kernel-boundary latency and the start of the weight stream overlap the previous kernel's tail; the numbers are the
+same bits as without it.
+
 `weight_only_gemv_kernel` is the path for a few rows (decode, M <= 4), for int8 weights and (BITS=16) for plain
 bf16/fp16 weights, where it stands in for cuBLAS's GEMV: no tl.dot, whose 16-row minimum
 tile wastes most of its work on one row; each program widens its weight tile to float32 and reduces it against
@@ -31,6 +38,22 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+# Lines of 128 bytes per weight row that a PDL launch asks L2 for before it waits (the first 512 bytes of its K range).
+PREFETCH_LINES = tl.constexpr(4)
+
+
+@triton.jit
+def _prefetch_then_wait(rows_q, k_begin, k_stop, PDL: tl.constexpr):
+    """Under PDL: L2 prefetches of the first PREFETCH_LINES x 128 bytes of [k_begin, k_stop) of each weight row
+    (rows_q: [BLOCK_N] byte pointers to the rows' starts), then the wait for the previous kernel. A no-op
+    otherwise."""
+    if PDL:
+        cols = tl.minimum(k_begin + tl.arange(0, PREFETCH_LINES) * 128, k_stop - 1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [rows_q[:, None] + cols[None, :]], dtype=tl.int32, is_pure=False, pack=1)
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -80,7 +103,7 @@ def weight_only_matmul_kernel(
     M, N, K, stride_xm, stride_qn, stride_sn, stride_dm, stride_om,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One [BLOCK_M, BLOCK_N] output tile over one K split. SPLIT_K == 1: the finished output (scale, bias, cast
     to dst's dtype) in dst [M, N]; else the float32 partial sums in dst [SPLIT_K, M, N] (contiguous), and with
@@ -100,6 +123,11 @@ def weight_only_matmul_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * k_per_split
     k_stop = tl.minimum(K, k_begin + k_per_split)
+    if BITS == 8:
+        _prefetch_then_wait(q_ptr + tl.minimum(offs_n, N - 1) * stride_qn, k_begin, k_stop, PDL)
+    else:   # packed int4 rows: their bytes are not K's columns; no prefetch
+        if PDL:
+            tl.extra.cuda.gdc_wait()
     # SWAP_AB computes the transposed tile W x^T: the weight is the dot's left operand, whose rows fill the MMA's
     # large dimension when M is only a few rows.
     if SWAP_AB:
@@ -150,11 +178,14 @@ def weight_only_matmul_kernel(
 def splitk_reduce_kernel(
     ws_ptr, s_ptr, bias_ptr, out_ptr, M, N, stride_om,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[m, n-block] = epilogue(sum over the splits of ws[:, m, n-block]), the splits added in order."""
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    if PDL:   # the splits are the previous kernel's writes
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
     for p in tl.static_range(SPLIT_K):
         acc += tl.load(ws_ptr + (p * M + m) * N + offs_n[None, :], mask=n_ok[None, :], other=0.0)
@@ -191,7 +222,7 @@ def weight_only_gemv_kernel(
     x_ptr, q_ptr, s_ptr, bias_ptr, dst_ptr,
     N, K, k_per_split, stride_xm, stride_qn, stride_dm,
     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """y[r, n-block] for the ROWS (1 to 4) rows of x over one K split (grid axis 1, k_per_split columns, a
     multiple of BLOCK_K). BITS 8: int8 weights with row scales; 16: the weights as they are (s_ptr unread).
@@ -206,6 +237,7 @@ def weight_only_gemv_kernel(
     rows_q = q_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_qn
     k_begin = pid_k * k_per_split
     k_stop = tl.minimum(K, k_begin + k_per_split)
+    _prefetch_then_wait(rows_q.reshape(BLOCK_N), k_begin, k_stop, PDL)   # 16-bit rows: the first 256 columns
     acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)

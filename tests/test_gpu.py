@@ -1406,6 +1406,37 @@ def test_cuda_triton_fused_split_k_reduction_equals_the_reduction_kernel_bit_for
 
 
 @needs_triton
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cuda_pdl_launches_give_the_same_bits_right_after_the_kernel_that_writes_their_input(bits):
+    """Programmatic dependent launch (DDTREE_INT8_PDL): each launch may start while the kernel before it finishes,
+    so its input is written by a kernel immediately before it (x = a * 3 + 1, eagerly and in a captured graph, as
+    a norm precedes a projection) and the result must still equal the non-PDL launch bit for bit: default and
+    split tilings (with the reduction kernel, itself PDL-launched after the matmul), the GEMV path, 1 to 65 rows.
+    A launch that read x before its wait would read the previous call's values."""
+    from ddtree_serve.plumbing.cuda_graphs import CapturedFunction
+    from target_svc import int8_matmul
+    from target_svc.int8_matmul import GemvConfig
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9 (Hopper) or more")
+    pool = torch.cuda.graph_pool_handle()
+    for n, k in ((6144, 4096), (4096, 12288), (24576, 4096)):
+        q = _quantized(n, k, bits)
+        for m in (1, 4, 17, 64, 65):
+            configs = [None] + ([GemvConfig(64, 1024, 2, 8)] if bits == 8 and m <= 4 else [])
+            for cfg in configs:
+                def run(a, pdl, cfg=cfg):
+                    return int8_matmul.matmul(a * 3 + 1, q.qweight, q.scales, None, bits, cfg, pdl=pdl)
+                captured = CapturedFunction.capture(lambda a, run=run: run(a, True),
+                                                    [torch.randn(m, k, device="cuda", dtype=torch.bfloat16)], pool)
+                for _ in range(3):
+                    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    want = run(a, False)
+                    assert torch.equal(run(a, True), want), (n, k, m, cfg)
+                    assert torch.equal(captured(a), want), (n, k, m, cfg)
+
+
+@needs_triton
 @pytest.mark.parametrize("n, k", [(4096, 4096), (24576, 4096), (4096, 12288), (4100, 1000)])
 def test_cuda_triton_int8_gemv_equals_the_reference_and_a_graph_replays_it_bit_for_bit(n, k, monkeypatch):
     """The few-row GEMV (default tiles: split K at 4096 rows, none at 24576; ragged N and K), 1 to 4 rows, with

@@ -114,16 +114,19 @@ def test_a_quantized_run_with_the_fused_reduction_on_is_reported_beside_the_plai
     assert out["int8fused_ar_over_bf16_8b"] == pytest.approx(0.667, rel=1e-3)
 
 
-def test_an_untuned_int8_run_is_reported_under_a_name_of_its_own():
-    """DDTREE_INT8_TILES=off names its run int8untuned, against the same bf16 run; the tuned run keeps the plain
-    name."""
+def test_untuned_and_pdl_int8_runs_are_reported_under_names_of_their_own():
+    """DDTREE_INT8_TILES=off names its run int8untuned, DDTREE_INT8_PDL / inductor's PDL int8pdl, each against the
+    plain bf16 run (not bf16 with PDL, which is nonepdl); the tuned run keeps the plain name."""
     def run(q, ar_ms, switches=None):
         rows = [{"batch": 1, "nodes": n, "forward_graph_ms": ms} for n, ms in ((1, ar_ms), (64, 1.25 * ar_ms))]
         return {"quantize": q, "target": rows, "switches": switches or {},
                 "floors": {"weight_read_floor_ms": 2.0, "gemv_floor_ms": 3.0}}
 
-    out = h200_report.summarize_quantized([run("none", 6.0), run("int8", 4.2), run("int8", 4.5, {"DDTREE_INT8_TILES": "off"})])
+    out = h200_report.summarize_quantized([run("none", 6.0), run("int8", 4.2), run("int8", 4.5, {"DDTREE_INT8_TILES": "off"}),
+                                           run("int8", 3.9, {"DDTREE_INT8_PDL": "on", "TORCHINDUCTOR_ENABLE_PDL": "1"}),
+                                           run("none", 5.4, {"DDTREE_INT8_PDL": "off", "TORCHINDUCTOR_ENABLE_PDL": "1"})])
     assert out["int8_ar_over_bf16_8b"] == pytest.approx(0.7, rel=1e-3)
+    assert out["int8pdl_ar_over_bf16_8b"] == pytest.approx(0.65, rel=1e-3)
     assert out["int8untuned_ar_over_bf16_8b"] == pytest.approx(0.75, rel=1e-3)
     assert out["int8untuned_verify64_over_ar_8b"] == pytest.approx(1.25, rel=1e-3)
 

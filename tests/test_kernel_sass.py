@@ -68,6 +68,37 @@ def test_the_w8a8_product_runs_integer_mmas_on_the_int8_tiles_with_no_widening()
         assert not any(op.startswith(("F2F", "I2F", "F2I", "PRMT", "STS")) for op in loop.mix), loop.mix
 
 
+@needs_triton
+def test_a_pdl_launch_prefetches_weights_then_waits_before_any_other_memory_access():
+    """DDTREE_INT8_PDL lets an int8 launch start while the kernel before it finishes: compiled for sm_90, every
+    program's memory instructions before its wait (griddepcontrol.wait, ACQBULK) are L2 prefetches of weight lines
+    (CCTL.E.PF2) only -- no load of x, no store, no atomic -- in the dot kernel (1 and 64 rows), the GEMV and the
+    split-K reduction; without PDL none waits."""
+    import torch
+
+    from target_svc.int8_matmul import GemvConfig, matmul
+
+    n, k = 4096, 4096
+    qweight, scales = torch.zeros(n, k, dtype=torch.int8), torch.ones(n, dtype=torch.bfloat16)
+    memory = ("LDG", "LDGSTS", "STG", "ATOM", "ATOMG", "RED", "REDG", "UTMALDG", "UBLKCP", "LDS", "STS")
+    for rows, cfg in ((1, None), (64, None), (2, GemvConfig(64, 1024, 2, 8))):
+        for pdl in (True, False):
+            with kernel_sass.recorded_launches() as launches:
+                matmul(torch.zeros(rows, k, dtype=torch.bfloat16), qweight, scales, config=cfg, pdl=pdl)
+            assert len(launches) == 2   # these tilings split K: the product, then the reduction
+            for launch in launches:
+                ops = [kernel_sass.opcode(i) for _, i in kernel_sass.parse_sass(
+                    kernel_sass.disassemble(kernel_sass.compile_launch(launch))[1])]
+                name = launch.fn.__name__
+                if not pdl:
+                    assert "ACQBULK" not in ops and "CCTL" not in ops, name
+                    continue
+                wait = ops.index("ACQBULK")
+                before = ops[:wait]
+                assert not [op for op in before if op in memory], (rows, name, before)
+                assert ("CCTL" in before) == (name != "splitk_reduce_kernel"), (rows, name)
+
+
 def test_a_recorded_launch_keeps_its_kernel_grid_and_constants():
     pytest.importorskip("triton")
     launches = kernel_sass.layout_launches(17)

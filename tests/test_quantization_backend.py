@@ -242,6 +242,26 @@ def test_quantized_weights_get_split_counters_only_where_the_fused_reduction_run
     assert fused.counters is not None and fused.rows(0, 8).counters is None
 
 
+@needs_triton
+def test_pdl_is_off_by_default_never_on_a_cpu_and_on_launches_every_kernel_of_a_matmul_with_it(monkeypatch):
+    """DDTREE_INT8_PDL: off unless set, and a CPU device (the interpreter) never takes it; asked for, the product
+    and its split-K reduction both launch with Triton's launch_pdl and the kernels' PDL switch."""
+    from bench.kernel_sass import recorded_launches
+    from target_svc import int8_matmul as im
+
+    cpu = torch.device("cpu")
+    assert not im.pdl_enabled(cpu)
+    monkeypatch.setenv(im.PDL_ENV, "on")
+    assert not im.pdl_enabled(cpu)
+    x, q = torch.zeros(1, 4096, dtype=torch.bfloat16), quantize_per_channel(torch.randn(4096, 4096) * 0.02)
+    for pdl in (True, False):
+        with recorded_launches() as launches:
+            im.matmul(x, q.qweight, q.scales.to(torch.bfloat16), pdl=pdl)
+        assert [launch.fn.__name__ for launch in launches] == ["weight_only_matmul_kernel", "splitk_reduce_kernel"]
+        for launch in launches:
+            assert launch.kwargs.get("launch_pdl", False) is pdl and launch.kwargs.get("PDL", False) is pdl
+
+
 INTERPRETED_GEMV = INTERPRETER_PATCH + """
 import itertools, torch
 from target_svc import int8_matmul as im
