@@ -8,6 +8,7 @@
 #   newtests   only the GPU tests of the CPU sessions' changes not yet run on a GPU (2026-12-05/06: the fused
 #              split-K reduction, the tree WY core's tensor-core precisions, int8-head through the runner, the
 #              tree-attention merge fused into the split kernel)
+#   pdltests   the GPU tests of DDTREE_INT8_PDL (programmatic dependent launch: same bits as an ordinary launch)
 #   attnprof   Nsight Compute (where installed) on the tree-attention split kernel of a 65-node block (ATTN_PROF_NODES)
 #   treekernel the fused tree WY core against the PyTorch core at 27B heads, with a tiling sweep (bench.gdn_tree_kernel;
 #              TREE_SWEEP= (empty) for the default tiles only, TREE_SWEEP="--sweep --phases 2" for the two-launch form
@@ -68,7 +69,7 @@
 #              Issue 15's next H200 call (~5.5 min; the 2026-12-07 one left int8 `ar` 0.711x bf16, verify 1.611x):
 #                TUNE_S=150 QUANTS="none int8 int8-head" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8tune int8
 #              then, on the same warm machine, PDL's A/B (ratios against this call's own bf16 run):
-#                QUANTS="none nonepdl int8 int8pdl int8-headpdl" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8
+#                QUANTS="none nonepdl int8 int8pdl int8-headpdl" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT pdltests int8
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
@@ -143,6 +144,10 @@ for s in $SECTIONS; do
       DDTREE_ATTENTION_FUSED_MERGE=on timeout ${TESTS_S:-240} python3 -m pytest -q tests/test_gpu.py \
         -k "triton_tree_attention or attending_in_place" > "$R/gpu-tests-new-fused.log" 2>&1
       grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-new-fused.log" | head -12 ;;
+    pdltests)   # the int8 kernels under programmatic dependent launch == without, right after the kernel that writes
+                # their input (eager and captured), before any timing of DDTREE_INT8_PDL
+      timeout ${TESTS_S:-240} python3 -m pytest -q -x tests/test_gpu.py -k "pdl" > "$R/gpu-tests-pdl.log" 2>&1
+      grep -E "passed|failed|^FAILED|^E " "$R/gpu-tests-pdl.log" | head -12 ;;
     treecheck)  # the tree WY kernel inside the hybrid model against the PyTorch core per tree size (16 .. 65 nodes):
                 # the float32 GPU test, then bench.tree_kernel_check in bf16 at the 27B's heads (4 layers of /tmp/w27,
                 # or of a 4-layer build in /tmp/w27c)
