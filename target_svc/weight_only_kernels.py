@@ -40,15 +40,15 @@ import triton
 import triton.language as tl
 
 
-# Lines of 128 bytes per weight row that a PDL launch asks L2 for before it waits (the first 512 bytes of its K range).
+# Lines per weight row that a PDL launch asks L2 for before it waits (int8: the first 512 bytes of its K range).
 PREFETCH_LINES = tl.constexpr(4)
 
 
 @triton.jit
 def _prefetch_then_wait(rows_q, k_begin, k_stop, PDL: tl.constexpr):
-    """Under PDL: L2 prefetches of the first PREFETCH_LINES x 128 bytes of [k_begin, k_stop) of each weight row
-    (rows_q: [BLOCK_N] byte pointers to the rows' starts), then the wait for the previous kernel. A no-op
-    otherwise."""
+    """Under PDL: L2 prefetches of PREFETCH_LINES lines, 128 elements apart from element k_begin (before k_stop),
+    of each weight row (rows_q: [BLOCK_N] pointers to the rows' starts), then the wait for the previous kernel. A
+    no-op otherwise."""
     if PDL:
         cols = tl.minimum(k_begin + tl.arange(0, PREFETCH_LINES) * 128, k_stop - 1)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
@@ -123,11 +123,8 @@ def weight_only_matmul_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_begin = pid_k * k_per_split
     k_stop = tl.minimum(K, k_begin + k_per_split)
-    if BITS == 8:
-        _prefetch_then_wait(q_ptr + tl.minimum(offs_n, N - 1) * stride_qn, k_begin, k_stop, PDL)
-    else:   # packed int4 rows: their bytes are not K's columns; no prefetch
-        if PDL:
-            tl.extra.cuda.gdc_wait()
+    per_byte: tl.constexpr = 8 // BITS   # int4 rows pack two columns a byte
+    _prefetch_then_wait(q_ptr + tl.minimum(offs_n, N - 1) * stride_qn, k_begin // per_byte, k_stop // per_byte, PDL)
     # SWAP_AB computes the transposed tile W x^T: the weight is the dot's left operand, whose rows fill the MMA's
     # large dimension when M is only a few rows.
     if SWAP_AB:
@@ -237,7 +234,7 @@ def weight_only_gemv_kernel(
     rows_q = q_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_qn
     k_begin = pid_k * k_per_split
     k_stop = tl.minimum(K, k_begin + k_per_split)
-    _prefetch_then_wait(rows_q.reshape(BLOCK_N), k_begin, k_stop, PDL)   # 16-bit rows: the first 256 columns
+    _prefetch_then_wait(rows_q.reshape(BLOCK_N), k_begin, k_stop, PDL)   # 16-bit rows: every other line of 1 KB
     acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
