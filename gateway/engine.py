@@ -15,7 +15,7 @@ from ddtree_serve.plumbing.background import BackgroundTask
 from ddtree_serve.plumbing.messages import draft_arrays, guide_proto, sampling_proto
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
-from gateway.prefix_index import PrefixIndex
+from gateway.prefix_index import PendingPrompt, PrefixIndex, held_back_for_shared_prefixes
 from gateway.scheduler import PairQueue, batch_budget_ceiling, plan_prefill_chunks, step_budgets
 from gateway.sequence import Sequence, Status
 from gateway.step_timeline import GatewayStamps, PreviousVerify, step_segments
@@ -143,7 +143,12 @@ class PairEngine(BackgroundTask):
             if not self.pair.drafter_ok:
                 s.drafting = False   # no drafter attached right now: this one runs autoregressively
         await self._find_prefixes(newcomers)
+        held = self._hold_back_shared_prefixes(seqs, newcomers)
+        if held:
+            seqs = [s for s in seqs if s.seq_id not in held]
         chunks = plan_prefill_chunks(seqs, self.cfg.max_prefill_tokens)
+        if not chunks:
+            return
         now = time.perf_counter()
         for s, _ in chunks:
             s.scheduled_at = s.scheduled_at or now
@@ -193,6 +198,25 @@ class PairEngine(BackgroundTask):
             if self.metrics is not None:
                 self.metrics.observe_prompt(len(s.prompt_ids), s.cached_tokens if self.prefixes is not None else None)
                 self.metrics.observe_first_token(now - s.arrival)
+
+    def _hold_back_shared_prefixes(self, seqs: list[Sequence], newcomers: list[Sequence]) -> set[str]:
+        """Ids of the newcomers found no cached prefix that wait a step for one in flight: a dense target copies
+        a running prompt's rows once it is prefilled (n samples of one prompt, a batch of prompts under one system
+        prompt), where running them beside it would compute the same rows twice. They are looked up again next
+        step."""
+        if self.prefixes is None or self.pair.target_info.prefix_reuse != "prefix":
+            return set()
+        looking = [s for s in newcomers if not s.reuse_from and s.prompt_logprobs < 0]
+        looking_ids = {s.seq_id for s in looking}
+        in_flight = [PendingPrompt(s.prompt_ids, s.cache_salt) for s in seqs if s.seq_id not in looking_ids]
+        held = [looking[i] for i in held_back_for_shared_prefixes(
+            [PendingPrompt(s.prompt_ids, s.cache_salt) for s in looking], in_flight, self.prefixes.min_tokens)]
+        for s in held:
+            s.prefix_checked = False
+            log.debug("request %s waits a step for the rows of a prompt sharing its prefix", s.request_id)
+        if held and self.metrics is not None:
+            self.metrics.observe_prompts_held_back(len(held))
+        return {s.seq_id for s in held}
 
     async def _find_prefixes(self, newcomers: list[Sequence]) -> None:
         """Prefix caching: each new sequence's sequence to start from (Sequence.reuse_from: a parked one's slot

@@ -85,3 +85,29 @@ class PrefixIndex:
     def clear(self) -> None:
         """Forgets every entry (a service restarted: its parked slots are gone)."""
         self._entries.clear()
+
+
+@dataclass(frozen=True)
+class PendingPrompt:
+    """A prompt about to be prefilled (or being prefilled), as the in-batch prefix check sees it."""
+
+    tokens: list[int]
+    salt: str = ""
+
+
+def held_back_for_shared_prefixes(newcomers: list[PendingPrompt], in_flight: list[PendingPrompt],
+                                  min_tokens: int = MIN_REUSED_TOKENS) -> list[int]:
+    """Indices of the newcomers to hold back one step: each would reuse at least min_tokens rows (same salt) of a
+    prompt in flight or of an earlier newcomer that is not held back, whose rows it can copy once that prompt is
+    prefilled, instead of running the same prefix beside it (SGLang's in-batch prefix caching). The first of any
+    group of newcomers sharing a prefix always runs, so every held-back one has a prompt ahead of it in flight."""
+    ahead = [(np.asarray(p.tokens, dtype=np.int64), p.salt) for p in in_flight]
+    held = []
+    for i, p in enumerate(newcomers):
+        ids = np.asarray(p.tokens, dtype=np.int64)
+        if any(salt == p.salt and reusable_rows(tokens, ids, len(ids), whole=False) >= min_tokens
+               for tokens, salt in ahead):
+            held.append(i)
+        else:
+            ahead.append((ids, p.salt))
+    return held

@@ -95,6 +95,24 @@ def test_a_follow_up_turn_reports_the_prompt_tokens_it_took_from_the_cache_withi
     assert again.choices[0].message.content == elsewhere.choices[0].message.content
 
 
+def test_a_batch_of_prompts_under_one_prefix_runs_it_once_and_each_answer_equals_the_prompt_alone(oai, model_id):
+    shared = list(range(5, 45))
+    prompts = [shared + [50, 51], shared + [60], shared + [70, 71, 72]]
+
+    def complete(prompt, salt):
+        return oai.completions.create(model=model_id, prompt=prompt, max_tokens=10, temperature=0,
+                                      extra_body={"cache_salt": salt, "ignore_eos": True})
+
+    # One request: its three sequences are admitted in one step. The first runs the shared 40 tokens; the others
+    # wait a step and copy its rows instead of running them beside it.
+    batch = complete(prompts, "in-batch")
+    assert batch.usage.prompt_tokens_details.cached_tokens >= 2 * 16
+    for i, prompt in enumerate(prompts):
+        alone = complete(prompt, f"alone-{i}")   # a salt of its own: nothing cached
+        assert alone.usage.prompt_tokens_details.cached_tokens == 0
+        assert batch.choices[i].text == alone.choices[0].text
+
+
 def test_completion_of_raw_text_and_of_token_ids_equal_the_grpc_api(oai, grpc_client, model_id):
     by_text = oai.completions.create(model=model_id, prompt="hello world", max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True})

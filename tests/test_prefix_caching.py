@@ -308,3 +308,25 @@ def test_the_index_keeps_a_running_entry_for_copies_and_hybrid_targets_skip_it()
     index.add("run", [1, 2, 3, 4, 5, 6])   # released: parked now, adopted once
     assert index.take([1, 2, 3, 4, 5, 6, 7]) == PrefixHit("run", 6, copy=False)
     assert index.take([1, 2, 3, 4, 5, 6, 7]) is None
+
+
+def test_newcomers_sharing_a_prefix_with_one_ahead_of_them_wait_and_the_first_of_a_group_runs():
+    from gateway.prefix_index import PendingPrompt, held_back_for_shared_prefixes
+
+    system = list(range(100, 120))
+    newcomers = [PendingPrompt(system + [1, 2]), PendingPrompt(system + [3]), PendingPrompt(system + [4], "other"),
+                 PendingPrompt(list(range(20))), PendingPrompt(system + [4], "other")]
+    # The first of the shared-prefix group runs; the second waits for it; another salt is a group of its own.
+    assert held_back_for_shared_prefixes(newcomers, [], min_tokens=16) == [1, 4]
+    # A prompt already in flight counts as ahead of every newcomer.
+    assert held_back_for_shared_prefixes(newcomers[:2], [PendingPrompt(system)], min_tokens=16) == [0, 1]
+
+
+def test_a_newcomer_is_not_held_back_for_less_than_the_least_reusable_prefix():
+    from gateway.prefix_index import PendingPrompt, held_back_for_shared_prefixes
+
+    ahead = [PendingPrompt(list(range(40)))]
+    assert held_back_for_shared_prefixes([PendingPrompt(list(range(15)) + [99])], ahead, min_tokens=16) == []
+    # An identical prompt reuses all but its last token (which runs to give the first sample): 16 rows of 17.
+    assert held_back_for_shared_prefixes([PendingPrompt(list(range(17)))], ahead, min_tokens=16) == [0]
+    assert held_back_for_shared_prefixes([PendingPrompt(list(range(16)))], ahead, min_tokens=16) == []

@@ -138,6 +138,9 @@ class GatewayMetrics(_ServiceMetrics):
                                             "Prompt tokens looked up in the prefix cache.", ln, registry=r)
         self.prefix_cache_hits = Counter("vllm:prefix_cache_hits",
                                          "Prompt tokens served from the prefix cache (not run).", ln, registry=r)
+        self.prefix_held_back = Counter("ddtree_prefix_held_back",
+                                        "Prompt lookups deferred a step to copy the rows of a prompt in flight that "
+                                        "shares their prefix.", ln, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        ln + ["finished_reason"], registry=r)
         self.spec_decode_num_drafts = Counter("vllm:spec_decode_num_drafts",
@@ -191,6 +194,10 @@ class GatewayMetrics(_ServiceMetrics):
         if cached_tokens is not None:
             self.prefix_cache_queries.labels(self.model_name, self.engine).inc(prompt_tokens)
             self.prefix_cache_hits.labels(self.model_name, self.engine).inc(cached_tokens)
+
+    def observe_prompts_held_back(self, n: int) -> None:
+        """Counts n prompts held back a step for the rows of a prompt in flight sharing their prefix."""
+        self.prefix_held_back.labels(self.model_name, self.engine).inc(n)
 
     def observe_first_token(self, ttft_s: float) -> None:
         """Records TTFT and counts the first generated token."""
