@@ -66,10 +66,17 @@
 #              QUANTS="none int8 int8-untuned" INT8_NODES=1,64 INT8_MS= ... int8 (*-untuned: DDTREE_INT8_TILES=off).
 #              Its 64-row grid holds 256-column tiles: at 64 rows and 128 columns a K step reads as many activation
 #              bytes (64 x BK bf16, again for every output tile) as weight bytes (128 x BK int8); 256 halves that.
-#              Issue 15's next H200 call (~5.5 min; the 2026-12-07 one left int8 `ar` 0.711x bf16, verify 1.611x):
-#                TUNE_S=150 QUANTS="none int8 int8-head" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8tune int8
-#              then, on the same warm machine, PDL's A/B (ratios against this call's own bf16 run):
-#                QUANTS="none nonepdl int8 int8pdl int8-headpdl" INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT pdltests int8
+#              TUNE1=0 skips the 1-row sweep; TUNE64_GRIDS, grids separated by ";", replaces the 64-row one (each
+#              sweep's winners merge into the table, where a faster entry already there stays). The whole default
+#              64-row grid is 144 tilings, ~5 min: a table swept before needs only the new axes, e.g. 256-column
+#              tiles and 16-row tiles (the one-row winners' warp-level MMA, each weight tile read by 4 row tiles):
+#                TUNE1=0 TUNE_S=200 TUNE64_GRIDS="--dot-block-m 64 --dot-block-n 256 --dot-block-k 64,128
+#                --dot-splits 1,2,4 --dot-swap 0,1 --dot-warps 4,8 --dot-stages 3,4;--dot-block-m 16 --dot-block-n
+#                64,128 --dot-block-k 128 --dot-splits 1,2,4 --dot-stages 3,4" QUANTS="none int8 int8-head"
+#                INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8tune int8
+#              then, on the same warm machine, PDL's A/B with that table (ratios against this call's own bf16 run):
+#                DDTREE_INT8_TILES=/tmp/nvidia-h200.json QUANTS="none int8 int8pdl int8-headpdl" INT8_NODES=1,64
+#                INT8_MS= bash bench/h200.sh OUT pdltests int8
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
@@ -304,12 +311,16 @@ for s in $SECTIONS; do
                 # and 64 (a 64-node verify) over the 8B's projections, merged into target_svc/int8_tiles/<gpu>.json
                 # (copied to $R, for the repository); then `QUANTS="none int8 int8-untuned" ... int8` times the step
       T=target_svc/int8_tiles/$(python3 -c "import torch; from target_svc.int8_tiles import device_slug; print(device_slug(torch.cuda.get_device_properties(0).name))").json
-      timeout ${TUNE_S:-150} python3 -m bench.int8_kernel --dot-sweep --ms 1 --dot-shapes ${TUNE_SHAPES:-qkv,o_proj,gate_up,down} \
-        --dot-block-m 16 --dot-block-n 32,64,128 --dot-block-k 128,256 --dot-splits 1,2,4 --dot-stages 3,4 \
-        --write-tiles "$T" > "$R/int8-tune-1.log" 2>&1
-      timeout ${TUNE_S:-150} python3 -m bench.int8_kernel --dot-sweep --ms 64 --dot-shapes ${TUNE_SHAPES:-qkv,o_proj,gate_up,down} \
-        --dot-block-m 64 --dot-block-n 64,128,256 --dot-block-k 64,128 --dot-splits 1,2,4 --dot-swap 0,1 --dot-warps 4,8 \
-        --dot-stages 3,4 --write-tiles "$T" > "$R/int8-tune-64.log" 2>&1
+      [ "${TUNE1:-1}" = 0 ] || timeout ${TUNE_S:-150} python3 -m bench.int8_kernel --dot-sweep --ms 1 \
+        --dot-shapes ${TUNE_SHAPES:-qkv,o_proj,gate_up,down} --dot-block-m 16 --dot-block-n 32,64,128 \
+        --dot-block-k 128,256 --dot-splits 1,2,4 --dot-stages 3,4 --write-tiles "$T" > "$R/int8-tune-1.log" 2>&1
+      IFS=';' read -ra grids <<< "${TUNE64_GRIDS:---dot-block-m 64 --dot-block-n 64,128,256 --dot-block-k 64,128 --dot-splits 1,2,4 --dot-swap 0,1 --dot-warps 4,8 --dot-stages 3,4}"
+      i=0
+      for grid in "${grids[@]}"; do
+        i=$((i + 1)); log="$R/int8-tune-64.log"; [ $i = 1 ] || log="$R/int8-tune-64-$i.log"
+        timeout ${TUNE_S:-150} python3 -m bench.int8_kernel --dot-sweep --ms 64 \
+          --dot-shapes ${TUNE_SHAPES:-qkv,o_proj,gate_up,down} $grid --write-tiles "$T" > "$log" 2>&1
+      done
       for f in "$R"/int8-tune-*.log; do sed -n '/^best dot tiling/,$p' "$f"; done
       # to $R for the repository, and to /tmp for a later call on the same warm machine (DDTREE_INT8_TILES=/tmp/...)
       cp "$T" "$R/" 2>/dev/null; cp "$T" /tmp/ 2>/dev/null ;;
