@@ -103,8 +103,9 @@ def main(argv=None) -> None:
     off = run_setting(args, model, drafter, users, caching=False)
     on = run_setting(args, model, drafter, users, caching=True)
     same = [t["text"] for t in on["turns"]] == [t["text"] for t in off["turns"]]
+    kinds = ("first turns", "follow-up turns") if args.turns > 1 else ("first turns",)
     table = {kind: {name: summary(run, kind == "first turns") for name, run in (("off", off), ("on", on))}
-             for kind in ("first turns", "follow-up turns")}
+             for kind in kinds}
     hw = common.hardware(args.device, args.dtype, None)
     data = {"bench": "prefix_caching", "command": common.command_line("bench.prefix_caching"),
             "date": common.now_utc(), "hardware": hw, "model": common.describe_checkpoint(model),
@@ -134,7 +135,8 @@ def main(argv=None) -> None:
         common.md_table(["turns", "prefix caching", "prompt tokens", "cached share", "ttft ms", "e2e ms"], rows),
         ""])
     print(md)
-    stem = f"prefix-caching{'-concurrent' if args.concurrent else ''}-{common.hardware_tag(hw)}"
+    stem = (f"prefix-caching{'-concurrent' if args.concurrent else ''}"
+            f"{'-at-once' if args.concurrent and args.stagger_ms == 0 else ''}-{common.hardware_tag(hw)}")
     common.write_outputs(args.out_dir, stem, data, md)
 
 
