@@ -57,7 +57,8 @@
 #              int8fused: int8 with DDTREE_INT8_FUSED_REDUCE=on, int8-headfused: the LM head in int8 too, w8a8: int8
 #              inputs too (QUANTS picks among none int8 int8fused int8-head int8-headfused int4 w8a8); a "pdl"
 #              suffix (int8pdl, int8-headpdl, nonepdl) launches the int8 kernels with programmatic dependent launch
-#              (DDTREE_INT8_PDL=on) and compiles the glue with it (TORCHINDUCTOR_ENABLE_PDL=1)
+#              (DDTREE_INT8_PDL=on: products of at most 16 rows) and compiles the glue with it
+#              (TORCHINDUCTOR_ENABLE_PDL=1); "pdlk" (int8pdlk) the kernels alone
 #   dotsweep   the int8 dot kernel's tilings at 17 and 65 rows (bench.int8_kernel --dot-sweep; DOT_ARGS, e.g. "--ms 64
 #              --dot-shapes qkv,o_proj,gate_up,down --dot-block-m 64 --dot-swap 0,1 --dot-warps 4,8": the 8B's fused
 #              projections at a 64-node verify, the swapped dot beside the plain one)
@@ -291,7 +292,10 @@ for s in $SECTIONS; do
         tiles=${DDTREE_INT8_TILES:-}; [ "${q%-untuned}" != "$q" ] && tiles=off   # *-untuned: no tile table
         qq=${q%-untuned}
         # *pdl: programmatic dependent launch for the int8 kernels and the compiled glue (nonepdl: the glue alone)
-        pdl=off; inductor_pdl=0; [ "${qq%pdl}" != "$qq" ] && { pdl=on; inductor_pdl=1; qq=${qq%pdl}; }
+        # *pdlk: the int8 kernels' alone (DDTREE_INT8_PDL=on, at most int8_matmul.PDL_MAX_ROWS rows)
+        pdl=off; inductor_pdl=0
+        if [ "${qq%pdlk}" != "$qq" ]; then pdl=on; qq=${qq%pdlk}
+        elif [ "${qq%pdl}" != "$qq" ]; then pdl=on; inductor_pdl=1; qq=${qq%pdl}; fi
         fused=off; [ "${qq%fused}" != "$qq" ] && fused=on
         DDTREE_INT8_PDL=$pdl TORCHINDUCTOR_ENABLE_PDL=$inductor_pdl \
         DDTREE_INT8_TILES=$tiles DDTREE_INT8_FUSED_REDUCE=$fused timeout 200 python3 -m bench.step_cost --shape qwen3-8b --batches 1 \

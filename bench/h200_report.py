@@ -120,13 +120,15 @@ def summarize_quantized(runs: list[dict]) -> dict:
     checkpoint): each format's 1-token forward, its ratio to bf16's, and its 65-node verify (and 64-node, where
     measured) over its own 1-token forward (CUDA-graph replays, device time). A run's kernel switches extend its
     mode's name: the fused split-K reduction on "fused" (int8fused), no tile table "untuned" (int8untuned),
-    programmatic dependent launch "pdl" (int8pdl: DDTREE_INT8_PDL or inductor's TORCHINDUCTOR_ENABLE_PDL on)."""
+    programmatic dependent launch "pdl" (int8pdl: DDTREE_INT8_PDL and inductor's TORCHINDUCTOR_ENABLE_PDL on, or
+    the latter alone), "pdlk" for the int8 kernels' alone (int8pdlk)."""
     def name(run: dict) -> str:
         switches = run.get("switches", {})
         out = run.get("quantize", "none") + ("fused" if switches.get(FUSED_REDUCE_ENV) == "on" else "")
         out += "untuned" if switches.get(TILES_ENV, "").strip().lower() == "off" else ""
-        pdl = switches.get(PDL_ENV, "").strip().lower() == "on" or switches.get("TORCHINDUCTOR_ENABLE_PDL") == "1"
-        return out + ("pdl" if pdl else "")
+        kernels = switches.get(PDL_ENV, "").strip().lower() == "on"
+        glue = switches.get("TORCHINDUCTOR_ENABLE_PDL") == "1"
+        return out + ("pdl" if glue else "pdlk" if kernels else "")
 
     by_mode = {name(r): r for r in runs}
     out = {}

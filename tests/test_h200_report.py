@@ -115,8 +115,9 @@ def test_a_quantized_run_with_the_fused_reduction_on_is_reported_beside_the_plai
 
 
 def test_untuned_and_pdl_int8_runs_are_reported_under_names_of_their_own():
-    """DDTREE_INT8_TILES=off names its run int8untuned, DDTREE_INT8_PDL / inductor's PDL int8pdl, each against the
-    plain bf16 run (not bf16 with PDL, which is nonepdl); the tuned run keeps the plain name."""
+    """DDTREE_INT8_TILES=off names its run int8untuned, inductor's PDL (with the kernels' or not) int8pdl, the
+    kernels' DDTREE_INT8_PDL alone int8pdlk, each against the plain bf16 run (not bf16 with PDL, which is nonepdl);
+    the tuned run keeps the plain name."""
     def run(q, ar_ms, switches=None):
         rows = [{"batch": 1, "nodes": n, "forward_graph_ms": ms} for n, ms in ((1, ar_ms), (64, 1.25 * ar_ms))]
         return {"quantize": q, "target": rows, "switches": switches or {},
@@ -124,7 +125,9 @@ def test_untuned_and_pdl_int8_runs_are_reported_under_names_of_their_own():
 
     out = h200_report.summarize_quantized([run("none", 6.0), run("int8", 4.2), run("int8", 4.5, {"DDTREE_INT8_TILES": "off"}),
                                            run("int8", 3.9, {"DDTREE_INT8_PDL": "on", "TORCHINDUCTOR_ENABLE_PDL": "1"}),
+                                           run("int8", 4.08, {"DDTREE_INT8_PDL": "on"}),
                                            run("none", 5.4, {"DDTREE_INT8_PDL": "off", "TORCHINDUCTOR_ENABLE_PDL": "1"})])
+    assert out["int8pdlk_ar_over_bf16_8b"] == pytest.approx(0.68, rel=1e-3)
     assert out["int8_ar_over_bf16_8b"] == pytest.approx(0.7, rel=1e-3)
     assert out["int8pdl_ar_over_bf16_8b"] == pytest.approx(0.65, rel=1e-3)
     assert out["int8untuned_ar_over_bf16_8b"] == pytest.approx(0.75, rel=1e-3)

@@ -262,6 +262,23 @@ def test_pdl_is_off_by_default_never_on_a_cpu_and_on_launches_every_kernel_of_a_
             assert launch.kwargs.get("launch_pdl", False) is pdl and launch.kwargs.get("PDL", False) is pdl
 
 
+def test_pdl_takes_products_of_at_most_pdl_max_rows_on_hopper_and_newer(monkeypatch):
+    """Where DDTREE_INT8_PDL is on, a decode-sized product launches with PDL and a verify-sized one without (PDL_MAX_
+    ROWS: measured slower at 64 rows); a GPU before Hopper has no programmatic dependent launch."""
+    from target_svc import int8_matmul as im
+
+    cuda = torch.device("cuda")
+    monkeypatch.setenv(im.PDL_ENV, "on")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert im.pdl_enabled(cuda, 1) and im.pdl_enabled(cuda, im.PDL_MAX_ROWS)
+    assert not im.pdl_enabled(cuda, im.PDL_MAX_ROWS + 1) and not im.pdl_enabled(cuda, 64)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert not im.pdl_enabled(cuda, 1)
+    monkeypatch.setenv(im.PDL_ENV, "off")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert not im.pdl_enabled(cuda, 1)
+
+
 INTERPRETED_GEMV = INTERPRETER_PATCH + """
 import itertools, torch
 from target_svc import int8_matmul as im
