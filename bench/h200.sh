@@ -75,9 +75,8 @@
 #                --dot-splits 1,2,4 --dot-swap 0,1 --dot-warps 4,8 --dot-stages 3,4;--dot-block-m 16 --dot-block-n
 #                64,128 --dot-block-k 128 --dot-splits 1,2,4 --dot-stages 3,4" QUANTS="none int8 int8-head"
 #                INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8tune int8
-#              then, on the same warm machine, PDL's A/B with that table (ratios against this call's own bf16 run):
-#                DDTREE_INT8_TILES=/tmp/nvidia-h200.json QUANTS="none int8 int8pdl int8-headpdl" INT8_NODES=1,64
-#                INT8_MS= bash bench/h200.sh OUT pdltests int8
+#              with QUANTS="none int8 int8pdlk int8-head" for the kernels' PDL too (an H100 passed pdltests on
+#              2026-12-08: bench/results/h100-int8-pdl-2026-12-08-0114/), ~7.5 min in all on an H200.
 #   gemv       the int8 GEMV kernel's tiling sweep against the dot kernel (bench.int8_kernel --gemv-sweep)
 #   quality    int8 vs bf16 quality on the SmolLM2 pair: perplexity and DDTree-64 tau (bench.quant_quality)
 #   report     <gpu>.{md,json} (h200 on an H200, h100 on an H100) from what the run produced, for bench/results
