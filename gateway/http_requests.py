@@ -84,6 +84,7 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None   # vLLM's: prefix caching shares cached prompt rows within one salt only
+    priority: int = 0   # vLLM's: with --scheduling-policy priority, lower values are admitted first
 
 
 class ChatMessage(BaseModel):
@@ -251,6 +252,9 @@ def generate_request(body: GenerationRequest, max_tokens: int | None,
     if guide is not None:
         req.guide.CopyFrom(guide)
     req.cache_salt = body.cache_salt or ""
+    if not -2**31 <= body.priority < 2**31:
+        raise ApiError(400, f"priority {body.priority} is out of range (a 32-bit integer)", param="priority")
+    req.priority = body.priority
     req.max_tokens = max_tokens if max_tokens is not None else (default_max or 0)
     return req
 

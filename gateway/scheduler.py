@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 from gateway.sequence import Sequence, Status
+
+# How a pair's waiting queue is ordered (vLLM's --scheduling-policy): arrival order, or each request's priority
+# (lowest first; equal priorities in arrival order).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -21,9 +26,23 @@ class PairQueue:
     """One pair's waiting queue and running batch."""
 
     limits: AdmissionLimits
+    policy: str = "fcfs"
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Adds a request to the waiting queue in the policy's order: last (fcfs), or after every waiting request
+        of the same or a lower priority value (priority)."""
+        if self.policy == "priority":
+            at = bisect.bisect_right([s.priority for s in self.waiting], seq.priority)
+            self.waiting.insert(at, seq)
+        else:
+            self.waiting.append(seq)
 
     @property
     def load(self) -> int:
@@ -34,7 +53,8 @@ class PairQueue:
         return sum(len(s.prompt_ids) + s.max_tokens for s in self.running)
 
     def admit(self) -> list[Sequence]:
-        """Moves waiting sequences into the running batch while the limits allow (FCFS, no overtaking)."""
+        """Moves waiting sequences into the running batch in queue order while the limits allow (no overtaking: a
+        request that does not fit holds back the ones behind it, so a long prompt is never starved)."""
         admitted = []
         reserved = self.reserved_tokens()
         while self.waiting:
@@ -133,6 +153,6 @@ class Scheduler:
         if self.num_waiting >= self.max_waiting:
             raise RuntimeError(f"capacity: {self.num_waiting} requests already waiting")
         index = min(range(len(self.queues)), key=lambda i: self.queues[i].load)
-        self.queues[index].waiting.append(seq)
+        self.queues[index].enqueue(seq)
         self.queues[index].wakeup.set()
         return index

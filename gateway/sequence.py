@@ -68,6 +68,7 @@ class Sequence:
     prompt_scores: list = field(default_factory=list)   # the target's prompt log-probs, gathered chunk by chunk
     guide: GuideSpec | None = None   # structured output: the grammar the target keeps every token inside
     cache_salt: str = ""           # prefix caching: only sequences of the same salt share cached rows
+    priority: int = 0              # --scheduling-policy priority: admitted lowest first (ties: arrival order)
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

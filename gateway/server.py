@@ -28,7 +28,7 @@ from gateway.backends import BackendPair, PairAddress
 from gateway.bad_words import bad_word_token_ids, check_bad_words
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine import EngineConfig, PairEngine
-from gateway.scheduler import AdmissionLimits, PairQueue, Scheduler
+from gateway.scheduler import SCHEDULING_POLICIES, AdmissionLimits, PairQueue, Scheduler
 from gateway.sequence import MODES, Sequence, StreamEvent
 from gateway.watch import PairWatch
 
@@ -58,6 +58,7 @@ class GatewayConfig:
     budget: int = 0               # 0: chosen for the first target's device (ddtree_serve.decoding.config.default_budget)
     tokenizer_dir: str | None = None
     max_waiting: int = 4096
+    scheduling_policy: str = "fcfs"   # gateway.scheduler.SCHEDULING_POLICIES
     transport: str = "inline"
     engine: EngineConfig = field(default_factory=EngineConfig)
     drain_s: float = 20.0             # SIGTERM: how long running requests get to finish
@@ -80,6 +81,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"max_prefill_tokens must be >= 0 (0: no limit), got {cfg.engine.max_prefill_tokens}")
         if cfg.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
+        if cfg.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {cfg.scheduling_policy!r}")
         self.cfg = cfg
         self.metrics_factory = metrics_factory
         self.metrics = None
@@ -123,7 +126,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for p in self.pairs:
             admission = AdmissionLimits(max_running=min(p.target_info.max_batch, p.drafter_info.max_batch),
                                         max_reserved_tokens=p.target_info.cache.capacity_tokens or 1 << 62)
-            queues.append(PairQueue(admission))
+            queues.append(PairQueue(admission, policy=self.cfg.scheduling_policy))
         self.scheduler = Scheduler(queues, max_waiting=self.cfg.max_waiting)
         self.engines = [PairEngine(p, q, self.cfg.engine, self.metrics) for p, q in zip(self.pairs, queues)]
         for e in self.engines:
@@ -261,6 +264,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _make_sequence(self, request) -> Sequence:
         if request.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {request.max_tokens}")
+        if request.priority and self.cfg.scheduling_policy != "priority":
+            raise ValueError(f"priority {request.priority} given, but priority scheduling is off (the gateway runs "
+                             f"--scheduling-policy {self.cfg.scheduling_policy})")
         limits.check_stops(list(request.stop), list(request.stop_token_ids))
         prompt_ids = await self._prompt_ids(request)
         info = self.pairs[0].target_info
@@ -307,7 +313,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             min_tokens=sampling.min_tokens, skip_special_tokens=not request.keep_special_tokens),
                         logprobs=logprobs_wanted(request.logprobs, request.top_logprobs),
                         prompt_logprobs=logprobs_wanted(request.prompt_logprobs, request.prompt_top_logprobs),
-                        guide=guide, cache_salt=request.cache_salt)
+                        guide=guide, cache_salt=request.cache_salt, priority=request.priority)
 
     async def _guide(self, request, sampling) -> GuideSpec:
         """The request's structured output, its grammar parsed here (the target compiles it against its vocabulary);

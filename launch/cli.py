@@ -218,7 +218,8 @@ def cmd_gateway(args) -> None:
     cfg = GatewayConfig(pairs=_read_pairs(args), mode=args.mode, budget=args.budget, tokenizer_dir=args.tokenizer,
                         transport=args.transport, drain_s=args.drain_s, engine=engine,
                         step_streams=not args.unary_steps, step_sockets=args.step_transport == "socket",
-                        step_spin_us=args.step_spin_us, backend_wait_s=args.backend_wait_s)
+                        step_spin_us=args.step_spin_us, backend_wait_s=args.backend_wait_s,
+                        scheduling_policy=args.scheduling_policy)
     from gateway.backends import AttachRefused
 
     try:
@@ -551,6 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="finished sequences' slots stay parked with their cache rows until needed, and a new prompt "
                         "that starts with one's tokens reuses them instead of running them (vLLM's; on by default; "
                         "requests share rows only within one cache_salt)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="the order waiting requests are admitted in (vLLM's): fcfs, arrival order; priority, each "
+                        "request's priority field lowest first, equal ones in arrival order (running requests are "
+                        "not preempted)")
     p.add_argument("--guided-overdraft", type=_int_in(1), default=1,
                    help="a structured output's DDTree trees are drafted this many times their budget; the target "
                         "verifies the budget's worth of the nodes its grammar allows (1: the budget alone; more "

@@ -113,6 +113,15 @@ def test_a_batch_of_prompts_under_one_prefix_runs_it_once_and_each_answer_equals
         assert batch.choices[i].text == alone.choices[0].text
 
 
+def test_a_priority_under_the_default_fcfs_policy_is_a_400_that_names_the_policy(oai, model_id):
+    with pytest.raises(openai.BadRequestError, match="priority scheduling is off"):
+        oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=2, extra_body={"priority": 3})
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=2, extra_body={"priority": 2**40})
+    plain = oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=2, extra_body={"priority": 0})
+    assert plain.usage.completion_tokens >= 1
+
+
 def test_completion_of_raw_text_and_of_token_ids_equal_the_grpc_api(oai, grpc_client, model_id):
     by_text = oai.completions.create(model=model_id, prompt="hello world", max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -88,3 +88,33 @@ def test_a_gpu_target_caps_wide_batches_by_default_and_a_cpu_one_does_not() -> N
     assert default_batch_budgets("cuda:0") == default_batch_budgets("cuda") == GPU_BATCH_BUDGETS
     assert batch_budget_ceiling(GPU_BATCH_BUDGETS, 1) is None and batch_budget_ceiling(GPU_BATCH_BUDGETS, 8) == 16
     assert default_batch_budgets("cpu") == ()
+
+
+def test_under_the_priority_policy_the_lowest_value_is_admitted_first_and_ties_keep_arrival_order() -> None:
+    queue = PairQueue(AdmissionLimits(max_running=3, max_reserved_tokens=10_000), policy="priority")
+    arrivals = [seq(4), seq(4), seq(4), seq(4)]
+    for s, priority in zip(arrivals, (5, 0, 5, -1)):
+        s.priority = priority
+        queue.enqueue(s)
+    assert queue.admit() == [arrivals[3], arrivals[1], arrivals[0]]
+    assert list(queue.waiting) == [arrivals[2]]
+
+
+def test_fcfs_ignores_priorities_and_a_request_that_does_not_fit_holds_back_the_ones_behind_it() -> None:
+    fcfs = PairQueue(AdmissionLimits(max_running=4, max_reserved_tokens=10_000))
+    first, second = seq(4), seq(4)
+    second.priority = -3
+    fcfs.enqueue(first)
+    fcfs.enqueue(second)
+    assert fcfs.admit() == [first, second]
+    tight = PairQueue(AdmissionLimits(max_running=4, max_reserved_tokens=100), policy="priority")
+    big, small = seq(90, max_tokens=20), seq(4)
+    big.priority, small.priority = 0, 1
+    tight.enqueue(small)
+    tight.enqueue(big)
+    assert tight.admit() == [] and list(tight.waiting) == [big, small]   # no overtaking: the big one is not starved
+
+
+def test_an_unknown_scheduling_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="scheduling policy"):
+        PairQueue(AdmissionLimits(max_running=1, max_reserved_tokens=1), policy="lifo")
