@@ -77,7 +77,8 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
                   bad_words: list[str] | None = None, chat_template_kwargs: dict | None = None,
                   continue_final_message: bool = False,
                   structured_output: tuple[str, str] | None = None,
-                  tools: list[dict] | None = None) -> gateway_pb2.GenerateRequest:
+                  tools: list[dict] | None = None, cache_salt: str = "",
+                  priority: int = 0) -> gateway_pb2.GenerateRequest:
     """A GenerateRequest: token ids, chat messages, or a text prompt (as one chat message unless chat=False);
     logprobs: each token's log-prob in the answer, with top_logprobs alternatives; prompt_logprobs: each prompt
     token's (after the first), with that many alternatives; min_p, the penalties, logit_bias (token id -> bias),
@@ -86,13 +87,15 @@ def build_request(prompt: str | None = None, *, prompt_ids: list[int] | None = N
     the chat prompt as in vLLM; structured_output: (kind, spec) of a grammar the answer keeps to: ("json", a JSON
     schema's text), ("json_object", ""), ("regex", r), ("choice", a JSON list of strings), ("grammar", EBNF) or ("structural_tag", its JSON);
     tools (OpenAI's list) and messages' tool_calls / tool_call_id / name go to the chat template (the text comes
-    back as the model writes it: the HTTP API is the one that reads tool calls out of it)."""
+    back as the model writes it: the HTTP API is the one that reads tool calls out of it); cache_salt and priority
+    as vLLM's (priority needs the gateway's --scheduling-policy priority)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of ddtree, dflash, ar, got {mode!r}")
     req = gateway_pb2.GenerateRequest(
         max_tokens=max_tokens, mode=MODES[mode], budget=budget, stop=stop or [], ignore_eos=ignore_eos,
         stop_token_ids=stop_token_ids or [], include_stop_str_in_output=include_stop_str_in_output,
-        keep_special_tokens=not skip_special_tokens, bad_words=bad_words or [],
+        keep_special_tokens=not skip_special_tokens, bad_words=bad_words or [], cache_salt=cache_salt,
+        priority=priority,
         logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs is not None,
         prompt_top_logprobs=prompt_logprobs or 0,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed or 0,

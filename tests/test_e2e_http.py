@@ -113,7 +113,12 @@ def test_a_batch_of_prompts_under_one_prefix_runs_it_once_and_each_answer_equals
         assert batch.choices[i].text == alone.choices[0].text
 
 
-def test_a_priority_under_the_default_fcfs_policy_is_a_400_that_names_the_policy(oai, model_id):
+def test_a_priority_under_the_default_fcfs_policy_is_a_400_that_names_the_policy(oai, grpc_client, model_id):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_client.generate(prompt_ids=[5, 6, 7], max_tokens=2, priority=3)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fcfs" in refused.value.details()
     with pytest.raises(openai.BadRequestError, match="priority scheduling is off"):
         oai.completions.create(model=model_id, prompt=[5, 6, 7], max_tokens=2, extra_body={"priority": 3})
     with pytest.raises(openai.BadRequestError, match="priority"):
