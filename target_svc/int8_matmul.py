@@ -198,8 +198,9 @@ def fused_reduce_enabled() -> bool:
 
 PDL_ENV = "DDTREE_INT8_PDL"
 # Products of more rows launch without PDL even where it is on. On an H100 (2026-12-08) PDL made the 8B's 1-token
-# int8 step 2.5 % faster and its 64-node verify 4.4 % slower: the early-launched programs of a many-row tile (up
-# to ~100 KB of shared memory each) sit waiting on SMs that the previous kernel's last programs could use.
+# int8 step 2.5 % faster and its 64-node verify 4.4 % slower, likely because the early-launched programs of a
+# many-row tile (up to ~100 KB of shared memory each) sit waiting on SMs the previous kernel's last programs could
+# use (bench/results/h100-int8-pdl-2026-12-08-0114/).
 PDL_MAX_ROWS = 16
 
 
