@@ -92,6 +92,11 @@
 # PYSPY_S=N (with speed8b / speedhyb): py-spy samples each service's threads for N s once the services are up
 #   (carry the py-spy wheel in .whl; writes $R/pyspy-<service>.txt, folded stacks: bench.pyspy_summary reads them)
 # Usage (on the GPU machine, from the repository root): bash bench/h200.sh OUT_DIR [section ...]
+# On a lent machine without grpcio-tools & co: carry .whl/ (scripts/device_wheels.sh fills it) and call it through
+#   bench/device_call.sh, which installs them, makes the proto stubs and packs the results; NEED_GPU=H200 refuses
+#   another card, or runs ELSE_SECTIONS / ELSE_QUANTS there instead, e.g. for issue 15's next call:
+#   NEED_GPU=H200 ELSE_SECTIONS="int8" ELSE_QUANTS="none int8 int8pdlk" TUNE1=0 TUNE_S=200 TUNE64_GRIDS="..." \
+#     QUANTS="none int8 int8pdlk int8-head" INT8_NODES=1,64 INT8_MS= bash bench/device_call.sh int8tune int8
 # Issue 9's batch-1 gates in two calls on one warm machine (a call may run 600 s: the step costs, ~3 min with the
 #   build, and the speed run, ~7 min on an H100, do not fit one; budget 63 in a 64-node bucket of its own beside
 #   budget 64: on the 64-prompt file its taus draw 10.685 against 10.726, machine-independent, and its verify saves
