@@ -73,7 +73,8 @@
 #              tiles and 16-row tiles (the one-row winners' warp-level MMA, each weight tile read by 4 row tiles):
 #                TUNE1=0 TUNE_S=200 TUNE64_GRIDS="--dot-block-m 64 --dot-block-n 256 --dot-block-k 64,128
 #                --dot-splits 1,2,4 --dot-swap 0,1 --dot-warps 4,8 --dot-stages 3,4;--dot-block-m 16 --dot-block-n
-#                64,128 --dot-block-k 128 --dot-splits 1,2,4 --dot-stages 3,4" QUANTS="none int8 int8-head"
+#                64,128 --dot-block-k 128 --dot-splits 1,2,4 --dot-stages 3,4;--dot-block-m 64 --dot-block-n 128
+#                --dot-block-k 64,128 --dot-splits 1,2,4 --dot-swap 0,1 --dot-stages 2" QUANTS="none int8 int8-head"
 #                INT8_NODES=1,64 INT8_MS= bash bench/h200.sh OUT int8tune int8
 #              with QUANTS="none int8 int8pdlk int8-head" for the kernels' PDL too (an H100 passed pdltests on
 #              2026-12-08: bench/results/h100-int8-pdl-2026-12-08-0114/), ~7.5 min in all on an H200.
