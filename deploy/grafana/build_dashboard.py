@@ -94,9 +94,11 @@ def build() -> dict[str, Any]:
             "reqps")
     L.panel("Prefix cache", [(f"{rate('vllm:prefix_cache_hits_total', sel=M)}"
                               f" / {rate('vllm:prefix_cache_queries_total', sel=M)}", "hit rate (tokens)"),
-                             (rate("ddtree_target_prefix_reused_tokens_total"), "target reused tokens/s")],
+                             (rate("ddtree_target_prefix_reused_tokens_total"), "target reused tokens/s"),
+                             (rate("ddtree_prefix_held_back_total", sel=M), "prompts held back/s")],
             "short", description="Share of prompt tokens served from parked sequences' cache rows (prefix caching; "
-                                 "vLLM's counters), and the tokens per second the targets did not run for it.")
+                                 "vLLM's counters), the tokens per second the targets did not run for it, and the "
+                                 "prompts per second that waited a step to copy an in-flight prompt's rows.")
     L.panel("Time to first token", [(quantile(q, "vllm:time_to_first_token_seconds", sel=M), f"p{int(q * 100)}")
                                     for q in (0.5, 0.9, 0.99)], "s")
     L.panel("Inter-token latency", [(quantile(q, "vllm:inter_token_latency_seconds", sel=M), f"p{int(q * 100)}")
