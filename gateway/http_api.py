@@ -384,6 +384,13 @@ class HttpFront:
                 return PlainTextResponse("loading", status_code=503)
             return PlainTextResponse("ok")
 
+        @app.get("/version")
+        async def version():
+            """The server's version, as vLLM's /version answers it."""
+            from ddtree_serve import __version__
+
+            return {"version": __version__}
+
         @app.get("/metrics")
         async def metrics():
             """The gateway's Prometheus metrics (the same registry as --metrics-port)."""

@@ -49,6 +49,13 @@ def model_id(oai):
     return oai.models.list().data[0].id
 
 
+def test_version_answers_the_package_version_without_a_key(stack):
+    from ddtree_serve import __version__
+
+    body = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{stack.ports['http']}/version", timeout=10).read())
+    assert body == {"version": __version__}
+
+
 def test_models_lists_the_served_target(oai, stack):
     models = oai.models.list().data
     assert [m.id for m in models] == [Path(stack.model).name]
