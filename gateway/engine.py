@@ -207,6 +207,8 @@ class PairEngine(BackgroundTask):
         if self.prefixes is None or self.pair.target_info.prefix_reuse != "prefix":
             return set()
         looking = [s for s in newcomers if not s.reuse_from and s.prompt_logprobs < 0]
+        if not looking:   # most prefill steps: chunks of prompts already under way
+            return set()
         looking_ids = {s.seq_id for s in looking}
         in_flight = [PendingPrompt(s.prompt_ids, s.cache_salt) for s in seqs if s.seq_id not in looking_ids]
         held = [looking[i] for i in held_back_for_shared_prefixes(
