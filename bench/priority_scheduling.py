@@ -1,9 +1,12 @@
 """What priority scheduling gives urgent requests in a queue: one stack with --scheduling-policy priority and few
 slots, the same burst of chat requests sent at once twice, first with every priority 0 (arrival order, as fcfs)
-and then with every --urgent-every'th request at priority -1. Greedy, so both passes must give the same text
-(checked); what changes is each class's time to first token.
+and then with every --urgent-every'th request at priority -1; with --preemption, a third pass of the marked burst
+on a stack that also has --priority-scheduling-preemption-threshold 0, where an urgent request takes a running
+one's slot at once (the preempted one resumes later from its prompt and outputs). Greedy, so every pass must give
+the same text (checked); what changes is each class's time to first token.
 
     python -m bench.priority_scheduling [--requests 12] [--urgent-every 4] [--slots 2] [--max-tokens 32]
+                                        [--preemption]
 
 The default pair is the bundled SmolLM2 target and its trained DFlash drafter. Writes
 <out-dir>/priority-scheduling-<hardware>.{md,json}.
@@ -24,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=2, help="the services' --max-batch: the rest of the burst waits")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--preemption", action="store_true",
+                   help="a third pass: the marked burst on a stack that preempts for urgent requests")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     return p.parse_args(argv)
 
@@ -54,44 +59,55 @@ def main(argv=None) -> None:
     prompts, source = common.load_prompts(None, args.requests)
     texts = [p["text"] for p in prompts]
     urgent = [(i + 1) % args.urgent_every == 0 for i in range(len(texts))]
-    stack = common.start_stack(model, drafter, args.device, args.dtype, None, budget=args.budget,
-                               max_batch=args.slots, gateway_args=["--scheduling-policy", "priority"])
+    policy = ["--scheduling-policy", "priority"]
+    stacks = [(policy, (("all priority 0", False), ("urgent at -1", True)))]
+    if args.preemption:
+        stacks.append(([*policy, "--priority-scheduling-preemption-threshold", "0"],
+                       (("urgent at -1, preempting", True),)))
     passes = {}
-    try:
-        with common.GatewayClient(stack.gateway) as client:
-            client.run([request("Hello.", 4, args.budget, 0)])   # warm-up, not counted
-            for name, marked in (("all priority 0", False), ("urgent at -1", True)):
-                reqs = [request(t, args.max_tokens, args.budget, -1 if marked and u else 0)
-                        for t, u in zip(texts, urgent)]
-                results = client.loop.run_until_complete(
-                    common.stream_many(client.channel, reqs, concurrency=len(reqs)))
-                passes[name] = {"summary": summary(results, urgent), "texts": [r.text for r in results]}
-    finally:
-        stack.stop()
-    same = passes["all priority 0"]["texts"] == passes["urgent at -1"]["texts"]
+    for gateway_args, runs in stacks:
+        stack = common.start_stack(model, drafter, args.device, args.dtype, None, budget=args.budget,
+                                   max_batch=args.slots, gateway_args=gateway_args)
+        try:
+            with common.GatewayClient(stack.gateway) as client:
+                client.run([request("Hello.", 4, args.budget, 0)])   # warm-up, not counted
+                for name, marked in runs:
+                    reqs = [request(t, args.max_tokens, args.budget, -1 if marked and u else 0)
+                            for t, u in zip(texts, urgent)]
+                    results = client.loop.run_until_complete(
+                        common.stream_many(client.channel, reqs, concurrency=len(reqs)))
+                    passes[name] = {"summary": summary(results, urgent), "texts": [r.text for r in results]}
+        finally:
+            stack.stop()
+    same = all(p["texts"] == passes["all priority 0"]["texts"] for p in passes.values())
     hw = common.hardware(args.device, args.dtype, None)
     data = {"bench": "priority_scheduling", "command": common.command_line("bench.priority_scheduling"),
             "date": common.now_utc(), "hardware": hw, "model": common.describe_checkpoint(model),
             "drafter": common.describe_checkpoint(drafter), "prompts": source, "requests": len(texts),
             "urgent_every": args.urgent_every, "slots": args.slots, "max_tokens": args.max_tokens,
-            "budget": args.budget, "same_text_in_both_passes": same, "passes": passes}
+            "budget": args.budget, "same_text_in_every_pass": same, "passes": passes}
     rows = []
     for name, p in passes.items():
         for cls in ("urgent", "others"):
             s = p["summary"][cls]
             rows.append([name, cls, str(s["requests"]), f"{s['mean_ttft_ms']:.1f}", f"{s['max_ttft_ms']:.1f}"])
-    base, marked = passes["all priority 0"]["summary"], passes["urgent at -1"]["summary"]
-    for cls in ("urgent", "others"):
-        rows.append(["marked / all 0", cls, "", f"{marked[cls]['mean_ttft_ms'] / base[cls]['mean_ttft_ms']:.3f}",
-                     f"{marked[cls]['max_ttft_ms'] / base[cls]['max_ttft_ms']:.3f}"])
+    base = passes["all priority 0"]["summary"]
+    for name in list(passes)[1:]:
+        marked = passes[name]["summary"]
+        for cls in ("urgent", "others"):
+            rows.append([f"{name} / all 0", cls, "",
+                         f"{marked[cls]['mean_ttft_ms'] / base[cls]['mean_ttft_ms']:.3f}",
+                         f"{marked[cls]['max_ttft_ms'] / base[cls]['max_ttft_ms']:.3f}"])
     md = "\n".join([
         f"# Priority scheduling on a burst ({common.hardware_tag(hw)})", "",
         f"Command: `{data['command']}`  ", f"Date: {data['date']}  ",
         f"CPU: {hw['cpu_model']} ({hw['usable_cpus']} usable), device `{args.device}`, {args.dtype}", "",
         f"{len(texts)} chat requests ({source}) sent at once to one stack with `--scheduling-policy priority` and "
         f"{args.slots} slots, greedy DDTree budget {args.budget}, {args.max_tokens} tokens each; every "
-        f"{args.urgent_every}th is urgent. Pass 1: every priority 0 (arrival order); pass 2: the urgent ones at -1. "
-        "TTFT is the gateway's (arrival to first token). Same text in both passes: "
+        f"{args.urgent_every}th is urgent. Pass 1: every priority 0 (arrival order); pass 2: the urgent ones at -1"
+        + ("; pass 3: the same on a second stack that preempts running requests for them "
+           "(`--priority-scheduling-preemption-threshold 0`)" if args.preemption else "") + ". "
+        "TTFT is the gateway's (arrival to first token). Same text in every pass: "
         f"{'yes' if same else 'NO'}.", "",
         common.md_table(["pass", "class", "requests", "mean TTFT ms", "max TTFT ms"], rows), ""])
     print(md)

@@ -114,6 +114,9 @@ class PairEngine(BackgroundTask):
                                  f"target {self.pair.address.target} is unavailable")
             await asyncio.sleep(0.2)
             return
+        victims = self.queue.preemption_victims()
+        if victims:
+            await self._preempt(victims)
         self.queue.admit()
         live = [s for s in self.queue.running if s.status == Status.RUNNING and not s.finish_reason]
         prefilling = [s for s in live if not s.prefill_done]
@@ -136,6 +139,11 @@ class PairEngine(BackgroundTask):
                 s.finish_reason = s.finish_reason or "abort"
             await self._release(cancelled)
 
+    @staticmethod
+    def _asks_prompt_logprobs(s: Sequence) -> bool:
+        """Whether its prefill reports prompt log-probs: asked for, and not a resumed one (they went out)."""
+        return s.prompt_logprobs >= 0 and not s.resumed
+
     async def _prefill(self, seqs: list[Sequence]) -> None:
         """One Prefill RPC: the next prompt chunk of each sequence, oldest first, within max_prefill_tokens."""
         newcomers = [s for s in seqs if s.prefilled == 0 and not s.prefix_checked]
@@ -153,17 +161,19 @@ class PairEngine(BackgroundTask):
         for s, _ in chunks:
             s.scheduled_at = s.scheduled_at or now
         request = target_pb2.PrefillRequest(items=[
-            target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prompt_ids[s.prefilled:s.prefilled + n],
+            target_pb2.PrefillItem(seq_id=s.seq_id, prompt_ids=s.prefill_ids[s.prefilled:s.prefilled + n],
                                    sampling=sampling_proto(s.sampling), push_features=s.speculative, start=s.prefilled,
-                                   more=s.prefilled + n < len(s.prompt_ids), draft_top_k=self._draft_top_k(s),
+                                   more=s.prefilled + n < len(s.prompt_ids) + s.resumed,
+                                   draft_top_k=self._draft_top_k(s),
                                    logprobs=s.logprobs >= 0, top_logprobs=max(s.logprobs, 0),
-                                   prompt_logprobs=s.prompt_logprobs >= 0,
+                                   prompt_logprobs=self._asks_prompt_logprobs(s),
                                    prompt_top_logprobs=max(s.prompt_logprobs, 0),
                                    guide=guide_proto(s.guide)
                                    if s.guide is not None and s.prefilled == 0 else None,
                                    reuse_from=s.reuse_from if s.prefilled == 0 else "",
                                    reuse_max=s.reuse_rows if s.prefilled == 0 else 0,
-                                   reuse_copy=s.reuse_copy and s.prefilled == 0)
+                                   reuse_copy=s.reuse_copy and s.prefilled == 0,
+                                   outputs_from=len(s.prompt_ids) if s.resumed else 0)
             for s, n in chunks])
         try:
             response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
@@ -181,20 +191,26 @@ class PairEngine(BackgroundTask):
             r = by_id[s.seq_id]
             if r.error:
                 continue
-            if s.prefilled == 0:
+            if s.prefilled == 0 and s.resumed:
+                log.info("request %s resumes after %d tokens: %d of its %d rows kept, %d run", s.request_id,
+                         s.resumed, r.reused, len(s.prompt_ids) + s.resumed, len(s.prompt_ids) + s.resumed - r.reused)
+            elif s.prefilled == 0:
                 s.cached_tokens = r.reused
             s.prefilled += n
             s.context_len = r.context_len
-            if s.prompt_logprobs >= 0:
+            if self._asks_prompt_logprobs(s):
                 s.prompt_scores.extend(r.prompt_logprobs)
             if not s.prefill_done:
                 continue
             s.bonus = r.next_token
-            s.first_token_at = s.last_token_at = now
+            s.last_token_at = now
             if self.prefixes is not None and self.pair.target_info.prefix_reuse == "prefix":
-                self.prefixes.add(s.seq_id, s.prompt_ids, s.cache_salt, running=True)   # its rows can be copied
+                self.prefixes.add(s.seq_id, s.prefill_ids, s.cache_salt, running=True)   # its rows can be copied
             kept = s.append([r.next_token])
             s.emit(kept, r.logprobs)
+            if s.resumed:   # its first token and prompt were counted before the preemption
+                continue
+            s.first_token_at = now
             if self.metrics is not None:
                 self.metrics.observe_prompt(len(s.prompt_ids), s.cached_tokens if self.prefixes is not None else None)
                 self.metrics.observe_first_token(now - s.arrival)
@@ -206,13 +222,13 @@ class PairEngine(BackgroundTask):
         step."""
         if self.prefixes is None or self.pair.target_info.prefix_reuse != "prefix":
             return set()
-        looking = [s for s in newcomers if not s.reuse_from and s.prompt_logprobs < 0]
+        looking = [s for s in newcomers if not s.reuse_from and not self._asks_prompt_logprobs(s)]
         if not looking:   # most prefill steps: chunks of prompts already under way
             return set()
         looking_ids = {s.seq_id for s in looking}
-        in_flight = [PendingPrompt(s.prompt_ids, s.cache_salt) for s in seqs if s.seq_id not in looking_ids]
+        in_flight = [PendingPrompt(s.prefill_ids, s.cache_salt) for s in seqs if s.seq_id not in looking_ids]
         held = [looking[i] for i in held_back_for_shared_prefixes(
-            [PendingPrompt(s.prompt_ids, s.cache_salt) for s in looking], in_flight, self.prefixes.min_tokens)]
+            [PendingPrompt(s.prefill_ids, s.cache_salt) for s in looking], in_flight, self.prefixes.min_tokens)]
         for s in held:
             s.prefix_checked = False
             log.debug("request %s waits a step for the rows of a prompt sharing its prefix", s.request_id)
@@ -231,9 +247,9 @@ class PairEngine(BackgroundTask):
         whole = self.pair.target_info.prefix_reuse == "context"
         adopting = []
         for s in newcomers:
-            if s.prompt_logprobs >= 0:   # every prompt position's logits are wanted: the prompt runs whole
+            if self._asks_prompt_logprobs(s):   # every prompt position's logits are wanted: the prompt runs whole
                 continue
-            hit = self.prefixes.take(s.prompt_ids, s.cache_salt, whole)
+            hit = self.prefixes.take(s.prefill_ids, s.cache_salt, whole)
             if hit is not None:
                 s.reuse_from, s.reuse_rows, s.reuse_copy = hit.seq_id, hit.rows, hit.copy
                 if s.speculative:
@@ -419,9 +435,23 @@ class PairEngine(BackgroundTask):
                                       step_s=time.perf_counter() - t0, mode=mode)
             self.metrics.observe_segments(segments, mode)
 
+    async def _preempt(self, seqs: list[Sequence]) -> None:
+        """Stops running sequences for a waiting one of higher priority: their state is freed in both services
+        (their rows parked for prefix caching, so running them again costs little while those stay) and they wait
+        again, to go on from their prompt and outputs under a new id."""
+        for s in seqs:
+            self.queue.running.remove(s)
+        await self._free(seqs)
+        for s in seqs:
+            log.info("request %s (priority %d) preempted after %d tokens", s.request_id, s.priority,
+                     len(s.output_ids))
+            s.preempt()
+            self.queue.enqueue(s)
+        if self.metrics is not None:
+            self.metrics.observe_preempted(len(seqs))
+
     async def _release(self, seqs: list[Sequence]) -> None:
         """Frees the sequences in both services and reports their end; release failures are logged, not fatal."""
-        ids = [s.seq_id for s in seqs]
         for s in seqs:
             if s in self.queue.running:
                 self.queue.running.remove(s)
@@ -430,6 +460,11 @@ class PairEngine(BackgroundTask):
                 if self.metrics is not None and s.finish_reason not in ("abort", "error"):
                     self.metrics.observe_finished(s.finish_reason, len(s.prompt_ids), len(s.output_ids),
                                                   time.perf_counter() - s.arrival, s.scheduled_at - s.arrival)
+        await self._free(seqs)
+
+    async def _free(self, seqs: list[Sequence]) -> None:
+        """The Release RPCs of both services (rows parked under prefix caching) and the prefix index's update."""
+        ids = [s.seq_id for s in seqs]
         keep = self.prefixes is not None
         self.releases_in_flight += 1
         try:

@@ -27,6 +27,9 @@ class PairQueue:
 
     limits: AdmissionLimits
     policy: str = "fcfs"
+    # Under the priority policy (SGLang's --priority-scheduling-preemption-threshold): a waiting request that does
+    # not fit preempts running ones whose priority value exceeds its own by more than this. None: never.
+    preemption_threshold: int | None = None
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
@@ -34,12 +37,14 @@ class PairQueue:
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if self.preemption_threshold is not None and (self.policy != "priority" or self.preemption_threshold < 0):
+            raise ValueError("preemption needs the priority policy and a threshold >= 0")
 
     def enqueue(self, seq: Sequence) -> None:
-        """Adds a request to the waiting queue in the policy's order: last (fcfs), or after every waiting request
-        of the same or a lower priority value (priority)."""
+        """Adds a request to the waiting queue in the policy's order: last (fcfs), or by priority value, equal
+        values in arrival order (priority; a preempted request goes back ahead of later arrivals of its priority)."""
         if self.policy == "priority":
-            at = bisect.bisect_right([s.priority for s in self.waiting], seq.priority)
+            at = bisect.bisect_right([(s.priority, s.arrival) for s in self.waiting], (seq.priority, seq.arrival))
             self.waiting.insert(at, seq)
         else:
             self.waiting.append(seq)
@@ -52,6 +57,32 @@ class PairQueue:
         """Tokens the running sequences may still occupy (prompt + max_tokens each)."""
         return sum(len(s.prompt_ids) + s.max_tokens for s in self.running)
 
+    def _fits(self, seq: Sequence, running: int, reserved: int) -> bool:
+        return running < self.limits.max_running and reserved + len(seq.prompt_ids) + seq.max_tokens <= \
+            self.limits.max_reserved_tokens
+
+    def preemption_victims(self) -> list[Sequence]:
+        """The running sequences to preempt so that the first waiting request fits: the fewest of those whose
+        priority value exceeds its own by more than the threshold, lowest priority (then latest arrival) first;
+        none unless that makes it fit."""
+        if self.preemption_threshold is None:
+            return []
+        head = next((s for s in self.waiting if not s.cancelled), None)
+        running, reserved = len(self.running), self.reserved_tokens()
+        if head is None or self._fits(head, running, reserved):
+            return []
+        candidates = sorted((s for s in self.running if s.status == Status.RUNNING and not s.finish_reason
+                             and not s.cancelled and s.preemptible
+                             and s.priority - head.priority > self.preemption_threshold),
+                            key=lambda s: (s.priority, s.arrival), reverse=True)
+        victims = []
+        for s in candidates:
+            victims.append(s)
+            running, reserved = running - 1, reserved - len(s.prompt_ids) - s.max_tokens
+            if self._fits(head, running, reserved):
+                return victims
+        return []
+
     def admit(self) -> list[Sequence]:
         """Moves waiting sequences into the running batch in queue order while the limits allow (no overtaking: a
         request that does not fit holds back the ones behind it, so a long prompt is never starved)."""
@@ -63,11 +94,10 @@ class PairQueue:
                 self.waiting.popleft()
                 seq.status = Status.FINISHED
                 continue
-            need = len(seq.prompt_ids) + seq.max_tokens
-            if len(self.running) >= self.limits.max_running or reserved + need > self.limits.max_reserved_tokens:
+            if not self._fits(seq, len(self.running), reserved):
                 break
             self.waiting.popleft()
-            reserved += need
+            reserved += len(seq.prompt_ids) + seq.max_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
@@ -120,12 +150,13 @@ def step_budgets(requested: dict[str, int], other_nodes: int, max_verify_nodes: 
 def plan_prefill_chunks(prefilling: list[Sequence], max_tokens: int) -> list[tuple[Sequence, int]]:
     """The next prompt chunk of each sequence still prefilling, oldest first, at most max_tokens run in all (0:
     whole prompts): (sequence, chunk length) pairs; the first sequence always gets a chunk. A first chunk also
-    covers the prompt tokens a parked sequence's rows may give it (Sequence.reuse_rows: not run)."""
-    budget = max_tokens or sum(len(s.prompt_ids) - s.prefilled for s in prefilling)
+    covers the prompt tokens a parked sequence's rows may give it (Sequence.reuse_rows: not run). A resumed
+    sequence's prompt is its prompt and earlier outputs (Sequence.prefill_ids)."""
+    budget = max_tokens or sum(len(s.prompt_ids) + s.resumed - s.prefilled for s in prefilling)
     chunks = []
     for s in prefilling:
         free = s.reuse_rows if s.prefilled == 0 else 0
-        n = min(len(s.prompt_ids) - s.prefilled, budget + free)
+        n = min(len(s.prompt_ids) + s.resumed - s.prefilled, budget + free)
         if n - free <= 0:
             break
         chunks.append((s, n))

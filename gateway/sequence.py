@@ -78,6 +78,10 @@ class Sequence:
     reuse_rows: int = 0
     reuse_copy: bool = False       # its rows are copied (it is running), not its slot adopted
     cached_tokens: int = 0         # prompt tokens the target served from it (not run)
+    # Preemption (gateway/scheduler.py): outputs generated before the last one; the target prefills them after the
+    # prompt and counts them as output, and generation goes on from there
+    resumed: int = 0
+    preemptions: int = 0
     context_len: int = 0
     bonus: int = -1
     drafting: bool = True          # false after the drafter failed for this sequence: AR from then on
@@ -96,8 +100,33 @@ class Sequence:
         return self.max_tokens - len(self.output_ids)
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens a prefill runs: the prompt, and after a preemption the outputs generated before it."""
+        return self.prompt_ids + self.output_ids[:self.resumed] if self.resumed else self.prompt_ids
+
+    @property
     def prefill_done(self) -> bool:
-        return self.prefilled == len(self.prompt_ids)
+        return self.prefilled == len(self.prompt_ids) + self.resumed
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether preemption may stop it and run it again from its tokens: greedy or unseeded (a seeded sample
+        stream is reproduced by an uninterrupted run only)."""
+        return self.sampling.greedy or self.sampling.seed is None
+
+    def preempt(self) -> None:
+        """Back to waiting, to be run again from its prompt and outputs under a new id (the target and drafter
+        state of the old one is released); what was streamed stays streamed."""
+        self.status = Status.WAITING
+        self.seq_id = uuid.uuid4().hex
+        self.resumed = len(self.output_ids)
+        self.preemptions += 1
+        self.prefilled = self.context_len = 0
+        self.bonus = -1
+        self.prefix_checked = self.reuse_copy = False
+        self.reuse_from, self.reuse_rows = "", 0
+        if not self.output_ids:
+            self.prompt_scores = []   # prompt log-probs not sent yet: gathered again
 
     @property
     def speculative(self) -> bool:

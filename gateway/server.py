@@ -59,6 +59,7 @@ class GatewayConfig:
     tokenizer_dir: str | None = None
     max_waiting: int = 4096
     scheduling_policy: str = "fcfs"   # gateway.scheduler.SCHEDULING_POLICIES
+    preemption_threshold: int | None = None   # priority policy: PairQueue.preemption_threshold (None: no preemption)
     transport: str = "inline"
     engine: EngineConfig = field(default_factory=EngineConfig)
     drain_s: float = 20.0             # SIGTERM: how long running requests get to finish
@@ -83,6 +84,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
         if cfg.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {cfg.scheduling_policy!r}")
+        if cfg.preemption_threshold is not None and (cfg.scheduling_policy != "priority" or cfg.preemption_threshold < 0):
+            raise ValueError("a preemption threshold needs --scheduling-policy priority and a value >= 0, got "
+                             f"{cfg.preemption_threshold} under {cfg.scheduling_policy}")
         self.cfg = cfg
         self.metrics_factory = metrics_factory
         self.metrics = None
@@ -126,7 +130,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for p in self.pairs:
             admission = AdmissionLimits(max_running=min(p.target_info.max_batch, p.drafter_info.max_batch),
                                         max_reserved_tokens=p.target_info.cache.capacity_tokens or 1 << 62)
-            queues.append(PairQueue(admission, policy=self.cfg.scheduling_policy))
+            queues.append(PairQueue(admission, policy=self.cfg.scheduling_policy,
+                                    preemption_threshold=self.cfg.preemption_threshold))
         self.scheduler = Scheduler(queues, max_waiting=self.cfg.max_waiting)
         self.engines = [PairEngine(p, q, self.cfg.engine, self.metrics) for p, q in zip(self.pairs, queues)]
         for e in self.engines:

@@ -205,6 +205,8 @@ def cmd_gateway(args) -> None:
     from gateway.engine import EngineConfig
     from gateway.server import GatewayConfig, serve
 
+    if args.priority_scheduling_preemption_threshold is not None and args.scheduling_policy != "priority":
+        args.parser.error("--priority-scheduling-preemption-threshold needs --scheduling-policy priority")
     _setup_logging("gateway", args.log_level)
     _pin_cpus(args)
     _security(args, public=True)
@@ -219,7 +221,8 @@ def cmd_gateway(args) -> None:
                         transport=args.transport, drain_s=args.drain_s, engine=engine,
                         step_streams=not args.unary_steps, step_sockets=args.step_transport == "socket",
                         step_spin_us=args.step_spin_us, backend_wait_s=args.backend_wait_s,
-                        scheduling_policy=args.scheduling_policy)
+                        scheduling_policy=args.scheduling_policy,
+                        preemption_threshold=args.priority_scheduling_preemption_threshold)
     from gateway.backends import AttachRefused
 
     try:
@@ -555,7 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="the order waiting requests are admitted in (vLLM's): fcfs, arrival order; priority, each "
                         "request's priority field lowest first, equal ones in arrival order (running requests are "
-                        "not preempted)")
+                        "not preempted unless --priority-scheduling-preemption-threshold is given)")
+    p.add_argument("--priority-scheduling-preemption-threshold", type=_int_in(0), default=None, metavar="T",
+                   help="with --scheduling-policy priority (SGLang's flag): a waiting request that does not fit "
+                        "preempts running ones whose priority value exceeds its own by more than T, lowest priority "
+                        "first; they wait again and go on from their prompt and outputs (their rows kept by prefix "
+                        "caching while they last; seeded samples are never preempted). Unset: no preemption")
     p.add_argument("--guided-overdraft", type=_int_in(1), default=1,
                    help="a structured output's DDTree trees are drafted this many times their budget; the target "
                         "verifies the budget's worth of the nodes its grammar allows (1: the budget alone; more "

@@ -95,6 +95,9 @@ class PrefillItem:
     reuse_from: str = ""
     reuse_max: int = 0
     reuse_copy: bool = False   # copy the rows into a slot of its own (reuse_from keeps its slot; dense targets only)
+    # A resumed (preempted) sequence: its tokens from this position on are outputs generated before the preemption
+    # (0: none); every chunk carries it
+    outputs_from: int = 0
 
 
 @dataclass
@@ -327,8 +330,7 @@ class TargetRunner:
                                                      pending_token=-1, logprobs=it.logprobs, history=history,
                                                      guide=guide, tokens=tokens)
                 seq = self.seqs[it.seq_id]
-                if seq.history is not None:
-                    seq.history.add_prompt(it.prompt_ids)
+                self._note_prompt_chunk(seq, it)
                 run = replace(it, prompt_ids=it.prompt_ids[held:], start=held) if held else it
                 seq.tokens.extend(run.prompt_ids)
                 runs.append(run)
@@ -440,6 +442,22 @@ class TargetRunner:
         """What a parked sequence's rows give a new prompt: "prefix" (any common prefix), or "context" (all of them
         or nothing: Gated DeltaNet layers keep their recurrent state at the end of the context only)."""
         return "context" if self.model.linear_index else "prefix"
+
+    @staticmethod
+    def _note_prompt_chunk(seq: _Sequence, it: PrefillItem) -> None:
+        """Records a chunk's tokens in the sequence's history and grammar: prompt tokens as seen, and a resumed
+        sequence's earlier outputs (positions from it.outputs_from on) as emitted, so that its penalties, min_tokens,
+        bad words and grammar state go on from where its preemption left them."""
+        cut = max(0, it.outputs_from - it.start) if it.outputs_from > 0 else len(it.prompt_ids)
+        prompt, outputs = it.prompt_ids[:cut], it.prompt_ids[cut:]
+        if seq.history is not None:
+            seq.history.add_prompt(prompt)
+            seq.history.add_output(outputs)
+        if seq.guide is not None and outputs:
+            try:
+                seq.guide.accept(outputs)
+            except RuntimeError as exc:   # not outputs this grammar produced: the caller's error, not the target's
+                raise ValueError(f"sequence {it.seq_id!r}: resumed outputs outside its guide ({exc})") from None
 
     def _take_slot(self, it: PrefillItem) -> tuple[int, list[int]]:
         """A new sequence's slot and the leading prompt tokens its rows already hold (prefix caching): the slot of
@@ -725,6 +743,8 @@ class TargetRunner:
                     raise ValueError(f"sequence {it.seq_id!r}: a chunk at position {it.start}, but {state}")
             it.sampling.validate()
             it.sampling.check_vocab(self.vocab_size)
+            if it.outputs_from < 0:
+                raise ValueError(f"sequence {it.seq_id!r}: outputs_from must be >= 0, got {it.outputs_from}")
             if not -1 <= it.prompt_logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {it.prompt_logprobs}")
             n = it.start + len(it.prompt_ids)

@@ -315,7 +315,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                              guide=guides.get(it.seq_id),
                              # another session's rows are never reused (nor is their existence revealed)
                              reuse_from=it.reuse_from if self._reusable_by(session, it.reuse_from) else "",
-                             reuse_max=it.reuse_max, reuse_copy=it.reuse_copy)
+                             reuse_max=it.reuse_max, reuse_copy=it.reuse_copy, outputs_from=it.outputs_from)
                  for it in request.items if it.seq_id not in refused]
         if any(it.want_features for it in items) and self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")

@@ -118,3 +118,85 @@ def test_fcfs_ignores_priorities_and_a_request_that_does_not_fit_holds_back_the_
 def test_an_unknown_scheduling_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="scheduling policy"):
         PairQueue(AdmissionLimits(max_running=1, max_reserved_tokens=1), policy="lifo")
+
+
+def running_queue(limits: AdmissionLimits, priorities: list[int], threshold: int | None = 0) -> PairQueue:
+    """A priority queue whose running batch holds one 4-token sequence per priority, admitted in order."""
+    queue = PairQueue(limits, policy="priority", preemption_threshold=threshold)
+    for priority in priorities:
+        s = seq(4)
+        s.priority = priority
+        queue.enqueue(s)
+        queue.admit()
+    return queue
+
+
+def test_a_waiting_request_that_does_not_fit_preempts_the_lowest_priority_running_one() -> None:
+    queue = running_queue(AdmissionLimits(max_running=3, max_reserved_tokens=10_000), [3, 7, 7])
+    urgent = seq(4)
+    urgent.priority = 0
+    queue.enqueue(urgent)
+    assert queue.preemption_victims() == [queue.running[2]]   # of the two at 7, the later arrival
+
+
+def test_preemption_takes_as_many_as_the_tokens_need_and_none_if_that_is_not_enough() -> None:
+    limits = AdmissionLimits(max_running=8, max_reserved_tokens=40)   # three running reserve 3 x 12
+    queue = running_queue(limits, [1, 5, 6])
+    big = seq(16, max_tokens=8)   # 24 tokens: two must go
+    big.priority = 0
+    queue.enqueue(big)
+    assert queue.preemption_victims() == [queue.running[2], queue.running[1]]
+    huge = running_queue(limits, [1, 5, 6])
+    too_big = seq(30, max_tokens=8)   # 38: all three would have to go, and one of them is not lower by > 1
+    too_big.priority = 0
+    huge.preemption_threshold = 1
+    huge.enqueue(too_big)
+    assert huge.preemption_victims() == []
+
+
+def test_no_preemption_when_the_head_fits_or_no_running_one_is_lower_by_more_than_the_threshold() -> None:
+    limits = AdmissionLimits(max_running=2, max_reserved_tokens=10_000)
+    room = running_queue(limits, [9])
+    room.enqueue(seq(4))
+    assert room.preemption_victims() == []   # a free slot: admitted without preempting
+    close = running_queue(limits, [2, 3], threshold=3)
+    close.enqueue(seq(4))
+    assert close.preemption_victims() == []   # 3 - 0 is not more than 3
+    off = running_queue(limits, [5, 5], threshold=None)
+    off.enqueue(seq(4))
+    assert off.preemption_victims() == []
+
+
+def test_a_seeded_sample_is_never_preempted_but_a_seeded_greedy_one_is() -> None:
+    queue = running_queue(AdmissionLimits(max_running=2, max_reserved_tokens=10_000), [5, 5])
+    queue.running[0].sampling = SamplingParams(temperature=0.8, seed=7)
+    queue.running[1].sampling = SamplingParams(temperature=0.8, seed=7)
+    urgent = seq(4)
+    queue.enqueue(urgent)
+    assert queue.preemption_victims() == []
+    queue.running[1].sampling = SamplingParams(temperature=0.0, seed=7)
+    assert queue.preemption_victims() == [queue.running[1]]
+
+
+def test_a_preempted_sequence_waits_ahead_of_later_arrivals_and_resumes_from_its_prompt_and_outputs() -> None:
+    queue = running_queue(AdmissionLimits(max_running=1, max_reserved_tokens=10_000), [5])
+    victim = queue.running[0]
+    victim.prefilled, victim.context_len, victim.output_ids = 4, 6, [100, 101, 102]
+    later = seq(4)
+    later.priority = 5
+    queue.enqueue(later)
+    old_id = victim.seq_id
+    queue.running.remove(victim)
+    victim.preempt()
+    queue.enqueue(victim)
+    assert list(queue.waiting) == [victim, later]
+    assert victim.status == Status.WAITING and victim.seq_id != old_id and victim.resumed == 3
+    assert victim.prefill_ids == [0, 1, 2, 3, 100, 101, 102] and not victim.prefill_done
+    assert plan_prefill_chunks([victim], 5) == [(victim, 5)]
+    victim.prefilled = 5
+    assert plan_prefill_chunks([victim], 5) == [(victim, 2)]
+
+
+def test_preemption_needs_the_priority_policy() -> None:
+    with pytest.raises(ValueError, match="preemption"):
+        PairQueue(AdmissionLimits(max_running=1, max_reserved_tokens=1), preemption_threshold=0)

@@ -207,6 +207,66 @@ def test_guided_greedy_tree_verify_equals_hf_generate_token_by_token_under_the_g
     assert generated["g"][:N_NEW] == truth[:N_NEW]
 
 
+def _resume_setup(case: str, checkpoints, references):
+    """(architecture, sampling, guide, prompt, transformers' answer) of one adjusted-choice case."""
+    from tests.conftest import compile_guide
+
+    arch = "qwen3_5" if case == "penalties, hybrid" else "qwen3"
+    prompt = _prompt(10, seed=80)
+    sampling, guide = SamplingParams(), None
+    if case.startswith("penalties"):   # output-only penalties, strong: counting the earlier outputs shows
+        sampling = SamplingParams(frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=1.2)
+    elif case == "min_tokens":
+        plain = hf_greedy(references[arch], prompt, 12)
+        sampling = SamplingParams(min_tokens=12, min_tokens_blocked=tuple(sorted(set(plain[:4]))))
+    else:
+        guide = compile_guide(checkpoints[arch], "regex", "[a-z]+( [a-z]+)*[.]")
+    return arch, sampling, guide, prompt, hf_greedy(references[arch], prompt, 40, sampling, guide=guide)
+
+
+@pytest.mark.parametrize("case", ["penalties", "penalties, hybrid", "min_tokens", "grammar"])
+def test_a_resumed_sequence_counts_its_earlier_outputs_as_output_and_continues_transformers_answer(case, checkpoints,
+                                                                                                  references):
+    """Preemption runs a sequence again from its prompt and the tokens it had generated (outputs_from marks
+    them, in two chunks here): its penalties, min_tokens and grammar go on as if it had never stopped, where the
+    same tokens taken as prompt would change the answer."""
+    arch, sampling, guide, prompt, truth = _resume_setup(case, checkpoints, references)
+    done = 5   # tokens generated before the preemption
+    tokens = prompt + truth[:done]
+    runner = _runner(checkpoints[arch])
+    runner.prefill([PrefillItem("r", tokens[:8], sampling, more=True, guide=guide, outputs_from=len(prompt))])
+    (out,) = runner.prefill([PrefillItem("r", tokens[8:], sampling, start=8, outputs_from=len(prompt))])
+    generated = {"r": truth[:done] + [out.next_token]}
+    _verify_along_until(runner, generated, {"r": truth}, 32)
+    assert generated["r"][:32] == truth[:32]
+    history = runner.seqs["r"].history
+    assert history is None or history.emitted == len(generated["r"])
+    if case in ("penalties", "min_tokens"):   # the same tokens as prompt: nothing to penalise, min_tokens from zero
+        as_prompt = _runner(checkpoints[arch])
+        (first,) = as_prompt.prefill([PrefillItem("p", tokens, sampling, guide=guide)])
+        plain = {"p": truth[:done] + [first.next_token]}
+        _verify_along_until(as_prompt, plain, {"p": truth}, 32)
+        assert plain["p"][:32] != truth[:32]
+
+
+def _verify_along_until(runner: TargetRunner, generated: dict[str, list[int]], truth: dict[str, list[int]],
+                        n: int) -> None:
+    """Root-only steps (plain decoding) until each sequence has n tokens."""
+    while min(len(g) for g in generated.values()) < n:
+        for sid, out in zip(generated, runner.verify([_root_only(sid, g[-1]) for sid, g in generated.items()])):
+            generated[sid] += out.accepted_tokens + [out.next_token]
+
+
+def test_a_resumed_guided_sequence_whose_outputs_break_its_grammar_is_refused(checkpoints):
+    from tests.conftest import compile_guide
+
+    guide = compile_guide(checkpoints["qwen3"], "regex", "[a-z]+( [a-z]+)*[.]")
+    runner = _runner(checkpoints["qwen3"])
+    with pytest.raises(ValueError, match="outside its guide"):   # ids 4-6 are no lowercase words of the regex
+        runner.prefill([PrefillItem("g", _prompt(6, seed=81) + [4, 5, 6], guide=guide, outputs_from=6)])
+    assert runner.cache_usage()[0] == 0   # nothing of it stays
+
+
 @pytest.mark.parametrize("keep_nodes", [0, 6])
 def test_a_guided_tree_verifies_only_the_nodes_its_grammar_allows_and_answers_in_the_items_indices(keep_nodes,
                                                                                                checkpoints,

@@ -89,7 +89,10 @@ def build() -> dict[str, Any]:
                                  (rate("vllm:prompt_tokens_total", sel=M), "prompt tokens/s")], "short",
             description="Generated (emitted) and prefilled tokens per second, all gateways.")
     L.panel("Scheduler queue", [(f"sum(vllm:num_requests_running{M})", "running"),
-                                (f"sum(vllm:num_requests_waiting{M})", "waiting")], "short")
+                                (f"sum(vllm:num_requests_waiting{M})", "waiting"),
+                                (rate("vllm:num_preemptions_total", sel=M), "preempted/s")], "short",
+            description="Requests running and waiting, and running ones preempted per second for a waiting one of "
+                        "higher priority (--priority-scheduling-preemption-threshold).")
     L.panel("Finished requests", [(rate("vllm:request_success_total", "finished_reason", M), "{{finished_reason}}")],
             "reqps")
     L.panel("Prefix cache", [(f"{rate('vllm:prefix_cache_hits_total', sel=M)}"

@@ -141,6 +141,9 @@ class GatewayMetrics(_ServiceMetrics):
         self.prefix_held_back = Counter("ddtree_prefix_held_back",
                                         "Prompt lookups deferred a step to copy the rows of a prompt in flight that "
                                         "shares their prefix.", ln, registry=r)
+        self.num_preemptions = Counter("vllm:num_preemptions",
+                                       "Running requests preempted for a waiting one of higher priority (run again "
+                                       "from their tokens later).", ln, registry=r)
         self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                        ln + ["finished_reason"], registry=r)
         self.spec_decode_num_drafts = Counter("vllm:spec_decode_num_drafts",
@@ -198,6 +201,10 @@ class GatewayMetrics(_ServiceMetrics):
     def observe_prompts_held_back(self, n: int) -> None:
         """Counts n prompts held back a step for the rows of a prompt in flight sharing their prefix."""
         self.prefix_held_back.labels(self.model_name, self.engine).inc(n)
+
+    def observe_preempted(self, n: int) -> None:
+        """Counts n running requests preempted."""
+        self.num_preemptions.labels(self.model_name, self.engine).inc(n)
 
     def observe_first_token(self, ttft_s: float) -> None:
         """Records TTFT and counts the first generated token."""
