@@ -26,11 +26,13 @@ from gateway.http_requests import (MAX_PROMPTS, ApiError, ChatCompletionRequest,
                                    add_tools, api_error_for, chat_messages, check_body, generate_request, samples,
                                    stop_reason, tool_mode, wanted_logprobs)
 from gateway.limits import MAX_CHARS_PER_TOKEN
+from gateway.reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
 from gateway.tool_calls import CallDelta, HermesStream, RequiredCallsStream
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics")  # no API key needed, as in vLLM: probes and scrapers
+PROMPT_TAIL_TOKENS = 32   # the prompt's last tokens whose text says whether its answer starts inside reasoning
 
 
 class HttpFront:
@@ -164,10 +166,12 @@ class HttpFront:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _run(self, reqs: list[gateway_pb2.GenerateRequest], chat: bool, body: GenerationRequest,
-                   echoes: list[str] | None = None) -> Any:
+                   echoes: list[str] | None = None, reasoning: bool | None = None) -> Any:
         """Answers one HTTP request of one prompt or several (body.n samples of each; choice p * n + i is prompt
         p's sample i, as vLLM numbers them): a JSON body, or server-sent events when body.stream. echoes: each
-        prompt's text, which completions' echo puts before its answers (with the prompt's log-probs, if asked)."""
+        prompt's text, which completions' echo puts before its answers (with the prompt's log-probs, if asked).
+        reasoning: a chat answer's reasoning is split from its content (gateway/reasoning.py), the answer starting
+        inside a reasoning block when True; None: no split."""
         gens = [self.servicer.stream(r) for req in reqs for r in samples(req, body.n)]
         echo = [e for e in echoes for _ in range(body.n)] if echoes is not None else None
         # Every sample admitted at once; validation errors surface here, before any byte is sent.
@@ -182,7 +186,7 @@ class HttpFront:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._sse(gens, firsts, rid, created, chat, include_usage, body, echo,
-                                               wanted_logprobs(body) or 0),
+                                               wanted_logprobs(body) or 0, reasoning),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         tasks = [asyncio.ensure_future(_collect(g, f)) for g, f in zip(gens, firsts)]
         try:
@@ -206,8 +210,13 @@ class HttpFront:
                     choice["logprobs"] = {k: prompt_part[k] + answer_part[k] for k in prompt_part}
                 content = echo[i] + content
             if chat:
-                content, calls = answer_calls(tool_mode(body), body, content)
-                choice["message"] = {"role": "assistant", "content": content}
+                thought = None
+                if reasoning is not None:
+                    thought, content = split_reasoning(content, reasoning)
+                content, calls = answer_calls(tool_mode(body), body, content or "")
+                choice["message"] = {"role": "assistant", "content": content or (None if thought else content)}
+                if thought is not None:   # vLLM's field, and its former name, which clients still read
+                    choice["message"].update(reasoning=thought, reasoning_content=thought)
                 if calls:
                     choice["message"]["tool_calls"] = [c.as_json() for c in calls]
                     choice["finish_reason"] = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -231,19 +240,22 @@ class HttpFront:
         return JSONResponse(answer)
 
     async def _sse(self, gens, firsts, rid: str, created: int, chat: bool, include_usage: bool, body: GenerationRequest,
-                   echo: list[str] | None = None, echo_top: int = 0) -> AsyncIterator[str]:
+                   echo: list[str] | None = None, echo_top: int = 0, reasoning: bool | None = None
+                   ) -> AsyncIterator[str]:
         """The event stream: one chunk per engine emission of each sample (its index; with echo, the prompt's text
-        first, with echo_top alternatives per token when log-probs were asked), each sample's finish reason,
-        optional usage, then [DONE]."""
+        first, with echo_top alternatives per token when log-probs were asked; reasoning as in _run, in the deltas'
+        reasoning fields), each sample's finish reason, optional usage, then [DONE]."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         # vLLM's continuous_usage_stats: every chunk carries its sample's token counts so far
         continuous = include_usage and bool((body.stream_options or {}).get("continuous_usage_stats"))
         sample_seqs = [first[0] for first in firsts]
 
         def chunk(index: int, text: str | None, finish_reason: str | None, role: bool = False,
-                  logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+                  logprobs: dict | None = None, tool_calls: list[dict] | None = None, thought: str = "") -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                if thought:
+                    delta.update(reasoning=thought, reasoning_content=thought)
                 if tool_calls:
                     delta["tool_calls"] = tool_calls
                 choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
@@ -276,6 +288,7 @@ class HttpFront:
         splitters = [HermesStream() for _ in gens] if mode == "auto" else None
         named_begun: set[int] = set()   # samples whose named function call's head went out
         required = [RequiredCallsStream() for _ in gens]
+        thinking = [ReasoningStream(reasoning) for _ in gens] if chat and reasoning is not None else None
         called: set[int] = set()   # samples that made tool calls
 
         def tool_split(index: int, text: str, finished: bool) -> tuple[str, list[dict]]:
@@ -312,15 +325,17 @@ class HttpFront:
                             prompt_part, offsets[index] = self._echo_logprobs_json(seq, event.prompt_logprobs,
                                                                                    echo_top)
                         yield line(chunk(index, echo[index], None, logprobs=prompt_part))
-                    text, calls = tool_split(index, event.text, event.finished) if chat else (event.text, [])
+                    thought, text = ("", event.text) if thinking is None else \
+                        thinking[index].feed(event.text, event.finished)
+                    text, calls = tool_split(index, text, event.finished) if chat else (text, [])
                     if calls:
                         called.add(index)
                     if event.logprobs:   # a chunk for every token with a log-prob, text or not
                         logprobs, offsets[index] = self._logprobs_json(chat, event.token_ids, event.logprobs,
                                                                        offsets[index])
-                        yield line(chunk(index, text, None, logprobs=logprobs, tool_calls=calls))
-                    elif text or calls:
-                        yield line(chunk(index, text, None, tool_calls=calls))
+                        yield line(chunk(index, text, None, logprobs=logprobs, tool_calls=calls, thought=thought))
+                    elif text or calls or thought:
+                        yield line(chunk(index, text, None, tool_calls=calls, thought=thought))
                     if event.finished:
                         finished[index] = seq
                         reason = event.finish_reason
@@ -453,7 +468,12 @@ class HttpFront:
         req.chat.CopyFrom(chat_messages(body.messages, body))
         add_tools(req, body)
         await self._finish_prompt(req, max_tokens)
-        return await self._run([req], chat=True, body=body)
+        reasoning = None
+        if self.servicer.cfg.reasoning_parser and not req.HasField("guide"):
+            # a structured answer is kept to its grammar from the first token: all content, no reasoning split
+            tail = self.servicer.tokenizer.decode(list(req.token_ids.ids[-PROMPT_TAIL_TOKENS:]))
+            reasoning = starts_in_reasoning(tail)
+        return await self._run([req], chat=True, body=body, reasoning=reasoning)
 
     async def _tokenize(self, body: TokenizeRequest):
         self._check_ready()

@@ -28,6 +28,7 @@ from gateway.backends import BackendPair, PairAddress
 from gateway.bad_words import bad_word_token_ids, check_bad_words
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine import EngineConfig, PairEngine
+from gateway.reasoning import REASONING_PARSERS
 from gateway.scheduler import SCHEDULING_POLICIES, AdmissionLimits, PairQueue, Scheduler
 from gateway.sequence import MODES, Sequence, StreamEvent
 from gateway.watch import PairWatch
@@ -60,6 +61,7 @@ class GatewayConfig:
     max_waiting: int = 4096
     scheduling_policy: str = "fcfs"   # gateway.scheduler.SCHEDULING_POLICIES
     preemption_threshold: int | None = None   # priority policy: PairQueue.preemption_threshold (None: no preemption)
+    reasoning_parser: str = ""        # HTTP chat answers: reasoning split from content (gateway/reasoning.py; "": off)
     transport: str = "inline"
     engine: EngineConfig = field(default_factory=EngineConfig)
     drain_s: float = 20.0             # SIGTERM: how long running requests get to finish
@@ -84,6 +86,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"mode must be one of {MODES}, got {cfg.mode!r}")
         if cfg.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {cfg.scheduling_policy!r}")
+        if cfg.reasoning_parser and cfg.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {cfg.reasoning_parser!r}")
         if cfg.preemption_threshold is not None and (cfg.scheduling_policy != "priority" or cfg.preemption_threshold < 0):
             raise ValueError("a preemption threshold needs --scheduling-policy priority and a value >= 0, got "
                              f"{cfg.preemption_threshold} under {cfg.scheduling_policy}")

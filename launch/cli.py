@@ -222,7 +222,8 @@ def cmd_gateway(args) -> None:
                         step_streams=not args.unary_steps, step_sockets=args.step_transport == "socket",
                         step_spin_us=args.step_spin_us, backend_wait_s=args.backend_wait_s,
                         scheduling_policy=args.scheduling_policy,
-                        preemption_threshold=args.priority_scheduling_preemption_threshold)
+                        preemption_threshold=args.priority_scheduling_preemption_threshold,
+                        reasoning_parser=args.reasoning_parser or "")
     from gateway.backends import AttachRefused
 
     try:
@@ -559,6 +560,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the order waiting requests are admitted in (vLLM's): fcfs, arrival order; priority, each "
                         "request's priority field lowest first, equal ones in arrival order (running requests are "
                         "not preempted unless --priority-scheduling-preemption-threshold is given)")
+    p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                   help="chat answers of a thinking model (vLLM's flag): the text inside <think> ... </think> goes "
+                        "in the message's `reasoning` (and `reasoning_content`), the rest in `content`, streamed "
+                        "alike; a structured output keeps to its grammar from the first token and is all content. "
+                        "Default: no split")
     p.add_argument("--priority-scheduling-preemption-threshold", type=_int_in(0), default=None, metavar="T",
                    help="with --scheduling-policy priority (SGLang's flag): a waiting request that does not fit "
                         "preempts running ones whose priority value exceeds its own by more than T, lowest priority "

@@ -25,9 +25,10 @@ CHAT = [{"role": "user", "content": "Name a prime number."}]
 
 @pytest.fixture(scope="module")
 def stack(checkpoints):
-    """One tiny Llama stack with the HTTP front and an API key, shared by every test here."""
+    """One tiny Llama stack with the HTTP front, an API key and the qwen3 reasoning parser (which leaves an answer
+    outside any <think> block as it is), shared by every test here."""
     target, drafter = checkpoints("llama")
-    s = start_stack(target, drafter, http=True, api_key=API_KEY)
+    s = start_stack(target, drafter, http=True, api_key=API_KEY, extra={"gateway": ["--reasoning-parser", "qwen3"]})
     yield s
     s.stop()
     s.cleanup()
@@ -797,6 +798,43 @@ def test_continue_final_message_leaves_the_assistants_turn_open(oai, stack, mode
                                        extra_body=options)
     plain = oai.completions.create(model=model_id, prompt=rendered["tokens"], max_tokens=8, temperature=0)
     assert chat.choices[0].message.content == plain.choices[0].text
+
+
+THINKING = CHAT + [{"role": "assistant", "content": "<think>\n"}]   # the block open, as Qwen3.5's template leaves it
+OPEN_TURN = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_inside_an_open_think_block_is_reasoning_not_content(oai, stack, model_id, stream):
+    """--reasoning-parser qwen3: the prompt opens <think> and the answer does not close it within max_tokens, so
+    all of it is the message's reasoning (and reasoning_content), none content: the raw completion of that prompt,
+    streamed or not."""
+    _, rendered = _post(stack, "/tokenize", {"model": model_id, "messages": THINKING, **OPEN_TURN})
+    raw = oai.completions.create(model=model_id, prompt=rendered["tokens"], max_tokens=12, temperature=0).choices[0]
+    assert raw.text and "</think>" not in raw.text
+    args = dict(model=model_id, messages=THINKING, max_tokens=12, temperature=0, extra_body=OPEN_TURN)
+    if stream:
+        deltas = [c.choices[0].delta for c in oai.chat.completions.create(**args, stream=True) if c.choices]
+        reasoning = "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        message = oai.chat.completions.create(**args).choices[0].message
+        reasoning, content = message.model_extra["reasoning"], message.content
+        assert message.model_extra["reasoning_content"] == reasoning
+    assert reasoning == raw.text and not content
+
+
+def test_with_thinking_switched_off_the_answer_is_all_content(oai, model_id):
+    message = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=8, temperature=0, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert message.content and "reasoning" not in (message.model_extra or {})
+
+
+def test_a_structured_answer_keeps_to_its_grammar_from_the_first_token_and_is_all_content(oai, model_id):
+    message = oai.chat.completions.create(model=model_id, messages=THINKING, max_tokens=24, temperature=0,
+                                          extra_body={**OPEN_TURN, "structured_outputs": {"regex": "[a-z]{1,6}[.]"}}
+                                          ).choices[0].message
+    assert re.fullmatch("[a-z]{1,6}[.]", message.content) and "reasoning" not in (message.model_extra or {})
 
 
 @pytest.mark.parametrize("extra, fragment", [
