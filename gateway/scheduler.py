@@ -62,26 +62,32 @@ class PairQueue:
             self.limits.max_reserved_tokens
 
     def preemption_victims(self) -> list[Sequence]:
-        """The running sequences to preempt so that the first waiting request fits: the fewest of those whose
-        priority value exceeds its own by more than the threshold, lowest priority (then latest arrival) first;
-        none unless that makes it fit."""
+        """The running sequences to preempt so that waiting requests fit, taken in queue order as admit() would: for
+        each that does not fit, the fewest running ones whose priority value exceeds its own by more than the
+        threshold, lowest priority (then latest arrival) first; up to the first that preempting cannot make fit."""
         if self.preemption_threshold is None:
             return []
-        head = next((s for s in self.waiting if not s.cancelled), None)
         running, reserved = len(self.running), self.reserved_tokens()
-        if head is None or self._fits(head, running, reserved):
-            return []
-        candidates = sorted((s for s in self.running if s.status == Status.RUNNING and not s.finish_reason
-                             and not s.cancelled and s.preemptible
-                             and s.priority - head.priority > self.preemption_threshold),
-                            key=lambda s: (s.priority, s.arrival), reverse=True)
-        victims = []
-        for s in candidates:
-            victims.append(s)
-            running, reserved = running - 1, reserved - len(s.prompt_ids) - s.max_tokens
-            if self._fits(head, running, reserved):
-                return victims
-        return []
+        victims: list[Sequence] = []
+        for head in self.waiting:
+            if head.cancelled:
+                continue
+            if not self._fits(head, running, reserved):
+                candidates = sorted((s for s in self.running if s not in victims and s.status == Status.RUNNING
+                                     and not s.finish_reason and not s.cancelled and s.preemptible
+                                     and s.priority - head.priority > self.preemption_threshold),
+                                    key=lambda s: (s.priority, s.arrival), reverse=True)
+                chosen = []
+                for s in candidates:
+                    if self._fits(head, running, reserved):
+                        break
+                    chosen.append(s)
+                    running, reserved = running - 1, reserved - len(s.prompt_ids) - s.max_tokens
+                if not self._fits(head, running, reserved):
+                    break
+                victims += chosen
+            running, reserved = running + 1, reserved + len(head.prompt_ids) + head.max_tokens
+        return victims
 
     def admit(self) -> list[Sequence]:
         """Moves waiting sequences into the running batch in queue order while the limits allow (no overtaking: a

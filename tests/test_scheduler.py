@@ -139,6 +139,16 @@ def test_a_waiting_request_that_does_not_fit_preempts_the_lowest_priority_runnin
     assert queue.preemption_victims() == [queue.running[2]]   # of the two at 7, the later arrival
 
 
+def test_several_urgent_arrivals_preempt_in_one_step_up_to_the_first_that_cannot_be_made_to_fit() -> None:
+    queue = running_queue(AdmissionLimits(max_running=2, max_reserved_tokens=10_000), [4, 6])
+    for priority in (-1, -1, 0):
+        s = seq(4)
+        s.priority = priority
+        queue.enqueue(s)
+    # the two urgent ones take both slots; the third would have to preempt one of them (not lower by more than 0)
+    assert queue.preemption_victims() == [queue.running[1], queue.running[0]]
+
+
 def test_preemption_takes_as_many_as_the_tokens_need_and_none_if_that_is_not_enough() -> None:
     limits = AdmissionLimits(max_running=8, max_reserved_tokens=40)   # three running reserve 3 x 12
     queue = running_queue(limits, [1, 5, 6])
