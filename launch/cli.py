@@ -675,6 +675,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_int_in(0), default=0, help="DDTree node budget (0: the gateway's)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--priority", type=_int_in(-2**31, 2**31 - 1), default=0,
+                   help="admitted before waiting requests of higher values (the gateway's --scheduling-policy "
+                        "priority; 0 under fcfs)")
     _sampling_args(p)
     p.set_defaults(func=cmd_generate)
 

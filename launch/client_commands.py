@@ -128,7 +128,7 @@ def cmd_generate(args) -> None:
     address, source = (args.gateway, "--gateway") if args.gateway else find_gateway()
     req = build_request(args.prompt, args.prompt_ids, args.max_tokens, args.temperature, args.seed, args.mode,
                         args.budget, not args.raw, args.stop, args.ignore_eos, args.top_p, args.top_k,
-                        **adjust_args(args))
+                        priority=args.priority, **adjust_args(args))
     try:
         result = asyncio.run(generate_once(address, req, on_text=None if args.json else print_text))
     except grpc.aio.AioRpcError as exc:

@@ -137,6 +137,19 @@ def test_min_p_the_penalties_and_min_tokens_reach_the_request():
         (0.25, 1.5, -0.5, 0.75, 5)
 
 
+def test_generates_priority_reaches_the_request_it_sends(monkeypatch):
+    sent = []
+
+    async def fake_generate_once(address, request, **kw):
+        sent.append(request)
+        return {"token_ids": [], "text": "", "stats": {}}
+
+    monkeypatch.setattr(client_commands, "generate_once", fake_generate_once)
+    args = cli.build_parser().parse_args(["generate", "--gateway", "127.0.0.1:1", "--priority", "-3", "--json", "hi"])
+    args.func(args)
+    assert [r.priority for r in sent] == [-3]
+
+
 @pytest.mark.parametrize("flags, kind, spec", [
     (["--json-schema", '{"type": "object"}'], "json", '{"type": "object"}'),
     (["--json-object"], "json_object", ""),
