@@ -81,7 +81,6 @@ class Sequence:
     # Preemption (gateway/scheduler.py): outputs generated before the last one; the target prefills them after the
     # prompt and counts them as output, and generation goes on from there
     resumed: int = 0
-    preemptions: int = 0
     context_len: int = 0
     bonus: int = -1
     drafting: bool = True          # false after the drafter failed for this sequence: AR from then on
@@ -120,7 +119,6 @@ class Sequence:
         self.status = Status.WAITING
         self.seq_id = uuid.uuid4().hex
         self.resumed = len(self.output_ids)
-        self.preemptions += 1
         self.prefilled = self.context_len = 0
         self.bonus = -1
         self.prefix_checked = self.reuse_copy = False
