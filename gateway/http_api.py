@@ -26,7 +26,7 @@ from gateway.http_requests import (MAX_PROMPTS, ApiError, ChatCompletionRequest,
                                    add_tools, api_error_for, chat_messages, check_body, generate_request, samples,
                                    stop_reason, tool_mode, wanted_logprobs)
 from gateway.limits import MAX_CHARS_PER_TOKEN
-from gateway.reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
+from gateway.reasoning import END, ReasoningStream, split_reasoning, starts_in_reasoning
 from gateway.tool_calls import CallDelta, HermesStream, RequiredCallsStream
 
 log = logging.getLogger(__name__)
@@ -469,10 +469,11 @@ class HttpFront:
         add_tools(req, body)
         await self._finish_prompt(req, max_tokens)
         reasoning = None
-        if self.servicer.cfg.reasoning_parser and not req.HasField("guide"):
-            # a structured answer is kept to its grammar from the first token: all content, no reasoning split
+        if self.servicer.cfg.reasoning_parser:
             tail = self.servicer.tokenizer.decode(list(req.token_ids.ids[-PROMPT_TAIL_TOKENS:]))
             reasoning = starts_in_reasoning(tail)
+            if reasoning and req.HasField("guide"):   # as vLLM: free reasoning, the grammar from the end tag on
+                req.guide.start_after[:] = self.servicer.tokenizer.encode(END, add_special_tokens=False)
         return await self._run([req], chat=True, body=body, reasoning=reasoning)
 
     async def _tokenize(self, body: TokenizeRequest):

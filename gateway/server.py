@@ -336,6 +336,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if used:
                 raise ValueError(f"structured outputs are not supported together with {name}")
         spec = guide_from_proto(request.guide)
+        spec.check_start_after(self.pairs[0].target_info.vocab_size)
         await self._tokenize(spec.grammar)
         # Compiled by the targets now, in this request's own time: their Prefill then finds it ready. A target that
         # cannot answer now compiles it at the Prefill instead, if it serves this request at all.

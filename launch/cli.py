@@ -563,8 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                    help="chat answers of a thinking model (vLLM's flag): the text inside <think> ... </think> goes "
                         "in the message's `reasoning` (and `reasoning_content`), the rest in `content`, streamed "
-                        "alike; a structured output keeps to its grammar from the first token and is all content. "
-                        "Default: no split")
+                        "alike; a structured output's grammar holds from the end of the reasoning on. Default: no "
+                        "split")
     p.add_argument("--priority-scheduling-preemption-threshold", type=_int_in(0), default=None, metavar="T",
                    help="with --scheduling-policy priority (SGLang's flag): a waiting request that does not fit "
                         "preempts running ones whose priority value exceeds its own by more than T, lowest priority "

@@ -90,6 +90,7 @@ class PrefillItem:
     logprobs: int = -1    # >= 0: report each emitted token's log-prob and this many alternatives (first chunk's)
     prompt_logprobs: int = -1   # >= 0: each prompt token's log-prob after the tokens before it, with alternatives
     guide: Any = None     # a compiled grammar (xgrammar's) every generated token must keep to (first chunk's)
+    guide_start_after: tuple[int, ...] = ()   # the grammar holds from the token after these (GuideSpec.start_after)
     # Prefix caching (first chunk): reuse up to reuse_max leading prompt rows of the sequence reuse_from (parked:
     # its slot is adopted; reuse_copy: its rows are copied, and it may be running)
     reuse_from: str = ""
@@ -325,7 +326,8 @@ class TargetRunner:
                     slot, tokens = self._take_slot(it)
                     held = len(tokens)
                     history = TokenHistory.empty(self.vocab_size, self.device) if it.sampling.adjusts_logits else None
-                    guide = SequenceGuide(it.guide, self.vocab_size) if it.guide is not None else None
+                    guide = (SequenceGuide(it.guide, self.vocab_size, it.guide_start_after)
+                             if it.guide is not None else None)
                     self.seqs[it.seq_id] = _Sequence(slot, it.sampling, make_generator(it.sampling.seed, self.device),
                                                      pending_token=-1, logprobs=it.logprobs, history=history,
                                                      guide=guide, tokens=tokens)

@@ -312,7 +312,7 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                              want_features=it.push_features, start=it.start, more=it.more,
                              logprobs=logprobs_wanted(it.logprobs, it.top_logprobs),
                              prompt_logprobs=logprobs_wanted(it.prompt_logprobs, it.prompt_top_logprobs),
-                             guide=guides.get(it.seq_id),
+                             guide=guides.get(it.seq_id), guide_start_after=tuple(it.guide.start_after),
                              # another session's rows are never reused (nor is their existence revealed)
                              reuse_from=it.reuse_from if self._reusable_by(session, it.reuse_from) else "",
                              reuse_max=it.reuse_max, reuse_copy=it.reuse_copy, outputs_from=it.outputs_from)
@@ -382,6 +382,11 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                 refused[it.seq_id] = GRAMMARS_UNAVAILABLE
                 continue
             spec = guide_from_proto(it.guide)
+            try:
+                spec.check_start_after(self.runner.vocab_size)
+            except ValueError as exc:
+                refused[it.seq_id] = str(exc)
+                continue
             ready = self.grammars.compiled(spec)
             if ready is not None:
                 compiled[it.seq_id] = ready

@@ -145,15 +145,22 @@ def adjusted_generate_kwargs(sampling: SamplingParams, prompt_len: int) -> dict:
 
 class GrammarLogits(transformers.LogitsProcessor):
     """Structured output one token at a time: each generated token is accepted by a fresh xgrammar matcher of the
-    compiled grammar, and every token the grammar does not allow next is -inf, until the grammar has ended."""
+    compiled grammar, and every token the grammar does not allow next is -inf, until the grammar has ended; with
+    start_after, nothing is masked until the generated tokens end with it (and those are not the grammar's)."""
 
-    def __init__(self, compiled, prompt_len: int):
+    def __init__(self, compiled, prompt_len: int, start_after: tuple[int, ...] = ()):
         import xgrammar as xgr
 
         self.xgr, self.matcher, self.prompt_len = xgr, xgr.GrammarMatcher(compiled), prompt_len
+        self.start_after, self.started_at = list(start_after), None if start_after else prompt_len
 
     def __call__(self, input_ids, scores):
-        if input_ids.shape[1] > self.prompt_len and not self.matcher.is_terminated():
+        generated = input_ids[0, self.prompt_len:].tolist()
+        if self.started_at is None:
+            if generated[-len(self.start_after):] != self.start_after:
+                return scores
+            self.started_at = input_ids.shape[1]   # the grammar's first token comes next
+        elif input_ids.shape[1] > self.started_at and not self.matcher.is_terminated():
             assert self.matcher.accept_token(int(input_ids[0, -1]))
         if not self.matcher.is_terminated():
             bitmask = self.xgr.allocate_token_bitmask(1, scores.shape[-1])
@@ -177,13 +184,13 @@ def compile_guide(model_dir: str | Path, kind: str, spec: str = ""):
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-              guide=None) -> list[int]:
+              guide=None, guide_start_after: tuple[int, ...] = ()) -> list[int]:
     """model.generate() greedy, new tokens only; with sampling, its logit bias and penalties applied; with guide
-    (a compiled grammar), kept to it."""
+    (a compiled grammar), kept to it (from the token after guide_start_after, when given)."""
     extra = adjusted_generate_kwargs(sampling, len(prompt_ids)) if sampling is not None else {}
     if guide is not None:
         processors = extra.get("logits_processor", transformers.LogitsProcessorList())
-        processors.insert(0, GrammarLogits(guide, len(prompt_ids)))
+        processors.insert(0, GrammarLogits(guide, len(prompt_ids), guide_start_after))
         extra["logits_processor"] = processors
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),

@@ -830,10 +830,21 @@ def test_with_thinking_switched_off_the_answer_is_all_content(oai, model_id):
     assert message.content and "reasoning" not in (message.model_extra or {})
 
 
-def test_a_structured_answer_keeps_to_its_grammar_from_the_first_token_and_is_all_content(oai, model_id):
-    message = oai.chat.completions.create(model=model_id, messages=THINKING, max_tokens=24, temperature=0,
-                                          extra_body={**OPEN_TURN, "structured_outputs": {"regex": "[a-z]{1,6}[.]"}}
-                                          ).choices[0].message
+def test_a_structured_answer_reasons_freely_inside_an_open_block_the_grammar_waiting_for_its_end(oai, model_id):
+    """As vLLM: the grammar holds from the end tag on, so an answer that never closes its block within max_tokens
+    is the unguided answer, all reasoning."""
+    args = dict(model=model_id, messages=THINKING, max_tokens=12, temperature=0)
+    free = oai.chat.completions.create(**args, extra_body=OPEN_TURN).choices[0].message
+    guided = oai.chat.completions.create(**args, extra_body={**OPEN_TURN, "structured_outputs": {
+        "regex": "[a-z]{1,6}[.]"}}).choices[0].message
+    assert guided.model_extra["reasoning"] == free.model_extra["reasoning"] and guided.content is None
+    assert not re.fullmatch("[a-z]{1,6}[.]", free.model_extra["reasoning"])
+
+
+def test_a_structured_answer_with_no_open_block_keeps_to_its_grammar_from_the_first_token(oai, model_id):
+    message = oai.chat.completions.create(model=model_id, messages=CHAT, max_tokens=24, temperature=0, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}, "structured_outputs": {"regex": "[a-z]{1,6}[.]"}}
+    ).choices[0].message
     assert re.fullmatch("[a-z]{1,6}[.]", message.content) and "reasoning" not in (message.model_extra or {})
 
 

@@ -88,6 +88,62 @@ def test_each_tree_nodes_mask_is_the_mask_after_its_own_root_path(tokenizer, com
         assert torch.equal(unpack_bitmask(guide.row_mask(), vocab), _path_mask(compiled, accepted, vocab))
 
 
+def test_a_guide_starting_after_a_trigger_masks_each_node_as_its_path_token_by_token(tokenizer, compiler):
+    """start_after: a node whose path has not completed the trigger keeps every token; below the node that
+    completes it, each node's row is the grammar's after the tokens past the trigger, as token-by-token accept()
+    gives it."""
+    compiled = _compiled(compiler, GuideSpec("json", SCHEMA))
+    vocab = len(tokenizer)
+    trigger = tuple(_encode(tokenizer, "</think>"))
+    free, answer = _encode(tokenizer, "some thought"), _encode(tokenizer, '{"name": "ab", "n": 12}')
+    rng = random.Random(1)
+    for cut in range(1, len(free) + len(trigger) + 3):
+        path = free + list(trigger) + answer
+        accepted, rest = path[:cut], path[cut:]
+        tokens, parents, spine = [accepted[-1]], [-1], 0
+        for token in rest[:8]:
+            tokens.append(token)
+            parents.append(spine)
+            spine = len(tokens) - 1
+            for _ in range(rng.randint(0, 2)):
+                tokens.append(rng.randrange(vocab))
+                parents.append(rng.randrange(len(tokens) - 1))
+        guide = SequenceGuide(compiled, vocab, start_after=trigger)
+        guide.accept(accepted)
+        tree = unpack_bitmask(guide.tree_mask(tokens, parents), vocab)
+        for node in range(len(tokens)):
+            node_path, i = [], node
+            while i > 0:
+                node_path.append(tokens[i])
+                i = parents[i]
+            walked = SequenceGuide(compiled, vocab, start_after=trigger)
+            try:
+                walked.accept(accepted + node_path[::-1])
+            except RuntimeError:
+                continue   # a node its path makes invalid is never accepted: its row is not used
+            row = walked.row_mask()
+            want = torch.ones(1, vocab, dtype=torch.bool) if row is None else unpack_bitmask(row, vocab)
+            assert torch.equal(tree[node: node + 1], want), (cut, node)
+
+
+def test_a_guide_waiting_for_its_trigger_masks_nothing_and_the_trigger_is_not_the_grammars(tokenizer, compiler):
+    compiled = _compiled(compiler, GuideSpec("choice", json.dumps(["yes"])))
+    trigger = tuple(_encode(tokenizer, "</think>"))
+    guide = SequenceGuide(compiled, len(tokenizer), start_after=trigger)
+    guide.accept(_encode(tokenizer, "no no no") + list(trigger[:-1]))   # free text, and the trigger but its last
+    assert guide.waiting and guide.row_mask() is None and not guide.ended
+    guide.accept([trigger[-1]])
+    allowed = unpack_bitmask(guide.row_mask(), len(tokenizer))[0].nonzero().flatten().tolist()
+    assert not guide.waiting and allowed and all("yes".startswith(tokenizer.decode([t])) for t in allowed)
+
+
+def test_a_trigger_longer_than_allowed_or_outside_the_vocabulary_is_refused():
+    with pytest.raises(ValueError, match="at most 16"):
+        GuideSpec("regex", "a", start_after=tuple(range(17))).check_start_after(320)
+    with pytest.raises(ValueError, match="must lie in"):
+        GuideSpec("regex", "a", start_after=(5, 320)).check_start_after(320)
+
+
 def test_a_choice_allows_exactly_its_strings_then_only_the_stop_token(tokenizer, compiler):
     compiled = _compiled(compiler, GuideSpec("choice", json.dumps(["yes", "no"])))
     guide = SequenceGuide(compiled, len(tokenizer))

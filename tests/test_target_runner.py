@@ -267,6 +267,28 @@ def test_a_resumed_guided_sequence_whose_outputs_break_its_grammar_is_refused(ch
     assert runner.cache_usage()[0] == 0   # nothing of it stays
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_a_guide_starting_after_a_trigger_leaves_the_answer_free_until_it_then_equals_hf_generate_under_it(
+        arch, checkpoints, references):
+    """A thinking model's structured output: the grammar holds from the token after two tokens the free answer
+    writes (standing for </think>); random trees along transformers' answer under that rule (nodes completing the
+    trigger inside the trees) reproduce it: the free answer up to the trigger, then a different, grammatical one."""
+    from tests.conftest import compile_guide
+
+    guide = compile_guide(checkpoints[arch], "regex", "[a-z]+( [a-z]+)*[.]")
+    prompt = _prompt(10, seed=70)
+    free = hf_greedy(references[arch], prompt, N_NEW + 16)
+    trigger = tuple(free[3:5])
+    assert all(tuple(free[i:i + 2]) != trigger for i in range(3))   # first completed at the 5th token
+    truth = hf_greedy(references[arch], prompt, N_NEW + 16, guide=guide, guide_start_after=trigger)
+    assert truth[:5] == free[:5] and truth[5:N_NEW] != free[5:N_NEW]
+    runner = _runner(checkpoints[arch])
+    (out,) = runner.prefill([PrefillItem("g", prompt, guide=guide, guide_start_after=trigger)])
+    generated = {"g": [out.next_token]}
+    assert max(_verify_along(runner, generated, {"g": truth}, random.Random(6))) >= 3
+    assert generated["g"][:N_NEW] == truth[:N_NEW]
+
+
 @pytest.mark.parametrize("keep_nodes", [0, 6])
 def test_a_guided_tree_verifies_only_the_nodes_its_grammar_allows_and_answers_in_the_items_indices(keep_nodes,
                                                                                                checkpoints,

@@ -6,12 +6,14 @@ calls take) that every generated token must keep the text inside of, as vLLM's `
 The grammar is xgrammar's. In a draft tree each node's logits are masked with the tokens the grammar allows after
 that node's own path (xgrammar walks the tree, accepting and rolling back tokens), so the target's choice at every
 node is the one it would make generating token by token under the grammar: speculative decoding stays lossless.
-Once the grammar has ended (it accepted a stop token) nothing is masked any more.
+Once the grammar has ended (it accepted a stop token) nothing is masked any more. A guide may start after a
+trigger (GuideSpec.start_after: a thinking model's end-of-reasoning tag): until those tokens are generated nothing is
+masked, and from the next token on the grammar holds, in a tree below each node whose path completes the trigger.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -19,6 +21,7 @@ from torch import Tensor
 GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_GUIDE_CHARS = 64 * 1024   # a schema, regex, grammar or choice list (the grammar's compile cost grows with it)
 MAX_CHOICES = 256
+MAX_START_AFTER = 16   # tokens of a trigger the grammar starts after
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,15 @@ class GuideSpec:
     kind: str
     spec: str = ""
     any_whitespace: bool = True   # JSON kinds: any whitespace between tokens (False: compact, `, ` and `: ` only)
+    # The grammar holds from the token after these ids are generated (() from the first); not part of the grammar
+    start_after: tuple[int, ...] = field(default=(), compare=False)
+
+    def check_start_after(self, vocab_size: int) -> None:
+        """ValueError unless the trigger is at most MAX_START_AFTER token ids of the vocabulary."""
+        if len(self.start_after) > MAX_START_AFTER:
+            raise ValueError(f"a structured output's start_after is at most {MAX_START_AFTER} tokens")
+        if any(not 0 <= t < vocab_size for t in self.start_after):
+            raise ValueError(f"a structured output's start_after ids must lie in [0, {vocab_size})")
 
     def grammar(self):
         """The xgrammar Grammar (ValueError with the parser's message when the spec is not valid)."""
@@ -115,24 +127,33 @@ def grammar_kept_nodes(bitmask: Tensor, tokens: list[int], parents: list[int], k
 
 
 class SequenceGuide:
-    """One sequence's grammar state: the tokens allowed next, for one row or every node of a draft tree."""
+    """One sequence's grammar state: the tokens allowed next, for one row or every node of a draft tree. With a
+    trigger (start_after), free text until the trigger's tokens are generated, the grammar from then on."""
 
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled, vocab_size: int, start_after: tuple[int, ...] = ()):
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self._xgr = xgr
+        self.start_after = tuple(start_after)
+        self.waiting = bool(self.start_after)   # the trigger not generated yet: nothing masked
+        self._tail: tuple[int, ...] = ()        # while waiting, the last generated tokens (trigger-long at most)
 
     @property
     def ended(self) -> bool:
         """True once the grammar accepted a stop token: nothing is masked after that."""
-        return self.matcher.is_terminated()
+        return not self.waiting and self.matcher.is_terminated()
+
+    def _after(self, tail: tuple[int, ...], token: int) -> tuple[tuple[int, ...], bool]:
+        """The waiting tail after one more token, and whether it completes the trigger."""
+        tail = (tail + (token,))[-len(self.start_after):]
+        return tail, tail == self.start_after
 
     def row_mask(self) -> Tensor | None:
         """The tokens allowed next as a bitmask (IntTensor[1, ceil(V / 32)], unpack_bitmask's layout; None once
-        ended)."""
-        if self.ended:
+        ended or while waiting for the trigger)."""
+        if self.ended or self.waiting:
             return None
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         self.matcher.fill_next_token_bitmask(bitmask, 0)
@@ -142,9 +163,34 @@ class SequenceGuide:
         """A bitmask IntTensor[T, ceil(V / 32)]: per node, the tokens allowed after its root path (the root's token is
         the last one accepted). A node whose own token its parent does not allow keeps every token: it can never be accepted
         (the parent's choice is masked), so its row is never used; a node past the grammar's end keeps every token
-        too. None once ended."""
+        too. While waiting for the trigger, a node whose path has not completed it keeps every token, and below the
+        first node that completes it the grammar holds as from its start. None once ended."""
         if self.ended:
             return None
+        if not self.waiting:
+            return self._walk(tokens, parents)
+        n = len(tokens)
+        bitmask = self._xgr.allocate_token_bitmask(n, self.vocab_size)
+        bitmask.fill_(-1)
+        tails: list[tuple[int, ...] | None] = [self._tail] + [None] * (n - 1)   # None: at or below a trigger node
+        for i in range(1, n):   # tree order: a parent comes before its children
+            tail = tails[parents[i]]
+            if tail is None:
+                continue
+            tails[i], done = self._after(tail, tokens[i])
+            if done:   # the grammar starts here: its subtree walked from the grammar's start
+                tails[i] = None
+                sub, members = [i], {i}
+                for j in range(i + 1, n):
+                    if parents[j] in members:
+                        sub.append(j)
+                        members.add(j)
+                index = {old: new for new, old in enumerate(sub)}
+                bitmask[sub] = self._walk([tokens[j] for j in sub], [-1] + [index[parents[j]] for j in sub[1:]])
+        return bitmask
+
+    def _walk(self, tokens: list[int], parents: list[int]) -> Tensor:
+        """The grammar's rows for a tree whose root token the matcher accepted last (tree_mask without a trigger)."""
         n = len(tokens)
         first_child, next_sibling, last_child = [-1] * n, [-1] * n, [-1] * n
         for i in range(1, n):
@@ -165,8 +211,13 @@ class SequenceGuide:
         return bitmask
 
     def accept(self, tokens: list[int]) -> None:
-        """Advances the grammar over committed tokens (each one the mask allowed; none after it ended)."""
+        """Advances over committed tokens: the trigger's tail while waiting (the trigger itself is not the grammar's),
+        then the grammar (each token one the mask allowed; none after it ended)."""
         for token in tokens:
+            if self.waiting:
+                self._tail, done = self._after(self._tail, token)
+                self.waiting = not done
+                continue
             if self.ended:
                 return
             if not self.matcher.accept_token(token):

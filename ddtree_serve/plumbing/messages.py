@@ -35,12 +35,12 @@ def sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
 
 def guide_from_proto(p: common_pb2.Guide) -> GuideSpec:
     """Guide -> GuideSpec."""
-    return GuideSpec(p.kind, p.spec, any_whitespace=not p.compact_json)
+    return GuideSpec(p.kind, p.spec, any_whitespace=not p.compact_json, start_after=tuple(p.start_after))
 
 
 def guide_proto(g: GuideSpec) -> common_pb2.Guide:
     """GuideSpec -> its proto (guide_from_proto's inverse)."""
-    return common_pb2.Guide(kind=g.kind, spec=g.spec, compact_json=not g.any_whitespace)
+    return common_pb2.Guide(kind=g.kind, spec=g.spec, compact_json=not g.any_whitespace, start_after=g.start_after)
 
 
 def logprobs_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
