@@ -43,6 +43,9 @@ class CacheSpec:
     linear_shapes: tuple[LinearAttnStateShape, ...]
     device: torch.device
     dtype: torch.dtype
+    # Gated DeltaNet state snapshots (prefix caching on a hybrid target): copies of a slot's linear-attention states
+    # at a position inside its context, so that a prompt sharing those leading tokens starts there
+    state_snapshots: int = 0
 
     @property
     def capacity(self) -> int:
@@ -72,6 +75,11 @@ class KVCache:
     # write_kv and move_rows through target_svc/kv_cache_kernels.py (one launch each: two index_puts, and a gather
     # and a scatter of K and of V)
     write_kernel: bool = False
+    # State snapshots: the pool (one LinearAttnState of spec.state_snapshots entries per linear layer) and which
+    # entry holds (slot, position), oldest first; a slot's snapshots last while its rows do (dropped when the slot
+    # is released or starts a new sequence, kept when a sequence adopts it)
+    snapshot_pool: list[LinearAttnState] = field(default_factory=list)
+    snapshots: OrderedDict[tuple[int, int], int] = field(default_factory=OrderedDict)
 
     @classmethod
     def allocate(cls, spec: CacheSpec) -> "KVCache":
@@ -87,6 +95,8 @@ class KVCache:
             # Popped from the end: slot 0 is handed out first.
             free_slots=list(range(spec.max_batch - 1, -1, -1)),
             write_kernel=kv_write_kernel_available(spec.device),
+            snapshot_pool=[allocate_linear_attn_state(s, spec.state_snapshots, spec.device, spec.dtype)
+                           for s in spec.linear_shapes] if spec.state_snapshots else [],
         )
 
     def add_sequence(self, seq_id: str, spare: str = "") -> int:
@@ -100,6 +110,7 @@ class KVCache:
         slot = self.free_slots.pop()
         self.slot_of[seq_id] = slot
         self.ctx_len[slot] = 0
+        self._drop_snapshots(slot)
         # Linear-attention layers start from zero state; K/V rows need no reset (ctx_len bounds what is read).
         for state in self.linear:
             state.conv[slot].zero_()
@@ -112,6 +123,7 @@ class KVCache:
         del self.slot_of[seq_id]
         self.ctx_len[slot] = 0
         self.free_slots.append(slot)
+        self._drop_snapshots(slot)
 
     def park(self, seq_id: str, tokens: list[int]) -> None:
         """Releases seq_id but keeps its slot's rows and states for a later adopt(); tokens: the ids of its ctx_len
@@ -137,6 +149,41 @@ class KVCache:
         if self.spec.num_full_layers and rows > 0:
             for buf in (self.k, self.v):
                 buf[:, dst_slot, :rows] = buf[:, src_slot, :rows]
+
+    def take_snapshot(self, slot: int, position: int) -> bool:
+        """Copies the slot's linear-attention states, which stand at `position` (its ctx_len), into the snapshot
+        pool (the oldest snapshot makes room); False when the pool is empty."""
+        if not self.snapshot_pool or self.ctx_len[slot] != position:
+            return False
+        key = (slot, position)
+        if key in self.snapshots:
+            entry = self.snapshots.pop(key)
+        elif len(self.snapshots) < self.spec.state_snapshots:
+            taken = set(self.snapshots.values())
+            entry = next(i for i in range(self.spec.state_snapshots) if i not in taken)
+        else:
+            entry = self.snapshots.pop(next(iter(self.snapshots)))
+        for pool, state in zip(self.snapshot_pool, self.linear):
+            pool.conv[entry].copy_(state.conv[slot])
+            pool.rec[entry].copy_(state.rec[slot])
+        self.snapshots[key] = entry
+        return True
+
+    def snapshot_positions(self, slot: int) -> list[int]:
+        """Positions of the slot's snapshots."""
+        return [p for s, p in self.snapshots if s == slot]
+
+    def restore_snapshot(self, src_slot: int, position: int, dst_slot: int) -> None:
+        """Sets dst_slot's linear-attention states to src_slot's snapshot at position (KeyError if none)."""
+        entry = self.snapshots[(src_slot, position)]
+        self.snapshots.move_to_end((src_slot, position))
+        for pool, state in zip(self.snapshot_pool, self.linear):
+            state.conv[dst_slot].copy_(pool.conv[entry])
+            state.rec[dst_slot].copy_(pool.rec[entry])
+
+    def _drop_snapshots(self, slot: int) -> None:
+        for key in [k for k in self.snapshots if k[0] == slot]:
+            del self.snapshots[key]
 
     @property
     def slots_available(self) -> int:

@@ -87,6 +87,7 @@ class MemoryPlan:
     budget_bytes: int | None  # bytes the cache may take; None: not enforced (CPU without --kv-cache-memory)
     workspace_bytes: int      # activation estimate subtracted before the budget (0 when not applicable)
     source: str               # "gpu-memory-utilization=0.9" | "kv-cache-memory" | "unbounded"
+    snapshot_bytes: int = 0   # Gated DeltaNet state snapshots (--gdn-state-snapshots), taken from the budget too
 
     def summary(self) -> str:
         """One log line: weights, per-token and per-sequence bytes, and what the cache holds."""
@@ -95,7 +96,8 @@ class MemoryPlan:
                 f"GDN states {human_bytes(self.state_bytes_per_sequence)}/sequence; slot "
                 f"{human_bytes(self.slot_bytes)}; cache {human_bytes(self.cache_bytes)} for {self.max_batch} x "
                 f"{self.max_seq_len} tokens (+1 scratch slot; requested {self.requested_batch}, the budget fits "
-                f"{self.fit_batch}); cache budget {budget}; workspace estimate {human_bytes(self.workspace_bytes)}")
+                f"{self.fit_batch}); cache budget {budget}; workspace estimate {human_bytes(self.workspace_bytes)}"
+                + (f"; state snapshots {human_bytes(self.snapshot_bytes)}" if self.snapshot_bytes else ""))
 
     def as_dict(self) -> dict:
         """Plain fields (for Info and tests)."""
@@ -104,7 +106,7 @@ class MemoryPlan:
 
 def plan_cache(budget_bytes: int | None, geometry: CacheGeometry, max_seq_len: int, max_tree_nodes: int,
                requested_batch: int, *, weight_bytes: int = 0, workspace_bytes: int = 0,
-               source: str = "") -> MemoryPlan:
+               source: str = "", snapshot_bytes: int = 0) -> MemoryPlan:
     """The batch a cache budget holds (capped at requested_batch); MemoryPlanError when not one sequence fits.
 
     budget_bytes: bytes the cache may take before workspace_bytes is subtracted; None = unbounded (reported,
@@ -116,14 +118,15 @@ def plan_cache(budget_bytes: int | None, geometry: CacheGeometry, max_seq_len: i
     if budget_bytes is None:
         fit = requested_batch
     else:
-        usable = budget_bytes - workspace_bytes
+        usable = budget_bytes - workspace_bytes - snapshot_bytes
         fit = max(0, usable // slot - 1) if slot > 0 else requested_batch  # - 1: the scratch slot
         if fit < 1:
-            need = 2 * slot + workspace_bytes
+            need = 2 * slot + workspace_bytes + snapshot_bytes
+            snapshots = f", + {human_bytes(snapshot_bytes)} of state snapshots" if snapshot_bytes else ""
             raise MemoryPlanError(
                 f"not enough memory for one sequence of --max-seq-len {max_seq_len}: the cache needs "
                 f"{human_bytes(need)} (2 slots of {human_bytes(slot)} incl. the scratch slot, + "
-                f"{human_bytes(workspace_bytes)} workspace) but {source or 'the budget'} leaves "
+                f"{human_bytes(workspace_bytes)} workspace{snapshots}) but {source or 'the budget'} leaves "
                 f"{human_bytes(budget_bytes)} with {human_bytes(weight_bytes)} of weights loaded; lower --max-seq-len, "
                 f"use --quantize int8, or raise the budget")
     batch = min(requested_batch, fit)
@@ -132,7 +135,8 @@ def plan_cache(budget_bytes: int | None, geometry: CacheGeometry, max_seq_len: i
                       max_seq_len=max_seq_len, max_tree_nodes=max_tree_nodes, requested_batch=requested_batch,
                       max_batch=batch, fit_batch=fit, cache_bytes=(batch + 1) * slot, budget_bytes=budget_bytes,
                       workspace_bytes=workspace_bytes if budget_bytes is not None else 0,
-                      source=source or ("unbounded" if budget_bytes is None else "budget"))
+                      source=source or ("unbounded" if budget_bytes is None else "budget"),
+                      snapshot_bytes=snapshot_bytes)
 
 
 def workspace_estimate(vocab_size: int, hidden_size: int, widest_projection: int, dtype_bytes: int, max_batch: int,

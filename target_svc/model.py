@@ -53,7 +53,8 @@ class TargetModel:
     """The target decoder bound to one KVCache; forward_block verifies padded trees or prefills chains."""
 
     def __init__(self, target: LoadedTarget, max_batch: int, max_seq_len: int, max_tree_nodes: int,
-                 fused: bool | None = None, tree_gdn: str | None = None, gdn_kernels_on: bool | None = None):
+                 fused: bool | None = None, tree_gdn: str | None = None, gdn_kernels_on: bool | None = None,
+                 state_snapshots: int = 0):
         # fused: run dense layers through target_svc/dense_layers.py, hybrid (Qwen3.5) ones through
         #   target_svc/hybrid_layers.py (fused projections; compiled kernels on CUDA, the plain functions elsewhere).
         # tree_gdn: how Gated DeltaNet layers verify trees: "wy" (all nodes in one pass, no host sync:
@@ -79,6 +80,7 @@ class TargetModel:
             ),
             device=target.device,
             dtype=target.dtype,
+            state_snapshots=state_snapshots if self.linear_index else 0,
         )
         self.cache = KVCache.allocate(spec)
         self.cos, self.sin = self._rope_tables(spec.capacity)

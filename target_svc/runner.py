@@ -75,6 +75,9 @@ class TargetConfig:
     # smaller card emulated on a larger one, or a share of a card other processes also use).
     gpu_memory_cap_bytes: int | None = None
     num_layers: int | None = None   # tools only: the checkpoint's first num_layers decoder layers (kernel_warmup.py)
+    # Hybrid targets: Gated DeltaNet state snapshots kept for prefix caching (a prompt sharing a running or parked
+    # sequence's leading tokens up to a snapshot starts there; PrefillItem.snapshot_at takes them); 0: none
+    state_snapshots: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class PrefillItem:
     # A resumed (preempted) sequence: its tokens from this position on are outputs generated before the preemption
     # (0: none); every chunk carries it
     outputs_from: int = 0
+    # Hybrid targets with state snapshots: when this chunk ends at this position, its Gated DeltaNet states there
+    # are kept, so that prompts sharing these leading tokens start from them (0: none)
+    snapshot_at: int = 0
 
 
 @dataclass
@@ -113,6 +119,7 @@ class PrefillOutput:
     # The chunk's prompt tokens' log-probs, when asked: one per token, except the prompt's very first (no context)
     prompt_logprobs: list[TokenLogprob] | None = None
     reused: int = 0   # leading prompt rows taken from a parked sequence's cache (prefix caching), not run
+    snapshot: bool = False   # its states were kept at the chunk's end (PrefillItem.snapshot_at)
 
 
 @dataclass(frozen=True)
@@ -224,7 +231,8 @@ def plan_memory(target: LoadedTarget, cfg: TargetConfig, max_seq_len: int) -> Me
         workspace = workspace_estimate(target.vocab_size, target.hidden_size, widest, dtype_bytes(target.dtype),
                                        cfg.max_batch, cfg.max_tree_nodes, cfg.prefill_chunk, geometry.linear_shapes)
     return plan_cache(budget, geometry, max_seq_len, cfg.max_tree_nodes, cfg.max_batch, weight_bytes=weights,
-                      workspace_bytes=workspace, source=source)
+                      workspace_bytes=workspace, source=source,
+                      snapshot_bytes=cfg.state_snapshots * geometry.state_bytes_per_sequence)
 
 
 class TargetRunner:
@@ -244,7 +252,8 @@ class TargetRunner:
         # Planned after the weights are on the device (what is left is measured) and before the cache exists.
         self.memory = plan_memory(self.target, cfg, self.max_seq_len)
         log.info("%s", self.memory.summary())
-        self.model = TargetModel(self.target, self.memory.max_batch, self.max_seq_len, cfg.max_tree_nodes)
+        self.model = TargetModel(self.target, self.memory.max_batch, self.max_seq_len, cfg.max_tree_nodes,
+                                 state_snapshots=cfg.state_snapshots)
         self.graphs: VerifyGraphs | None = None
         if not cfg.enforce_eager and VerifyGraphs.supports(self.model):
             self.graphs = VerifyGraphs(self.model, self.max_batch, cfg.max_tree_nodes, self.model.cache.spec.capacity,
@@ -338,8 +347,10 @@ class TargetRunner:
                 runs.append(run)
                 reused.append(held)
             outputs = self._prefill(runs)
-            for out, n in zip(outputs, reused):
+            for out, n, run in zip(outputs, reused, runs):
                 out.reused = n
+                if run.snapshot_at and run.snapshot_at == run.start + len(run.prompt_ids):
+                    out.snapshot = self.model.cache.take_snapshot(self.seqs[run.seq_id].slot, run.snapshot_at)
             return outputs
         except BaseException:
             # A half-run forward leaves caches and linear-attention states of these sequences unusable.
@@ -470,7 +481,9 @@ class TargetRunner:
             return cache.add_sequence(it.seq_id), []
         whole = self.prefix_reuse == "context"
         parked = cache.parked.get(it.reuse_from)
-        if it.reuse_copy and not whole and (parked is None or cache.free_slots):
+        if it.reuse_copy and whole:
+            return self._take_slot_at_snapshot(it)
+        if it.reuse_copy and (parked is None or cache.free_slots):
             source = self.seqs.get(it.reuse_from)
             slot_tokens = parked if source is None else (source.slot, source.tokens)
             if slot_tokens is not None:
@@ -487,6 +500,29 @@ class TargetRunner:
                 cache.ctx_len[slot] = n
                 return slot, tokens[:n]
         return cache.add_sequence(it.seq_id), []
+
+    def _take_slot_at_snapshot(self, it: PrefillItem) -> tuple[int, list[int]]:
+        """A hybrid target's copy: a fresh slot with the rows of reuse_from (running or parked) up to its latest
+        state snapshot that the prompt reaches (within reuse_max), and that snapshot's states; a fresh slot and none
+        when there is no such snapshot."""
+        cache = self.model.cache
+        source = self.seqs.get(it.reuse_from)
+        slot_tokens = cache.parked.get(it.reuse_from) if source is None else (source.slot, source.tokens)
+        if slot_tokens is None:
+            return cache.add_sequence(it.seq_id), []
+        src, tokens = slot_tokens
+        n = reusable_rows(tokens, it.prompt_ids, it.reuse_max, whole=False)
+        at = max((p for p in cache.snapshot_positions(src) if p <= n), default=0)
+        if at == 0:
+            return cache.add_sequence(it.seq_id), []
+        if not cache.free_slots and all(pid == it.reuse_from for pid in cache.parked):
+            slot, _ = cache.adopt(it.seq_id, it.reuse_from)   # the parked source's slot is the only one left
+        else:
+            slot = cache.add_sequence(it.seq_id, spare=it.reuse_from)
+            cache.copy_rows(src, slot, at)
+        cache.restore_snapshot(src, at, slot)
+        cache.ctx_len[slot] = at
+        return slot, tokens[:at]
 
     def cache_usage(self) -> tuple[int, int, int, int]:
         """(running sequences, max sequences, committed tokens, token capacity)."""

@@ -193,7 +193,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         return target_pb2.TargetInfo(**info, model_type=r.model_type, eos_token_ids=r.eos_token_ids,
                                      num_layers=r.num_layers, max_tree_nodes=self.cfg.max_tree_nodes,
                                      quantize=self.cfg.quantize, memory=memory_plan_proto(r.memory),
-                                     structured_outputs=self.grammars is not None, prefix_reuse=r.prefix_reuse)
+                                     structured_outputs=self.grammars is not None, prefix_reuse=r.prefix_reuse,
+                                     state_snapshots=r.model.cache.spec.state_snapshots)
 
     @grpc_errors
     async def TokenizerFiles(self, request, context):
@@ -315,7 +316,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                              guide=guides.get(it.seq_id), guide_start_after=tuple(it.guide.start_after),
                              # another session's rows are never reused (nor is their existence revealed)
                              reuse_from=it.reuse_from if self._reusable_by(session, it.reuse_from) else "",
-                             reuse_max=it.reuse_max, reuse_copy=it.reuse_copy, outputs_from=it.outputs_from)
+                             reuse_max=it.reuse_max, reuse_copy=it.reuse_copy, outputs_from=it.outputs_from,
+                             snapshot_at=it.snapshot_at)
                  for it in request.items if it.seq_id not in refused]
         if any(it.want_features for it in items) and self.sender is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "no drafter attached (call AttachDrafter)")
@@ -338,7 +340,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
         self.observe_cache()
         results = [target_pb2.PrefillResult(seq_id=o.seq_id, next_token=o.next_token, context_len=o.context_len,
                                             logprobs=logprobs_proto(o.logprobs),
-                                            prompt_logprobs=logprobs_proto(o.prompt_logprobs), reused=o.reused)
+                                            prompt_logprobs=logprobs_proto(o.prompt_logprobs), reused=o.reused,
+                                            snapshot=o.snapshot)
                    for o in outputs]
         results += [target_pb2.PrefillResult(seq_id=seq_id, next_token=-1, error=error)
                     for seq_id, error in refused.items()]

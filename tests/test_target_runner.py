@@ -237,7 +237,7 @@ def test_a_resumed_sequence_counts_its_earlier_outputs_as_output_and_continues_t
     runner.prefill([PrefillItem("r", tokens[:8], sampling, more=True, guide=guide, outputs_from=len(prompt))])
     (out,) = runner.prefill([PrefillItem("r", tokens[8:], sampling, start=8, outputs_from=len(prompt))])
     generated = {"r": truth[:done] + [out.next_token]}
-    _verify_along_until(runner, generated, {"r": truth}, 32)
+    _verify_along_until(runner, generated, 32)
     assert generated["r"][:32] == truth[:32]
     history = runner.seqs["r"].history
     assert history is None or history.emitted == len(generated["r"])
@@ -245,12 +245,11 @@ def test_a_resumed_sequence_counts_its_earlier_outputs_as_output_and_continues_t
         as_prompt = _runner(checkpoints[arch])
         (first,) = as_prompt.prefill([PrefillItem("p", tokens, sampling, guide=guide)])
         plain = {"p": truth[:done] + [first.next_token]}
-        _verify_along_until(as_prompt, plain, {"p": truth}, 32)
+        _verify_along_until(as_prompt, plain, 32)
         assert plain["p"][:32] != truth[:32]
 
 
-def _verify_along_until(runner: TargetRunner, generated: dict[str, list[int]], truth: dict[str, list[int]],
-                        n: int) -> None:
+def _verify_along_until(runner: TargetRunner, generated: dict[str, list[int]], n: int) -> None:
     """Root-only steps (plain decoding) until each sequence has n tokens."""
     while min(len(g) for g in generated.values()) < n:
         for sid, out in zip(generated, runner.verify([_root_only(sid, g[-1]) for sid, g in generated.items()])):
@@ -508,6 +507,48 @@ def test_seeded_sampling_is_reproducible_and_follows_the_seed(checkpoints):
 
     assert sample("a", 7) == sample("b", 7)
     assert sample("c", 7) != sample("d", 8)
+
+
+@pytest.mark.parametrize("source", ["running", "parked"])
+def test_a_hybrid_prompt_sharing_a_snapshotted_prefix_starts_from_the_snapshot_and_answers_as_hf(source, checkpoints,
+                                                                                                 references):
+    """Gated DeltaNet state snapshots: A's prompt is prefilled in two chunks, its states kept at the end of the
+    shared 20 tokens; B, sharing those 20 (and one more, which does not reach a snapshot), copies A's rows and starts
+    from the snapshot, whether A is running or parked: 20 tokens reused, and both answers are transformers'."""
+    runner = _runner(checkpoints["qwen3_5"], state_snapshots=2)
+    shared = _prompt(20, seed=90)
+    prompt_a, prompt_b = shared + _prompt(8, seed=91), shared + _prompt(7, seed=92)
+    first = runner.prefill([PrefillItem("a", prompt_a[:20], more=True, snapshot_at=20)])
+    assert first[0].snapshot
+    (out_a,) = runner.prefill([PrefillItem("a", prompt_a[20:], start=20)])
+    generated = {"a": [out_a.next_token]}
+    _verify_along_until(runner, generated, 8)
+    if source == "parked":
+        runner.release("a", park=True)
+    (out_b,) = runner.prefill([PrefillItem("b", prompt_b, reuse_from="a", reuse_copy=True, reuse_max=21)])
+    assert out_b.reused == 20
+    alone = _runner(checkpoints["qwen3_5"])
+    alone.prefill([PrefillItem("b", prompt_b)])
+    for mine, theirs in zip(runner.model.cache.linear, alone.model.cache.linear):   # the states B runs on
+        for x, y in ((mine.conv, theirs.conv), (mine.rec, theirs.rec)):
+            torch.testing.assert_close(x[runner.seqs["b"].slot], y[alone.seqs["b"].slot], rtol=1e-4, atol=1e-5)
+    generated["b"] = [out_b.next_token]
+    if source == "parked":
+        del generated["a"]
+    _verify_along_until(runner, generated, 24)
+    assert generated["b"][:24] == hf_greedy(references["qwen3_5"], prompt_b, 24)
+    if source == "running":
+        assert generated["a"][:24] == hf_greedy(references["qwen3_5"], prompt_a, 24)
+
+
+def test_a_released_sequences_snapshots_go_with_its_slot(checkpoints):
+    runner = _runner(checkpoints["qwen3_5"], state_snapshots=1)
+    shared = _prompt(20, seed=90)
+    runner.prefill([PrefillItem("a", shared, more=True, snapshot_at=20)])
+    runner.prefill([PrefillItem("a", [5, 6], start=20)])
+    runner.release("a")   # not parked: its rows are gone
+    (out,) = runner.prefill([PrefillItem("b", shared + [9], reuse_from="a", reuse_copy=True, reuse_max=20)])
+    assert out.reused == 0 and runner.model.cache.snapshots == {}
 
 
 def test_release_and_cache_usage(checkpoints):
