@@ -151,6 +151,9 @@ class PairEngine(BackgroundTask):
             if not self.pair.drafter_ok:
                 s.drafting = False   # no drafter attached right now: this one runs autoregressively
         await self._find_prefixes(newcomers)
+        for s in newcomers:
+            if s.reuse_rows >= s.snapshot_at:   # its snapshot point lies in the rows it reuses: nothing to keep
+                s.snapshot_at = 0
         held = self._hold_back_shared_prefixes(seqs, newcomers)
         if held:
             seqs = [s for s in seqs if s.seq_id not in held]
@@ -173,7 +176,7 @@ class PairEngine(BackgroundTask):
                                    reuse_from=s.reuse_from if s.prefilled == 0 else "",
                                    reuse_max=s.reuse_rows if s.prefilled == 0 else 0,
                                    reuse_copy=s.reuse_copy and s.prefilled == 0,
-                                   outputs_from=len(s.prompt_ids) if s.resumed else 0)
+                                   outputs_from=len(s.prompt_ids) if s.resumed else 0, snapshot_at=s.snapshot_at)
             for s, n in chunks])
         try:
             response = await self.pair.target.Prefill(request, timeout=self.cfg.rpc_timeout_s)
@@ -198,6 +201,8 @@ class PairEngine(BackgroundTask):
                 s.cached_tokens = r.reused
             s.prefilled += n
             s.context_len = r.context_len
+            if r.snapshot and self.prefixes is not None:
+                self.prefixes.add_snapshot(s.seq_id, s.prefill_ids[:s.snapshot_at], s.cache_salt)
             if self._asks_prompt_logprobs(s):
                 s.prompt_scores.extend(r.prompt_logprobs)
             if not s.prefill_done:
@@ -249,7 +254,7 @@ class PairEngine(BackgroundTask):
         for s in newcomers:
             if self._asks_prompt_logprobs(s):   # every prompt position's logits are wanted: the prompt runs whole
                 continue
-            hit = self.prefixes.take(s.prefill_ids, s.cache_salt, whole)
+            hit = self.prefixes.take(s.prefill_ids, s.cache_salt, whole, adopter=s.seq_id)
             if hit is not None:
                 s.reuse_from, s.reuse_rows, s.reuse_copy = hit.seq_id, hit.rows, hit.copy
                 if s.speculative:

@@ -3,7 +3,10 @@
 A finished sequence is released with keep_prefix, so the target and the drafter park its slot with its rows
 (target_svc/kv_cache.py, drafter_svc/runner.py) until a new sequence adopts it or the slot is needed. This index
 remembers the tokens of those rows and, for a new prompt, names the parked sequence sharing the longest prefix
-with it; the services check the claim against their own records and answer how much they really reused.
+with it; the services check the claim against their own records and answer how much they really reused. On a
+hybrid target, whose recurrent states stand at a context's end only, it also remembers the state snapshots the
+target keeps inside contexts (at a chat's system prompt): a prompt that starts with a snapshot's tokens copies
+those rows and starts from it.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ class _Entry:
     salt: str
     tokens: np.ndarray   # int64: a take compares arrays, not Python lists (an admission's cost on the event loop)
     running: bool
+    source: str          # the sequence whose rows these are (an entry's key is its own)
+    snapshot: bool = False   # a state snapshot at len(tokens) inside source's context (copied, never adopted)
 
 
 class PrefixIndex:
@@ -56,31 +61,52 @@ class PrefixIndex:
         if len(tokens) < self.min_tokens:
             self._entries.pop(seq_id, None)
             return
-        self._entries[seq_id] = _Entry(salt, np.asarray(tokens, dtype=np.int64), running)
-        self._entries.move_to_end(seq_id)
+        self._put(seq_id, _Entry(salt, np.asarray(tokens, dtype=np.int64), running, seq_id))
+
+    def add_snapshot(self, seq_id: str, tokens: list[int], salt: str = "") -> None:
+        """Remembers a state snapshot the target keeps at len(tokens) inside seq_id's context (tokens: the ones
+        before it)."""
+        if len(tokens) >= self.min_tokens:
+            self._put(f"{seq_id}@{len(tokens)}", _Entry(salt, np.asarray(tokens, dtype=np.int64), True, seq_id, True))
+
+    def _put(self, key: str, entry: _Entry) -> None:
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
-    def take(self, prompt: list[int], salt: str = "", whole: bool = False) -> PrefixHit | None:
+    def take(self, prompt: list[int], salt: str = "", whole: bool = False, adopter: str = "") -> PrefixHit | None:
         """The entry whose tokens start the prompt the furthest (at least min_tokens), None when none qualifies.
-        whole (a target keeping recurrent state at a context's end only): parked entries only, all of whose tokens
-        start the prompt. A parked entry is removed (its slot is adopted once); a running one stays (its rows are
+        whole (a target keeping recurrent state at a context's end only): parked entries and state snapshots only,
+        all of whose tokens start the prompt. A parked entry is removed (its slot is adopted once; the snapshots in
+        its context go with it to the adopter, `adopter`); a running one or a snapshot stays (its rows are
         copied)."""
         best: PrefixHit | None = None
+        best_key = ""
         ids = np.asarray(prompt, dtype=np.int64)
-        for seq_id, entry in self._entries.items():
-            if entry.salt != salt or (whole and entry.running):
+        for key, entry in self._entries.items():
+            if entry.salt != salt or (whole and entry.running and not entry.snapshot) or \
+                    (entry.snapshot and not whole):
                 continue
             rows = reusable_rows(entry.tokens, ids, len(prompt), whole)
             if rows >= self.min_tokens and (best is None or rows >= best.rows):   # ties: the most recent
-                best = PrefixHit(seq_id, rows, copy=entry.running)
+                best, best_key = PrefixHit(entry.source, rows, copy=entry.running), key
         if best is not None and not best.copy:
-            del self._entries[best.seq_id]
+            del self._entries[best_key]
+            if adopter:
+                self._move_snapshots(best.seq_id, adopter)
         return best
 
+    def _move_snapshots(self, source: str, to: str) -> None:
+        """source's slot went to `to` (adopted whole): its snapshots are to's now."""
+        for key in [k for k, e in self._entries.items() if e.snapshot and e.source == source]:
+            entry = self._entries.pop(key)
+            self._entries[f"{to}@{len(entry.tokens)}"] = _Entry(entry.salt, entry.tokens, True, to, True)
+
     def discard(self, seq_id: str) -> None:
-        """Forgets an entry (its services lost it)."""
-        self._entries.pop(seq_id, None)
+        """Forgets a sequence's entries, its snapshots' too (its services lost it)."""
+        for key in [k for k, e in self._entries.items() if e.source == seq_id]:
+            del self._entries[key]
 
     def clear(self) -> None:
         """Forgets every entry (a service restarted: its parked slots are gone)."""

@@ -157,12 +157,15 @@ def plan_prefill_chunks(prefilling: list[Sequence], max_tokens: int) -> list[tup
     """The next prompt chunk of each sequence still prefilling, oldest first, at most max_tokens run in all (0:
     whole prompts): (sequence, chunk length) pairs; the first sequence always gets a chunk. A first chunk also
     covers the prompt tokens a parked sequence's rows may give it (Sequence.reuse_rows: not run). A resumed
-    sequence's prompt is its prompt and earlier outputs (Sequence.prefill_ids)."""
+    sequence's prompt is its prompt and earlier outputs (Sequence.prefill_ids). A chunk ends at the sequence's
+    snapshot_at, where the target keeps its states."""
     budget = max_tokens or sum(len(s.prompt_ids) + s.resumed - s.prefilled for s in prefilling)
     chunks = []
     for s in prefilling:
         free = s.reuse_rows if s.prefilled == 0 else 0
         n = min(len(s.prompt_ids) + s.resumed - s.prefilled, budget + free)
+        if s.prefilled < s.snapshot_at < s.prefilled + n:
+            n = s.snapshot_at - s.prefilled
         if n - free <= 0:
             break
         chunks.append((s, n))

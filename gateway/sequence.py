@@ -78,6 +78,7 @@ class Sequence:
     reuse_rows: int = 0
     reuse_copy: bool = False       # its rows are copied (it is running), not its slot adopted
     cached_tokens: int = 0         # prompt tokens the target served from it (not run)
+    snapshot_at: int = 0           # a hybrid target keeps its states after this many tokens (0: none; a system prompt)
     # Preemption (gateway/scheduler.py): outputs generated before the last one; the target prefills them after the
     # prompt and counts them as output, and generation goes on from there
     resumed: int = 0

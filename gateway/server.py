@@ -28,6 +28,7 @@ from gateway.backends import BackendPair, PairAddress
 from gateway.bad_words import bad_word_token_ids, check_bad_words
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.engine import EngineConfig, PairEngine
+from gateway.prefix_index import MIN_REUSED_TOKENS
 from gateway.reasoning import REASONING_PARSERS
 from gateway.scheduler import SCHEDULING_POLICIES, AdmissionLimits, PairQueue, Scheduler
 from gateway.sequence import MODES, Sequence, StreamEvent
@@ -225,6 +226,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ids = list(request.token_ids.ids)
         elif kind == "chat":
             ids = await self._chat_ids(request.chat)
+            if not request.cache_breakpoint and self.pairs[0].target_info.state_snapshots:
+                request.cache_breakpoint = await self._system_prefix_len(request.chat, ids)
         elif kind == "text":
             if request.apply_chat_template:
                 ids = (await self._tokenize(self._render_chat, [{"role": "user", "content": request.text}])
@@ -252,6 +255,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if chat.tools_json:
             options["tools"] = limits.json_list(chat.tools_json, "tools")
         return await self._tokenize(self._render_chat, messages, options)
+
+    async def _system_prefix_len(self, chat: gateway_pb2.ChatMessages, ids: list[int]) -> int:
+        """The tokens of a chat's leading system (or developer) messages as the template renders them alone, when
+        they are a prefix of its prompt and other messages follow: the prefix other chats share; else 0."""
+        messages = [limits.chat_message(m) for m in chat.messages]
+        k = next((i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")), len(messages))
+        if k == 0 or k == len(messages):
+            return 0
+        options = dict(add_generation_prompt=False, **limits.chat_template_kwargs(chat.template_kwargs_json))
+        if chat.tools_json:
+            options["tools"] = limits.json_list(chat.tools_json, "tools")
+        prefix = await self._tokenize(self._render_chat, messages[:k], options)
+        return len(prefix) if len(prefix) < len(ids) and ids[:len(prefix)] == prefix else 0
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
@@ -313,6 +329,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         guide = await self._guide(request, sampling) if request.HasField("guide") else None
         if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise ValueError(f"cache_salt is over the {MAX_CACHE_SALT_CHARS}-character limit")
+        if request.cache_breakpoint < 0:
+            raise ValueError(f"cache_breakpoint must be >= 0, got {request.cache_breakpoint}")
+        # kept only where the target keeps snapshots and the prefix is worth one (as prefix caching's minimum)
+        snapshot_at = request.cache_breakpoint if (
+            info.state_snapshots and MIN_REUSED_TOKENS <= request.cache_breakpoint < len(prompt_ids)) else 0
         request_id = request.request_id or get_request_id() or uuid.uuid4().hex
         return Sequence(request_id=request_id, prompt_ids=prompt_ids, max_tokens=request.max_tokens,
                         sampling=sampling, mode=mode, budget=budget if mode == "ddtree" else 0,
@@ -322,7 +343,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             min_tokens=sampling.min_tokens, skip_special_tokens=not request.keep_special_tokens),
                         logprobs=logprobs_wanted(request.logprobs, request.top_logprobs),
                         prompt_logprobs=logprobs_wanted(request.prompt_logprobs, request.prompt_top_logprobs),
-                        guide=guide, cache_salt=request.cache_salt, priority=request.priority)
+                        guide=guide, cache_salt=request.cache_salt, priority=request.priority,
+                        snapshot_at=snapshot_at)
 
     async def _guide(self, request, sampling) -> GuideSpec:
         """The request's structured output, its grammar parsed here (the target compiles it against its vocabulary);

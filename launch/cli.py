@@ -142,7 +142,7 @@ def target_config(args):
                               max_seq_len=args.max_seq_len, max_tree_nodes=args.max_tree_nodes,
                               graph_node_sizes=args.graph_node_sizes,
                               prefill_chunk=args.prefill_chunk, enforce_eager=args.enforce_eager,
-                              lazy_graphs=args.lazy_graphs,
+                              lazy_graphs=args.lazy_graphs, gdn_state_snapshots=args.gdn_state_snapshots,
                               allowed_drafters=tuple(args.allow_drafter or ()), lease_s=args.lease_s,
                               quantize=args.quantize, gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_gb=args.kv_cache_memory, gpu_memory_cap_gb=args.gpu_memory_cap,
@@ -500,6 +500,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "it on the device)")
     p.add_argument("--prefill-chunk", type=_int_in(0), default=512,
                    help="prompt positions per prefill forward (0: whole prompts at once); bounds prefill memory")
+    p.add_argument("--gdn-state-snapshots", type=_int_in(0, 4096), default=0, metavar="N",
+                   help="hybrid (Gated DeltaNet) targets: keep up to N snapshots of a sequence's recurrent states "
+                        "inside its context (at a chat's system prompt), so prompts sharing that prefix start there "
+                        "(prefix caching; each costs one sequence's GDN states, taken from the cache budget)")
     p.add_argument("--allow-drafter", action="append",
                    help="HOST:PORT (or unix:PATH) the target may send features to (repeatable; default: any, "
                         "secret-holders only)")

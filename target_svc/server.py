@@ -43,6 +43,7 @@ class TargetServerConfig(ModelServiceConfig):
     max_tree_nodes: int = 257
     graph_node_sizes: tuple[int, ...] = ()   # verify sizes captured besides 1, 4^k + 1 and max_tree_nodes
     prefill_chunk: int = 512
+    gdn_state_snapshots: int = 0             # hybrid targets: TargetConfig.state_snapshots
     allowed_drafters: tuple[str, ...] = ()   # AttachDrafter targets allowed (empty: any, for secret holders)
     quantize: str = "none"                   # "int8": weight-only int8 decoder projections
     gpu_memory_utilization: float | None = None   # CUDA: fraction of the card (None: 0.9)
@@ -99,7 +100,8 @@ class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
                                   kv_cache_memory_bytes=None if self.cfg.kv_cache_memory_gb is None
                                   else int(self.cfg.kv_cache_memory_gb * GIB),
                                   gpu_memory_cap_bytes=None if self.cfg.gpu_memory_cap_gb is None
-                                  else int(self.cfg.gpu_memory_cap_gb * GIB))
+                                  else int(self.cfg.gpu_memory_cap_gb * GIB),
+                                  state_snapshots=self.cfg.gdn_state_snapshots)
         passes = self.cfg.kernel_warmup_passes
         if passes is None and torch.device(self.cfg.device).type == "cuda":
             passes = default_passes(self.cfg.model_dir)

@@ -89,3 +89,46 @@ def test_a_prompt_sharing_a_running_requests_prefix_copies_its_rows(checkpoints)
     assert stats_b.cached_prompt_tokens == len(shared)
     assert ids_a == reference_greedy(target, shared + tail_a, 160)
     assert ids_b == reference_greedy(target, shared + tail_b, 24)
+
+
+def test_a_hybrid_target_starts_prompts_sharing_a_system_prompt_from_its_state_snapshot(checkpoints):
+    """Gated DeltaNet state snapshots (target --gdn-state-snapshots): a chat's system messages are the prefix where
+    the target keeps its states; a later chat under the same system prompt copies those rows and starts there (its
+    cached tokens are the system prompt's), as does a token-id prompt that names its breakpoint itself. Every answer
+    is transformers' greedy output on the whole prompt."""
+    from transformers import AutoTokenizer
+
+    from ddtree_serve.proto import gateway_pb2
+
+    target, drafter = checkpoints("qwen3_5")
+    tok = AutoTokenizer.from_pretrained(target)
+    system = {"role": "system", "content": "You are a careful assistant. Answer in one short sentence, and "
+                                           "always name the city you are asked about first."}
+    chats = [[system, {"role": "user", "content": question}]
+             for question in ("What is the capital of France?", "Which river runs through Paris?")]
+
+    def ids(messages, generation_prompt):
+        text = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        return tok(text, add_special_tokens=False).input_ids
+
+    rendered = [ids(c, True) for c in chats]
+    system_len = len(ids([system], False))
+    assert system_len >= 16 and all(r[:system_len] == rendered[0][:system_len] for r in rendered)
+
+    def chat_request(messages):
+        return gateway_pb2.GenerateRequest(
+            chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(**m) for m in messages]),
+            max_tokens=12, ignore_eos=True, mode=gateway_pb2.DECODE_MODE_DDTREE)
+
+    shared, tail_a, tail_b = prompts_for(target, [24, 6, 5], seed=44)
+    stack = start_stack(target, drafter, extra={"target": ["--gdn-state-snapshots", "4"]})
+    try:
+        answers = [run_streams(stack.gateway, [chat_request(c)])[0] for c in chats]
+        by_ids = [run_streams(stack.gateway, [make_request(shared + tail, 12, "ddtree", cache_breakpoint=24)])[0]
+                  for tail in (tail_a, tail_b)]
+    finally:
+        stack.stop()
+    assert [a["stats"].cached_prompt_tokens for a in answers] == [0, system_len]
+    assert [a["token_ids"] for a in answers] == [reference_greedy(target, r, 12) for r in rendered]
+    assert [a["stats"].cached_prompt_tokens for a in by_ids] == [0, 24]
+    assert [a["token_ids"] for a in by_ids] == [reference_greedy(target, shared + t, 12) for t in (tail_a, tail_b)]

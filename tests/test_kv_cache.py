@@ -12,10 +12,10 @@ from tests.test_quantization_backend import INTERPRETER_PATCH, _run_interpreted,
 LINEAR = LinearAttnStateShape(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4, conv_kernel=3)
 
 
-def cache(max_batch: int = 2, full_layers: int = 2, linear: tuple = ()) -> KVCache:
+def cache(max_batch: int = 2, full_layers: int = 2, linear: tuple = (), snapshots: int = 0) -> KVCache:
     return KVCache.allocate(CacheSpec(max_batch=max_batch, max_seq_len=8, max_tree_nodes=4, num_full_layers=full_layers,
                                       num_kv_heads=2, head_dim=3, linear_shapes=linear, device=torch.device("cpu"),
-                                      dtype=torch.float32))
+                                      dtype=torch.float32, state_snapshots=snapshots))
 
 
 def test_capacity_per_slot_is_context_plus_one_verify_block() -> None:
@@ -176,3 +176,40 @@ def test_the_move_kernel_under_tritons_interpreter_moves_what_the_gather_and_sca
     """A commit's compaction in every layer: rows that are one pair's source and another's destination, a lone
     root, a chain already in place, values of one partial column block and of one whole block."""
     _run_interpreted(INTERPRETER_PATCH + INTERPRETED_MOVE)
+
+
+def test_a_snapshot_restores_the_states_it_copied_and_the_oldest_makes_room() -> None:
+    c = cache(max_batch=3, linear=(LINEAR,), snapshots=2)
+    a = c.add_sequence("a")
+    for position, value in ((4, 1.0), (6, 2.0), (7, 3.0)):   # three snapshots of "a" in a pool of two
+        c.ctx_len[a] = position
+        c.linear[0].conv[a].fill_(value)
+        c.linear[0].rec[a].fill_(value)
+        assert c.take_snapshot(a, position)
+    assert sorted(c.snapshot_positions(a)) == [6, 7]
+    b = c.add_sequence("b")
+    c.restore_snapshot(a, 6, b)
+    assert (c.linear[0].conv[b] == 2.0).all() and (c.linear[0].rec[b] == 2.0).all()
+    assert not c.take_snapshot(a, 5)   # only where the slot's states stand (its ctx_len)
+
+
+def test_a_slots_snapshots_go_when_it_is_released_or_starts_over_and_stay_when_parked_and_adopted() -> None:
+    c = cache(max_batch=1, linear=(LINEAR,), snapshots=2)
+    a = c.add_sequence("a")
+    c.ctx_len[a] = 4
+    c.take_snapshot(a, 4)
+    c.park("a", [1, 2, 3, 4])
+    assert c.adopt("b", "a")[0] == a and c.snapshot_positions(a) == [4]
+    c.park("b", [1, 2, 3, 4])
+    c.add_sequence("c")   # the parked slot taken for a new sequence: its rows and states start over
+    assert c.snapshot_positions(a) == []
+    c.ctx_len[a] = 3
+    c.take_snapshot(a, 3)
+    c.release("c")
+    assert c.snapshots == {}
+
+
+def test_without_a_pool_no_snapshot_is_taken() -> None:
+    c = cache(linear=(LINEAR,))
+    a = c.add_sequence("a")
+    assert not c.take_snapshot(a, 0) and c.snapshot_positions(a) == []

@@ -101,6 +101,14 @@ def test_a_cap_off_cuda_is_refused_not_ignored():
         cap_gpu_memory(torch.device("cpu"), 48 * GIB)
 
 
+def test_state_snapshots_come_out_of_the_budget_before_the_slots():
+    slot = HYBRID.slot_bytes(100, 9)
+    snapshots = 2 * HYBRID.state_bytes_per_sequence
+    plan = plan_cache(5 * slot + snapshots, HYBRID, 100, 9, 8, snapshot_bytes=snapshots)
+    assert plan.max_batch == 4 and plan.snapshot_bytes == snapshots and "state snapshots" in plan.summary()
+    assert plan_cache(5 * slot + snapshots - 1, HYBRID, 100, 9, 8, snapshot_bytes=snapshots).max_batch == 3
+
+
 # ---- the runner sized by its plan (CPU: only --kv-cache-memory is enforced) --------------------------------------
 
 def _cache_bytes(runner: TargetRunner) -> int:
@@ -115,6 +123,10 @@ def test_the_allocated_cache_is_exactly_the_planned_bytes(kind, checkpoints):
     plan = runner.memory
     assert plan.max_batch == runner.max_batch == 3 and plan.budget_bytes is None
     assert _cache_bytes(runner) == plan.cache_bytes == 4 * plan.slot_bytes
+    snapshots = TargetRunner(TargetConfig(model_dir=str(target_dir), max_batch=3, max_seq_len=64, max_tree_nodes=8,
+                                          state_snapshots=2))
+    pool = sum(s.conv.nbytes + s.rec.nbytes for s in snapshots.model.cache.snapshot_pool)
+    assert pool == snapshots.memory.snapshot_bytes == 2 * plan.state_bytes_per_sequence   # 0 on a dense target
     t = runner.target
     assert plan.weight_bytes == tensor_bytes(t.embed_tokens, t.layers, t.norm, t.lm_head)
 

@@ -190,6 +190,42 @@ def test_the_index_drops_its_oldest_entry_past_capacity_and_ignores_short_ones()
     assert len(index) == 2 and index.take([1, 2, 3, 4]) is None and index.take([7, 8, 9, 1]).seq_id == "c"
 
 
+def test_a_state_snapshot_serves_whole_matches_as_a_copy_and_stays():
+    from gateway.prefix_index import PrefixHit, PrefixIndex
+
+    index = PrefixIndex(capacity=8, min_tokens=2)
+    index.add_snapshot("a", [1, 2, 3])
+    assert index.take([1, 2, 3, 7], whole=True) == PrefixHit("a", 3, copy=True)
+    assert index.take([1, 2, 3, 8], whole=True) == PrefixHit("a", 3, copy=True)   # copied, so it stays
+    assert index.take([1, 2, 9, 8], whole=True) is None
+    assert index.take([1, 2, 3, 7]) is None   # a dense target keeps no snapshots: only a hybrid's lookups use them
+
+
+def test_a_snapshot_goes_with_its_slot_to_the_sequence_adopting_it_and_with_its_sequence_when_forgotten():
+    from gateway.prefix_index import PrefixHit, PrefixIndex
+
+    index = PrefixIndex(capacity=8, min_tokens=2)
+    index.add("a", [1, 2, 3, 4, 5])   # parked, with a snapshot after 3 tokens
+    index.add_snapshot("a", [1, 2, 3])
+    assert index.take([1, 2, 3, 4, 5, 6], whole=True, adopter="b") == PrefixHit("a", 5)
+    assert index.take([1, 2, 3, 9], whole=True) == PrefixHit("b", 3, copy=True)
+    index.discard("b")
+    assert index.take([1, 2, 3, 9], whole=True) is None
+
+
+def test_a_prefill_chunk_ends_where_the_target_keeps_a_snapshot():
+    from gateway.scheduler import plan_prefill_chunks
+    from gateway.sequence import Sequence
+
+    s = Sequence(request_id="r", prompt_ids=list(range(30)), max_tokens=4, sampling=SamplingParams(), mode="ar",
+                 budget=0, stop_token_ids=frozenset(), detokenizer=None, snapshot_at=20)
+    assert plan_prefill_chunks([s], 64) == [(s, 20)]
+    s.prefilled = 20
+    assert plan_prefill_chunks([s], 64) == [(s, 10)]
+    s.prefilled = 0
+    assert plan_prefill_chunks([s], 8) == [(s, 8)]   # chunks shorter than the way there are cut as usual
+
+
 # ---- the drafter's parked slots -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def drafter_dirs(tmp_path_factory):
