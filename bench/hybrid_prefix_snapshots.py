@@ -44,11 +44,16 @@ def words(ids: list[int]) -> str:
 
 
 def chats(vocab: int, system_tokens: int, user_tokens: int, n: int) -> list[list[tuple[str, str]]]:
-    """n chats of one system prompt and a different user question each (random ordinary token ids, fixed seed)."""
+    """n chats of one system prompt and a different user question each (random ordinary token ids, fixed seed;
+    none whose word contains a special token's, 't0' or 't1', which the gateway refuses in chat messages)."""
+    ordinary = torch.tensor([i for i in range(2, vocab) if str(i)[0] not in "01"])
     g = torch.Generator().manual_seed(0)
-    system = words(torch.randint(2, vocab, (system_tokens,), generator=g).tolist())
-    return [[("system", system), ("user", words(torch.randint(2, vocab, (user_tokens,), generator=g).tolist()))]
-            for _ in range(n)]
+
+    def text(k: int) -> str:
+        return words(ordinary[torch.randint(0, len(ordinary), (k,), generator=g)].tolist())
+
+    system = text(system_tokens)
+    return [[("system", system), ("user", text(user_tokens))] for _ in range(n)]
 
 
 def request(messages: list[tuple[str, str]], max_tokens: int):
