@@ -446,6 +446,12 @@ class DrafterRunner:
                 self._free.append(slot)
             return True
 
+    def parked_rows(self, seq_id: str) -> int:
+        """The context rows a parked sequence holds (0: not parked)."""
+        with self._lock:
+            parked = self._parked.get(seq_id)
+            return parked[1] if parked is not None else 0
+
     def parked_ids(self) -> list[str]:
         """The parked sequences, oldest first (a snapshot)."""
         return list(self._parked)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
@@ -433,12 +434,28 @@ class DrafterServicer(ModelServicer, drafter_pb2_grpc.DrafterServiceServicer):
         adoptions = [(it.seq_id, it.parked_id if session in (self.parked_by.get(it.parked_id),
                                                              self.leases.owner.get(it.parked_id)) else "",
                       it.rows, it.copy) for it in request.items]
+        whole = {it.seq_id: it.rows for it in request.items if it.whole}
+        if whole:   # all the rows or none: a running source's may still be in flight (not even its first push)
+            wanted = {src: whole[seq_id] for seq_id, src, _, _ in adoptions if seq_id in whole and src}
+
+            def ready() -> bool:
+                return all(self._holds(src, n) or src in self.broken or src in self.released
+                           for src, n in wanted.items())
+
+            with contextlib.suppress(asyncio.TimeoutError):
+                await self.context_waiters.wait_for(ready, PARK_WAIT_S)
+            adoptions = [(seq_id, src if seq_id not in whole or self._holds(src, n) else "", n, copy)
+                         for seq_id, src, n, copy in adoptions]
         rows = await self.model_thread.run(self._adopt_all, adoptions)
         for (seq_id, *_), n in zip(adoptions, rows):
             if n:
                 self.rows_held[seq_id] = n
         self._forget_unparked()
         return drafter_pb2.AdoptResponse(rows=rows)
+
+    def _holds(self, source: str, rows: int) -> bool:
+        """Whether a running or parked sequence holds at least `rows` context rows."""
+        return self.rows_held.get(source, 0) >= rows or self.runner.parked_rows(source) >= rows
 
     def _adopt_all(self, adoptions: list[tuple[str, str, int, bool]]) -> list[int]:
         return [self.runner.adopt(seq_id, source, rows, copy) if source else 0

@@ -15,7 +15,7 @@ from ddtree_serve.plumbing.background import BackgroundTask
 from ddtree_serve.plumbing.messages import draft_arrays, guide_proto, sampling_proto
 from ddtree_serve.proto import common_pb2, drafter_pb2, target_pb2
 from gateway.backends import BackendPair
-from gateway.prefix_index import PendingPrompt, PrefixIndex, held_back_for_shared_prefixes
+from gateway.prefix_index import PendingPrompt, PrefixIndex, held_back_for_shared_prefixes, held_back_for_snapshots
 from gateway.scheduler import PairQueue, batch_budget_ceiling, plan_prefill_chunks, step_budgets
 from gateway.sequence import Sequence, Status
 from gateway.step_timeline import GatewayStamps, PreviousVerify, step_segments
@@ -223,17 +223,26 @@ class PairEngine(BackgroundTask):
     def _hold_back_shared_prefixes(self, seqs: list[Sequence], newcomers: list[Sequence]) -> set[str]:
         """Ids of the newcomers found no cached prefix that wait a step for one in flight: a dense target copies
         a running prompt's rows once it is prefilled (n samples of one prompt, a batch of prompts under one system
-        prompt), where running them beside it would compute the same rows twice. They are looked up again next
+        prompt), where running them beside it would compute the same rows twice; a hybrid one with state snapshots
+        copies them once the snapshot at the shared system prompt's end is taken. They are looked up again next
         step."""
-        if self.prefixes is None or self.pair.target_info.prefix_reuse != "prefix":
+        info = self.pair.target_info
+        hybrid = info.prefix_reuse == "context" and info.state_snapshots > 0
+        if self.prefixes is None or not (info.prefix_reuse == "prefix" or hybrid):
             return set()
         looking = [s for s in newcomers if not s.reuse_from and not self._asks_prompt_logprobs(s)]
         if not looking:   # most prefill steps: chunks of prompts already under way
             return set()
         looking_ids = {s.seq_id for s in looking}
-        in_flight = [PendingPrompt(s.prefill_ids, s.cache_salt) for s in seqs if s.seq_id not in looking_ids]
-        held = [looking[i] for i in held_back_for_shared_prefixes(
-            [PendingPrompt(s.prefill_ids, s.cache_salt) for s in looking], in_flight, self.prefixes.min_tokens)]
+        if hybrid:   # a hybrid waits for the state snapshot at a shared system prompt's end
+            held = [looking[i] for i in held_back_for_snapshots(
+                [(s.prefill_ids, s.snapshot_at, s.cache_salt) for s in looking],
+                [(s.prefill_ids[:s.snapshot_at], s.cache_salt) for s in seqs
+                 if s.seq_id not in looking_ids and s.prefilled < s.snapshot_at])]
+        else:
+            in_flight = [PendingPrompt(s.prefill_ids, s.cache_salt) for s in seqs if s.seq_id not in looking_ids]
+            held = [looking[i] for i in held_back_for_shared_prefixes(
+                [PendingPrompt(s.prefill_ids, s.cache_salt) for s in looking], in_flight, self.prefixes.min_tokens)]
         for s in held:
             s.prefix_checked = False
             log.debug("request %s waits a step for the rows of a prompt sharing its prefix", s.request_id)
@@ -250,7 +259,7 @@ class PairEngine(BackgroundTask):
         if self.prefixes is None:
             return
         whole = self.pair.target_info.prefix_reuse == "context"
-        adopting = []
+        adopting, claiming = [], []
         for s in newcomers:
             if self._asks_prompt_logprobs(s):   # every prompt position's logits are wanted: the prompt runs whole
                 continue
@@ -259,12 +268,17 @@ class PairEngine(BackgroundTask):
                 s.reuse_from, s.reuse_rows, s.reuse_copy = hit.seq_id, hit.rows, hit.copy
                 if s.speculative:
                     adopting.append(s)
-        if not adopting:
+            elif s.speculative and s.snapshot_at:
+                # Its snapshot may serve a prompt admitted before its first Draft, which the drafter lets copy only
+                # the rows of a sequence this session holds: an Adopt of nothing makes it this session's now.
+                claiming.append(s)
+        if not adopting and not claiming:
             return
         try:
             response = await self.pair.drafter.Adopt(drafter_pb2.AdoptRequest(items=[
-                drafter_pb2.AdoptItem(seq_id=s.seq_id, parked_id=s.reuse_from, rows=s.reuse_rows, copy=s.reuse_copy)
-                for s in adopting]), timeout=self.cfg.draft_timeout_s)
+                drafter_pb2.AdoptItem(seq_id=s.seq_id, parked_id=s.reuse_from, rows=s.reuse_rows, copy=s.reuse_copy,
+                                      whole=whole and s.reuse_copy)   # a hybrid's copy: up to a snapshot, or none
+                for s in adopting + claiming]), timeout=self.cfg.draft_timeout_s)
             rows = list(response.rows)
         except grpc.aio.AioRpcError as exc:
             log.warning("prefix caching: the drafter's Adopt failed (%s: %s); %d prompts run whole",

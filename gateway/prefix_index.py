@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddtree_serve.prefix_match import reusable_rows
+from ddtree_serve.prefix_match import common_prefix_len, reusable_rows
 
 # Shorter matches are not worth the Adopt round trip and the parked slot they consume.
 MIN_REUSED_TOKENS = 16
@@ -136,4 +136,22 @@ def held_back_for_shared_prefixes(newcomers: list[PendingPrompt], in_flight: lis
             held.append(i)
         else:
             ahead.append((ids, p.salt))
+    return held
+
+
+def held_back_for_snapshots(newcomers: list[tuple[list[int], int, str]],
+                            in_flight: list[tuple[list[int], str]]) -> list[int]:
+    """Indices of the newcomers to hold back one step on a hybrid target with state snapshots: each (prompt tokens,
+    its snapshot point or 0, salt) whose prompt starts with all the tokens before a snapshot still to be taken by a
+    prompt in flight (those tokens, salt) or by an earlier newcomer that is not held back; once taken, the snapshot
+    serves it (the hybrid form of held_back_for_shared_prefixes: a system prompt run once by prompts admitted
+    together)."""
+    ahead = [(np.asarray(tokens, dtype=np.int64), salt) for tokens, salt in in_flight]
+    held = []
+    for i, (tokens, at, salt) in enumerate(newcomers):
+        ids = np.asarray(tokens, dtype=np.int64)
+        if any(s == salt and len(a) < len(ids) and common_prefix_len(a, ids) == len(a) for a, s in ahead):
+            held.append(i)
+        elif at:
+            ahead.append((ids[:at], salt))
     return held

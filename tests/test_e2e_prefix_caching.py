@@ -121,13 +121,18 @@ def test_a_hybrid_target_starts_prompts_sharing_a_system_prompt_from_its_state_s
             max_tokens=12, ignore_eos=True, mode=gateway_pb2.DECODE_MODE_DDTREE)
 
     shared, tail_a, tail_b = prompts_for(target, [24, 6, 5], seed=44)
+    together = [[dict(system, content=system["content"] + " Be kind."), c[1]] for c in chats]
     stack = start_stack(target, drafter, extra={"target": ["--gdn-state-snapshots", "4"]})
     try:
         answers = [run_streams(stack.gateway, [chat_request(c)])[0] for c in chats]
         by_ids = [run_streams(stack.gateway, [make_request(shared + tail, 12, "ddtree", cache_breakpoint=24)])[0]
                   for tail in (tail_a, tail_b)]
+        at_once = run_streams(stack.gateway, [chat_request(c) for c in together])   # admitted in one step
     finally:
         stack.stop()
+    # the second of two chats arriving together waits a step for the first's snapshot instead of running it too
+    assert sorted(a["stats"].cached_prompt_tokens for a in at_once) == [0, len(ids([together[0][0]], False))]
+    assert [a["token_ids"] for a in at_once] == [reference_greedy(target, ids(c, True), 12) for c in together]
     assert [a["stats"].cached_prompt_tokens for a in answers] == [0, system_len]
     assert [a["token_ids"] for a in answers] == [reference_greedy(target, r, 12) for r in rendered]
     assert [a["stats"].cached_prompt_tokens for a in by_ids] == [0, 24]

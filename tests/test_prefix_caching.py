@@ -213,6 +213,18 @@ def test_a_snapshot_goes_with_its_slot_to_the_sequence_adopting_it_and_with_its_
     assert index.take([1, 2, 3, 9], whole=True) is None
 
 
+def test_on_a_hybrid_newcomers_wait_for_the_snapshot_of_a_system_prompt_in_flight_or_ahead_of_them():
+    from gateway.prefix_index import held_back_for_snapshots
+
+    system, other = list(range(20)), list(range(50, 70))
+    newcomers = [(system + [90, 91], 20, ""),    # its system prompt's snapshot is still to come in flight: waits
+                 (other + [92], 20, ""),         # nothing ahead: runs, and its snapshot is ahead of the next
+                 (other + [93, 94], 20, ""),     # waits for the one before it
+                 (other + [95], 20, "tenant"),   # another salt: runs
+                 (system[:19] + [7, 8], 19, "")]  # shares 19 tokens, not the whole snapshot prefix: runs
+    assert held_back_for_snapshots(newcomers, [(system, "")]) == [0, 2]
+
+
 def test_a_prefill_chunk_ends_where_the_target_keeps_a_snapshot():
     from gateway.scheduler import plan_prefill_chunks
     from gateway.sequence import Sequence

@@ -221,6 +221,35 @@ def test_parked_rows_are_reused_only_by_the_session_that_parked_them(stack):
     assert _run(drafter_side()) == [0, 4]
 
 
+def test_a_whole_copy_from_a_running_sequence_takes_all_its_rows_or_none_and_only_for_its_session(stack):
+    """A hybrid target's snapshot copy (AdoptItem.whole): the running source, claimed by an Adopt of nothing
+    before its first Draft, lends its 4 rows to its own session; 6 rows (more than it holds, after the wait) or
+    another session get none."""
+    s, _ = stack
+
+    def as_(session):
+        return {"metadata": (("x-ddtree-session", session),), "timeout": 60}
+
+    async def drafter_side():
+        async with s.internal_channel("drafter") as ch:
+            stub = drafter_pb2_grpc.DrafterServiceStub(ch)
+            info = await stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=30)
+            dim = info.hidden_size * len(info.target_layer_ids)
+            await stub.Adopt(drafter_pb2.AdoptRequest(items=[drafter_pb2.AdoptItem(seq_id="whole-a")]), **as_("A"))
+            await stub.PushFeatures(drafter_pb2.FeatureBatch(feature_dim=dim, rows=[drafter_pb2.FeatureRows(
+                seq_id="whole-a", start=0, num_rows=4, dtype="float32", data=bytes(4 * 4 * dim))]), **as_("A"))
+            rows = []
+            for seq_id, session, want in (("whole-b", "B", 4), ("whole-c", "A", 6), ("whole-d", "A", 4)):
+                r = await stub.Adopt(drafter_pb2.AdoptRequest(items=[drafter_pb2.AdoptItem(
+                    seq_id=seq_id, parked_id="whole-a", rows=want, copy=True, whole=True)]), **as_(session))
+                await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=[seq_id]), **as_(session))
+                rows.append(r.rows[0])
+            await stub.Release(drafter_pb2.DrafterReleaseRequest(seq_ids=["whole-a"]), **as_("A"))
+            return rows
+
+    assert _run(drafter_side()) == [0, 0, 4]
+
+
 # ---- 3. shared memory -------------------------------------------------------------------------------------------
 def _push_shared(s, name, seq_id, size=4096, feature_dim=8):
     async def call():
