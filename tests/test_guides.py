@@ -56,6 +56,28 @@ def _path_mask(compiled, prefix: list[int], vocab: int) -> torch.Tensor | None:
     return unpack_bitmask(guide.row_mask(), vocab)
 
 
+def _tree_along(root: int, spine: list[int], rng: random.Random, vocab: int) -> tuple[list[int], list[int]]:
+    """A draft tree: root, the spine's tokens one below the other, random siblings hanging off it."""
+    tokens, parents, last = [root], [-1], 0
+    for token in spine:
+        tokens.append(token)
+        parents.append(last)
+        last = len(tokens) - 1
+        for _ in range(rng.randint(0, 2)):
+            tokens.append(rng.randrange(vocab))
+            parents.append(rng.randrange(len(tokens) - 1))
+    return tokens, parents
+
+
+def _root_path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens from below the root down to node."""
+    path = []
+    while node > 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
 @pytest.mark.parametrize("text", ['{"name": "ab", "n": 12}', '{"name": "", "n": -30}'])
 def test_each_tree_nodes_mask_is_the_mask_after_its_own_root_path(tokenizer, compiler, text):
     compiled = _compiled(compiler, GuideSpec("json", SCHEMA))
@@ -65,24 +87,12 @@ def test_each_tree_nodes_mask_is_the_mask_after_its_own_root_path(tokenizer, com
     for trial in range(12):
         cut = rng.randint(1, len(valid) - 2)
         accepted, rest = valid[:cut], valid[cut:]
-        # a tree along the valid continuation, with random siblings hanging off it
-        tokens, parents, spine = [accepted[-1]], [-1], 0
-        for token in rest[:6]:
-            tokens.append(token)
-            parents.append(spine)
-            spine = len(tokens) - 1
-            for _ in range(rng.randint(0, 2)):
-                tokens.append(rng.randrange(vocab))
-                parents.append(rng.randrange(len(tokens) - 1))
+        tokens, parents = _tree_along(accepted[-1], rest[:6], rng, vocab)   # along the valid continuation
         guide = SequenceGuide(compiled, vocab)
         guide.accept(accepted)
         tree = unpack_bitmask(guide.tree_mask(tokens, parents), vocab)
         for node in range(len(tokens)):
-            path, i = [], node
-            while i > 0:
-                path.append(tokens[i])
-                i = parents[i]
-            want = _path_mask(compiled, accepted + path[::-1], vocab)
+            want = _path_mask(compiled, accepted + _root_path(tokens, parents, node), vocab)
             if want is not None:   # a node its path makes invalid is never accepted: its row is not used
                 assert torch.equal(tree[node: node + 1], want), (trial, node)
         assert torch.equal(unpack_bitmask(guide.row_mask(), vocab), _path_mask(compiled, accepted, vocab))
@@ -100,25 +110,14 @@ def test_a_guide_starting_after_a_trigger_masks_each_node_as_its_path_token_by_t
     for cut in range(1, len(free) + len(trigger) + 3):
         path = free + list(trigger) + answer
         accepted, rest = path[:cut], path[cut:]
-        tokens, parents, spine = [accepted[-1]], [-1], 0
-        for token in rest[:8]:
-            tokens.append(token)
-            parents.append(spine)
-            spine = len(tokens) - 1
-            for _ in range(rng.randint(0, 2)):
-                tokens.append(rng.randrange(vocab))
-                parents.append(rng.randrange(len(tokens) - 1))
+        tokens, parents = _tree_along(accepted[-1], rest[:8], rng, vocab)
         guide = SequenceGuide(compiled, vocab, start_after=trigger)
         guide.accept(accepted)
         tree = unpack_bitmask(guide.tree_mask(tokens, parents), vocab)
         for node in range(len(tokens)):
-            node_path, i = [], node
-            while i > 0:
-                node_path.append(tokens[i])
-                i = parents[i]
             walked = SequenceGuide(compiled, vocab, start_after=trigger)
             try:
-                walked.accept(accepted + node_path[::-1])
+                walked.accept(accepted + _root_path(tokens, parents, node))
             except RuntimeError:
                 continue   # a node its path makes invalid is never accepted: its row is not used
             row = walked.row_mask()
