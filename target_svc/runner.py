@@ -98,7 +98,9 @@ class PrefillItem:
     # its slot is adopted; reuse_copy: its rows are copied, and it may be running)
     reuse_from: str = ""
     reuse_max: int = 0
-    reuse_copy: bool = False   # copy the rows into a slot of its own (reuse_from keeps its slot; dense targets only)
+    # copy the rows into a slot of its own (reuse_from keeps its slot; a hybrid target copies them up to one of
+    # reuse_from's state snapshots, whose states it starts from)
+    reuse_copy: bool = False
     # A resumed (preempted) sequence: its tokens from this position on are outputs generated before the preemption
     # (0: none); every chunk carries it
     outputs_from: int = 0
