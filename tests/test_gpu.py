@@ -411,6 +411,26 @@ def test_cuda_follow_up_turns_from_parked_rows_equal_transformers_greedy(checkpo
         stack.stop()
 
 
+def test_cuda_chats_under_one_system_prompt_start_from_its_state_snapshot(checkpoints):
+    """Gated DeltaNet state snapshots on the GPU (cuda-ipc, captured graphs): a token-id prompt naming its shared
+    prefix (cache_breakpoint) leaves a snapshot there; two later prompts under it, one after the other and two at
+    once, copy those rows and start from it (their cached tokens are the prefix), and every answer is transformers'
+    greedy output on the GPU."""
+    target, drafter = checkpoints("qwen3_5")
+    shared, *tails = prompts_for(target, [48, 7, 9, 5, 6], seed=12)
+    stack = start_stack(target, drafter, device="cuda", transport="cuda-ipc",
+                        extra={"target": ["--gdn-state-snapshots", "4"]})
+    try:
+        requests = [make_request(shared + t, 24, "ddtree", cache_breakpoint=48) for t in tails]
+        first, second = (run_streams(stack.gateway, [r])[0] for r in requests[:2])
+        together = run_streams(stack.gateway, requests[2:])
+    finally:
+        stack.stop()
+    assert [r["stats"].cached_prompt_tokens for r in (first, second, *together)] == [0, 48, 48, 48]
+    for r, tail in zip((first, second, *together), tails):
+        assert r["token_ids"] == hf_greedy_on("cuda", target, shared + tail, 24)
+
+
 def test_cuda_logprobs_through_the_captured_verify_equal_transformers_log_softmax(checkpoints):
     """Log-probs read off the captured verify graph's logits (and the prefill's): each generated token's equals
     transformers' float32 log-softmax over the same ids on the GPU, within a stated 1e-3 (cuBLAS sums in another
