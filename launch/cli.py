@@ -223,7 +223,7 @@ def cmd_gateway(args) -> None:
                         step_spin_us=args.step_spin_us, backend_wait_s=args.backend_wait_s,
                         scheduling_policy=args.scheduling_policy,
                         preemption_threshold=args.priority_scheduling_preemption_threshold,
-                        reasoning_parser=args.reasoning_parser or "")
+                        reasoning_parser="" if args.reasoning_parser == "none" else args.reasoning_parser)
     from gateway.backends import AttachRefused
 
     try:
@@ -564,10 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the order waiting requests are admitted in (vLLM's): fcfs, arrival order; priority, each "
                         "request's priority field lowest first, equal ones in arrival order (running requests are "
                         "not preempted unless --priority-scheduling-preemption-threshold is given)")
-    p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+    p.add_argument("--reasoning-parser", choices=["none", "qwen3", "deepseek_r1"], default="none",
                    help="chat answers of a thinking model (vLLM's flag): the text inside <think> ... </think> goes "
                         "in the message's `reasoning` (and `reasoning_content`), the rest in `content`, streamed "
-                        "alike; a structured output's grammar holds from the end of the reasoning on. Default: no "
+                        "alike; a structured output's grammar holds from the end of the reasoning on. none: no "
                         "split")
     p.add_argument("--priority-scheduling-preemption-threshold", type=_int_in(0), default=None, metavar="T",
                    help="with --scheduling-policy priority (SGLang's flag): a waiting request that does not fit "

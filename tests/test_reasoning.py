@@ -57,4 +57,4 @@ def test_a_partial_end_tag_is_held_back_until_the_next_piece_settles_it():
 def test_the_gateway_flag_offers_exactly_the_parsers_the_gateway_knows():
     action = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["gateway"]._actions
                   if a.dest == "reasoning_parser")
-    assert tuple(action.choices) == REASONING_PARSERS
+    assert tuple(action.choices) == ("none", *REASONING_PARSERS)
